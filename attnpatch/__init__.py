@@ -1,0 +1,25 @@
+"""attnpatch: training-free attention patcher for pretrained transformers.
+
+    from attnpatch import patch, unpatch
+    patch(model, method="anchor_attention", theta=12.0)   # in place
+    unpatch(model)                                         # bit-exact restore
+"""
+
+from .errors import (
+    AttnpatchError,
+    DataError,
+    ModelNotFoundError,
+    OptionError,
+    PatchStateError,
+    UnknownMethodError,
+    UnsupportedModelError,
+)
+from .patchers import is_patched, list_methods, patch, patch_info, patched, record_stats, unpatch
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "patch", "unpatch", "patched", "is_patched", "patch_info", "list_methods", "record_stats",
+    "AttnpatchError", "OptionError", "UnknownMethodError", "UnsupportedModelError", "PatchStateError",
+    "ModelNotFoundError", "DataError",
+]

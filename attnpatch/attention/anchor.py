@@ -1,0 +1,687 @@
+"""AnchorAttention: difference-aware sparse prefill attention with stripe granularity.
+
+Source: "AnchorAttention: Difference-Aware Sparse Attention with Stripe Granularity"
+(arXiv 2505.23520), Sec. 3:
+
+1. *Anchor* (their Eq. 2): for every query ``i`` at absolute position ``p_i``, the anchor
+   ``a_i = max_j s_ij`` over the keys of the initial block and of the local window,
+   where ``s_ij = q_i . k_j * scale`` is the scaled logit.
+2. *Difference-aware stripe selection* (their Eq. 3-4): the queries of a query block are
+   average-pooled into ``q_bar``, the anchors likewise into ``a_bar``; ``q_bar`` is scored
+   against every causal key, and the key column ("stripe") ``j`` is kept for the whole
+   block when ``a_bar - q_bar . k_j * scale <= theta``.  The initial block and the local
+   window are always kept.
+3. *Sparse computation*: exact softmax attention of the block's queries over the kept keys
+   (causal inside the window).
+
+The functions here are pure tensor functions (no model knowledge).  Tensors follow
+``[batch, heads, tokens, head_dim]``; keys/values may have fewer heads than queries
+(grouped-query attention) and are never repeated in memory for the selection step.
+
+Beyond the paper, :class:`AnchorConfig` offers remedies for the paper-faithful setting's
+failure on retrieval (see the class docstring for the measurement that chose the defaults):
+finer pooling (``pool_stride``) or per-query ``pooling="max"``, dense attention for the last
+``dense_last`` prompt queries, and dense fallback for chosen layers or (layer, head) pairs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import OptionError
+
+__all__ = [
+    "AnchorConfig",
+    "AnchorStats",
+    "anchor_attention",
+    "anchor_attention_reference",
+    "select_stripes",
+    "dense_causal_attention",
+]
+
+# Scores buffer budget (elements) for one chunk of query blocks in the fast path.
+_CHUNK_ELEMENTS = 1 << 24
+
+
+@dataclass(frozen=True)
+class AnchorConfig:
+    """Options of AnchorAttention (all sizes in tokens).
+
+    Attributes:
+        theta: threshold on ``a_bar - q_bar.k_j*scale`` (in logit units, natural-log scale);
+            ``inf`` keeps every causal key (exactly dense), ``-inf`` keeps only the initial
+            block and the local window.
+        block_size: number of queries per query block (the pooling unit of the paper).
+        init_block: number of initial keys always kept (the attention-sink region).
+        local_window: number of keys ending at each query block's last position that are
+            always kept; must be ``>= block_size`` so the diagonal block is exact.
+        min_len: prompts (query length) shorter than this run dense attention.
+        pooling: ``"mean"`` (paper: mean of queries and of anchors over each pool of
+            ``pool_stride`` queries) or ``"max"`` (a stripe is kept when *any* query of the
+            block has ``a_i - s_ij <= theta``; costs a full ``Q K^T`` for the selection).
+        pool_stride: queries per pooled query for ``pooling="mean"``; ``None`` means
+            ``block_size`` (paper).  A stripe is kept for the block when any of its pools
+            keeps it.  Must divide ``block_size``.
+        dense_last: the last ``dense_last`` queries of the prompt attend densely (the
+            question at the end of a long-context prompt).
+        dense_layers: layer indices that run dense attention.
+        dense_heads: ``(layer, head)`` pairs (query-head index) that run dense attention.
+    """
+
+    theta: float = 12.0
+    block_size: int = 128
+    init_block: int = 128
+    local_window: int = 128
+    min_len: int = 512
+    pooling: str = "mean"
+    pool_stride: int | None = None
+    dense_last: int = 0
+    dense_layers: tuple[int, ...] = ()
+    dense_heads: tuple[tuple[int, int], ...] = ()
+
+    def __post_init__(self) -> None:
+        if isinstance(self.theta, bool) or not isinstance(self.theta, (int, float)) or math.isnan(self.theta):
+            raise OptionError(f"theta={self.theta!r}: must be a real number (inf and -inf allowed)")
+        for name in ("block_size", "init_block", "local_window"):
+            val = getattr(self, name)
+            if isinstance(val, bool) or not isinstance(val, int) or val < 1:
+                raise OptionError(f"{name}={val!r}: must be an integer >= 1 (tokens)")
+        for name in ("min_len", "dense_last"):
+            val = getattr(self, name)
+            if isinstance(val, bool) or not isinstance(val, int) or val < 0:
+                raise OptionError(f"{name}={val!r}: must be an integer >= 0 (tokens)")
+        if self.local_window < self.block_size:
+            raise OptionError(
+                f"local_window={self.local_window} < block_size={self.block_size}: the local window must "
+                "cover the query block's own (diagonal) keys"
+            )
+        if self.pooling not in ("mean", "max"):
+            raise OptionError(f"pooling={self.pooling!r}: allowed values are 'mean', 'max'")
+        if self.pool_stride is not None:
+            if isinstance(self.pool_stride, bool) or not isinstance(self.pool_stride, int) or self.pool_stride < 1:
+                raise OptionError(f"pool_stride={self.pool_stride!r}: must be None or an integer >= 1")
+            if self.block_size % self.pool_stride:
+                raise OptionError(
+                    f"pool_stride={self.pool_stride} does not divide block_size={self.block_size}"
+                )
+            if self.pooling == "max":
+                raise OptionError("pool_stride applies to pooling='mean' only; pooling='max' is per query")
+
+    @property
+    def stride(self) -> int:
+        """Queries per pooled query (1 for ``pooling="max"``)."""
+        if self.pooling == "max":
+            return 1
+        return self.pool_stride or self.block_size
+
+
+@dataclass
+class AnchorStats:
+    """Per-call statistics of one attention layer.
+
+    Attributes:
+        causal_pairs: ``[batch, heads]`` number of causal (query, key) pairs among valid tokens.
+        kept_pairs: ``[batch, heads]`` how many of those pairs were computed.
+        kept_columns: ``[batch, heads, n_blocks]`` kept key columns (stripes) per query block.
+        recall: ``[batch, heads]`` mean over valid queries of the exact softmax mass carried by
+            the kept keys (1.0 = nothing lost), or ``None`` when not requested.
+    """
+
+    causal_pairs: torch.Tensor
+    kept_pairs: torch.Tensor
+    kept_columns: torch.Tensor | None = None
+    recall: torch.Tensor | None = None
+
+    @property
+    def sparsity(self) -> torch.Tensor:
+        """``[batch, heads]`` skipped fraction of causal query-key pairs."""
+        return 1.0 - self.kept_pairs / self.causal_pairs.clamp(min=1)
+
+
+@dataclass
+class _Geometry:
+    """Positions shared by the fast path and the statistics."""
+
+    lq: int
+    lk: int
+    q_offset: int
+    nb: int
+    key_valid: torch.Tensor  # [B, Lk] bool
+    start: torch.Tensor  # [B] first valid key index
+    query_valid: torch.Tensor  # [B, nb*bq] bool (padded query rows are False)
+    block_end: torch.Tensor  # [nb] absolute position one past the block's last query
+    extra: dict = field(default_factory=dict)
+
+
+def _geometry(q: torch.Tensor, k: torch.Tensor, cfg: AnchorConfig, q_offset: int, key_valid: torch.Tensor | None):
+    b, _, lq, _ = q.shape
+    lk = k.shape[2]
+    bq = cfg.block_size
+    nb = -(-lq // bq)
+    dev = q.device
+    if key_valid is None:
+        key_valid = torch.ones(b, lk, dtype=torch.bool, device=dev)
+    start = torch.argmax(key_valid.to(torch.int8), dim=1)
+    pos = q_offset + torch.arange(nb * bq, device=dev)
+    in_range = pos < q_offset + lq
+    query_valid = in_range[None, :] & key_valid[:, pos.clamp(max=lk - 1)]
+    block_end = q_offset + torch.clamp(torch.arange(1, nb + 1, device=dev) * bq, max=lq)
+    return _Geometry(lq, lk, q_offset, nb, key_valid, start, query_valid, block_end)
+
+
+def _always_kept(geo: _Geometry, cfg: AnchorConfig) -> torch.Tensor:
+    """``[B, nb, Lk]`` bool: initial block (from each sequence's first valid token) and local window."""
+    j = torch.arange(geo.lk, device=geo.key_valid.device)
+    initial = (j[None, :] >= geo.start[:, None]) & (j[None, :] < geo.start[:, None] + cfg.init_block)  # [B, Lk]
+    window = (j[None, :] >= geo.block_end[:, None] - cfg.local_window) & (j[None, :] < geo.block_end[:, None])
+    return initial[:, None, :] | window[None, :, :]
+
+
+def _causal_keys(geo: _Geometry) -> torch.Tensor:
+    """``[B, nb, Lk]`` bool: valid keys at or before each block's last query."""
+    j = torch.arange(geo.lk, device=geo.key_valid.device)
+    return (j[None, :] < geo.block_end[:, None])[None] & geo.key_valid[:, None, :]
+
+
+def _kv_gather(x: torch.Tensor, kv_index: torch.Tensor) -> torch.Tensor:
+    """Select key/value heads ``kv_index`` ([H]) of ``x`` ([B, Hkv, L, D]) as a view when possible."""
+    hkv = x.shape[1]
+    h = kv_index.numel()
+    if h == hkv and torch.equal(kv_index, torch.arange(hkv, device=kv_index.device)):
+        return x
+    return x.index_select(1, kv_index)
+
+
+def _grouped(q: torch.Tensor, hkv: int) -> torch.Tensor:
+    """``[B, H, ...]`` -> ``[B, Hkv, G, ...]`` (query heads grouped by their key/value head)."""
+    b, h = q.shape[:2]
+    return q.reshape(b, hkv, h // hkv, *q.shape[2:])
+
+
+def select_stripes(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cfg: AnchorConfig,
+    *,
+    scale: float,
+    q_offset: int = 0,
+    key_valid: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Kept key columns (stripes) per query block, AnchorAttention Eq. 2-4 (arXiv 2505.23520).
+
+    Args:
+        q: ``[B, H, Lq, D]`` queries at absolute positions ``q_offset .. q_offset+Lq-1``.
+        k: ``[B, Hkv, Lk, D]`` keys, ``H % Hkv == 0`` (grouped-query attention, not repeated).
+        cfg: the options.
+        scale: logit scale (usually ``D ** -0.5``).
+        q_offset: absolute position of the first query (``Lk - Lq`` for a prefill chunk).
+        key_valid: ``[B, Lk]`` bool, False for padding keys (left padding); ``None`` = all valid.
+
+    Returns:
+        ``[B, H, n_blocks, Lk]`` bool, ``n_blocks = ceil(Lq / block_size)``: key ``j`` is attended by
+        block ``b`` (before the per-query causal mask).  Always contains the initial block
+        and the local window, never a padding key or a key after the block's last query.
+
+    Raises:
+        OptionError: shapes that do not fit (``H`` not a multiple of ``Hkv``).
+    """
+    b, h, lq, d = q.shape
+    hkv = k.shape[1]
+    if h % hkv:
+        raise OptionError(f"query heads {h} not a multiple of key/value heads {hkv}")
+    geo = _geometry(q, k, cfg, q_offset, key_valid)
+    return _select(q, k, cfg, scale, geo)
+
+
+def _select(q: torch.Tensor, k: torch.Tensor, cfg: AnchorConfig, scale: float, geo: _Geometry) -> torch.Tensor:
+    b, h, lq, d = q.shape
+    hkv = k.shape[1]
+    g = h // hkv
+    bq, nb = cfg.block_size, geo.nb
+    dev = q.device
+    always = _always_kept(geo, cfg)  # [B, nb, Lk]
+    causal = _causal_keys(geo)  # [B, nb, Lk]
+    if math.isinf(cfg.theta):
+        keep = (always | (cfg.theta > 0)) & causal
+        return keep[:, None].expand(b, h, nb, geo.lk)
+
+    qf = q.float()
+    kf = k.float()
+    qpad = F.pad(qf, (0, 0, 0, nb * bq - lq))  # [B, H, nb*bq, D]
+    qv = geo.query_valid  # [B, nb*bq]
+    pos = geo.q_offset + torch.arange(nb * bq, device=dev)  # absolute query positions
+
+    # (1) anchors: max logit over initial block and local window, per query.
+    init_idx = (geo.start[:, None] + torch.arange(cfg.init_block, device=dev)[None, :])  # [B, I]
+    init_ok = init_idx < geo.lk
+    init_idx = init_idx.clamp(max=geo.lk - 1)
+    k_init = torch.gather(kf, 2, init_idx[:, None, :, None].expand(b, hkv, cfg.init_block, d))  # [B,Hkv,I,D]
+    qg = _grouped(qpad, hkv)  # [B, Hkv, G, nb*bq, D]
+    s_init = torch.einsum("bkgqd,bkid->bkgqi", qg, k_init) * scale
+    init_ok_q = init_ok[:, None, :] & (init_idx[:, None, :] <= pos[None, :, None]) & geo.key_valid.gather(1, init_idx)[:, None, :]
+    s_init = s_init.masked_fill(~init_ok_q[:, None, None], -math.inf)
+    anchor = s_init.amax(-1)  # [B, Hkv, G, nb*bq]
+
+    w = cfg.local_window
+    win_idx = geo.block_end[:, None] - w + torch.arange(w, device=dev)[None, :]  # [nb, W]
+    win_ok = win_idx >= 0
+    win_idx = win_idx.clamp(min=0)
+    k_win = kf[:, :, win_idx.reshape(-1)].reshape(b, hkv, nb, w, d)
+    s_win = torch.einsum("bkgnqd,bknwd->bkgnqw", qg.reshape(b, hkv, g, nb, bq, d), k_win) * scale
+    pos_b = pos.reshape(nb, bq)
+    win_ok_q = win_ok[:, None, :] & (win_idx[:, None, :] <= pos_b[:, :, None])  # [nb, bq, W]
+    win_ok_q = win_ok_q[None] & geo.key_valid[:, win_idx][:, :, None, :]  # [B, nb, bq, W]
+    s_win = s_win.masked_fill(~win_ok_q[:, None, None], -math.inf)
+    anchor = torch.maximum(anchor, s_win.amax(-1).reshape(b, hkv, g, nb * bq))
+    del s_init, s_win, k_win
+
+    # (2) pooling, (3) scores of pooled queries against all keys, stripe threshold.
+    st = cfg.stride
+    npool = bq // st
+    qv_f = qv.to(qf.dtype).reshape(b, 1, 1, nb, npool, st, 1)
+    cnt = qv_f.sum(5)  # [B,1,1,nb,npool,1]
+    has = cnt.squeeze(-1) > 0  # [B,1,1,nb,npool]
+    keep = torch.zeros(b, h, nb, geo.lk, dtype=torch.bool, device=dev)
+    if st > 1 or cfg.pooling == "mean":
+        qp = (qg.reshape(b, hkv, g, nb, npool, st, d) * qv_f).sum(5) / cnt.clamp(min=1)  # [B,Hkv,G,nb,npool,D]
+        an = anchor.masked_fill(~qv[:, None, None], 0.0).reshape(b, hkv, g, nb, npool, st)
+        ap = an.sum(-1) / cnt.squeeze(-1).clamp(min=1)  # [B,Hkv,G,nb,npool]
+        # chunk over blocks to bound the [.., npool, Lk] score buffer
+        per_block = hkv * g * npool * geo.lk * b
+        step = max(1, _CHUNK_ELEMENTS // max(per_block, 1))
+        for c0 in range(0, nb, step):
+            c1 = min(nb, c0 + step)
+            sc = torch.einsum("bkgnpd,bkjd->bkgnpj", qp[:, :, :, c0:c1], kf) * scale
+            ok = (ap[:, :, :, c0:c1, :, None] - sc <= cfg.theta) & has[:, :, :, c0:c1, :, None]
+            keep[:, :, c0:c1] = ok.any(4).reshape(b, h, c1 - c0, geo.lk)
+    else:  # pooling == "max": per query
+        per_block = hkv * g * bq * geo.lk * b
+        step = max(1, _CHUNK_ELEMENTS // max(per_block, 1))
+        qgb = qg.reshape(b, hkv, g, nb, bq, d)
+        anb = anchor.reshape(b, hkv, g, nb, bq)
+        qvb = qv.reshape(b, 1, 1, nb, bq, 1)
+        for c0 in range(0, nb, step):
+            c1 = min(nb, c0 + step)
+            sc = torch.einsum("bkgnqd,bkjd->bkgnqj", qgb[:, :, :, c0:c1], kf) * scale
+            ok = (anb[:, :, :, c0:c1, :, None] - sc <= cfg.theta) & qvb[:, :, :, c0:c1]
+            keep[:, :, c0:c1] = ok.any(4).reshape(b, h, c1 - c0, geo.lk)
+    keep |= always[:, None]
+    keep &= causal[:, None]
+    return keep
+
+
+def dense_causal_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: float,
+    q_offset: int = 0,
+    key_valid: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Exact causal softmax attention with a position offset and key padding.
+
+    Args:
+        q: ``[B, H, Lq, D]`` at positions ``q_offset ..``; k, v: ``[B, Hkv, Lk, D]``.
+        key_valid: ``[B, Lk]`` bool or ``None``.
+
+    Returns:
+        ``[B, H, Lq, D]``; a query with no valid key returns zeros.
+    """
+    b, h, lq, _ = q.shape
+    lk = k.shape[2]
+    hkv = k.shape[1]
+    i = q_offset + torch.arange(lq, device=q.device)
+    j = torch.arange(lk, device=q.device)
+    mask = (j[None, :] <= i[:, None])[None, None]
+    if key_valid is not None:
+        mask = mask & key_valid[:, None, None, :]
+    any_key = mask.any(-1, keepdim=True)
+    mask = mask | ~any_key  # avoid NaN rows; zeroed below
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=h != hkv)
+    if key_valid is not None:
+        out = out * any_key.to(out.dtype)
+    return out
+
+
+def _pair_counts(keep: torch.Tensor | None, geo: _Geometry, cfg: AnchorConfig, dense_from: int | None = None):
+    """Causal pairs ``[B, H or 1]`` and kept causal pairs ``[B, Hs]`` from the stripe mask ``keep`` [B, Hs, nb, Lk].
+
+    Queries with index ``>= dense_from`` count as keeping every causal key.
+    """
+    b = geo.key_valid.shape[0]
+    bq, nb = cfg.block_size, geo.nb
+    dev = geo.key_valid.device
+    pos = (geo.q_offset + torch.arange(nb * bq, device=dev)).clamp(max=geo.lk - 1)
+    qv = geo.query_valid  # [B, nb*bq]
+    causal_at = geo.key_valid.to(torch.int64).cumsum(-1)[:, pos]  # [B, nb*bq] valid keys <= position
+    causal = (causal_at * qv).sum(-1).double()[:, None]
+    if keep is None:
+        return causal, None
+    hs = keep.shape[1]
+    kept_cum = keep.to(torch.int32).cumsum(-1)
+    kept_at = torch.gather(kept_cum, 3, pos.reshape(nb, bq)[None, None].expand(b, hs, nb, bq)).reshape(b, hs, nb * bq)
+    if dense_from is not None:
+        kept_at[:, :, dense_from:] = causal_at[:, None, dense_from:].to(kept_at.dtype)
+    kept = (kept_at * qv[:, None]).sum(-1).double()
+    return causal, kept
+
+
+def _sparse_attend(q, k, v, keep, geo: _Geometry, cfg: AnchorConfig, scale: float, want_lse: bool):
+    """Exact attention of each query block over its kept keys (padded gather, batched over blocks and heads)."""
+    b, h, lq, d = q.shape
+    hkv = k.shape[1]
+    g = h // hkv
+    bq, nb = cfg.block_size, geo.nb
+    dev = q.device
+    counts = keep.sum(-1)  # [B, H, nb]
+    qpad = F.pad(q, (0, 0, 0, nb * bq - lq)).reshape(b, h, nb, bq, d)
+    pos = (geo.q_offset + torch.arange(nb * bq, device=dev)).reshape(nb, bq)
+    out = torch.empty(b, h, nb, bq, d, dtype=q.dtype, device=dev)
+    lse = torch.empty(b, h, nb, bq, dtype=torch.float32, device=dev) if want_lse else None
+    kv_head = torch.arange(h, device=dev) // g
+    kflat = k.reshape(b * hkv * geo.lk, d)
+    vflat = v.reshape(b * hkv * geo.lk, d)
+    base = ((torch.arange(b, device=dev)[:, None] * hkv + kv_head[None, :]) * geo.lk)[:, :, None, None]  # [B,H,1,1]
+    # process blocks in chunks so the gathered keys and scores stay bounded
+    maxk_all = int(counts.max()) if counts.numel() else 0
+    per_block = b * h * max(maxk_all, 1) * (bq + 2 * d)
+    step = max(1, _CHUNK_ELEMENTS // per_block)
+    for c0 in range(0, nb, step):
+        c1 = min(nb, c0 + step)
+        kc = keep[:, :, c0:c1]
+        maxk = max(int(counts[:, :, c0:c1].max()), 1)
+        # indices of kept keys in ascending order (True first, stable); empty slots point past the end
+        order = torch.argsort((~kc).to(torch.int8), dim=-1, stable=True)[..., :maxk]  # [B,H,n,maxk]
+        slot_ok = torch.arange(maxk, device=dev) < counts[:, :, c0:c1, None]
+        flat = (base + order).reshape(-1)
+        kg = kflat.index_select(0, flat).reshape(b, h, c1 - c0, maxk, d)
+        vg = vflat.index_select(0, flat).reshape(b, h, c1 - c0, maxk, d)
+        order = order.masked_fill(~slot_ok, geo.lk)
+        qc = qpad[:, :, c0:c1]
+        s = torch.matmul(qc, kg.transpose(-1, -2)).float() * scale  # [B,H,n,bq,maxk]
+        s.masked_fill_(order[:, :, :, None, :] > pos[None, None, c0:c1, :, None], -math.inf)
+        m = s.amax(-1, keepdim=True).clamp(min=-1e30)  # rows without keys (only with inner padding) stay finite
+        p = torch.exp_(s.sub_(m))
+        den = p.sum(-1, keepdim=True)
+        o = torch.matmul(p.to(vg.dtype), vg) / den.clamp(min=1e-30).to(vg.dtype)
+        out[:, :, c0:c1] = o
+        if want_lse:
+            lse[:, :, c0:c1] = (den.log() + m)[..., 0]
+    out = out.reshape(b, h, nb * bq, d)[:, :, :lq]
+    if want_lse:
+        lse = lse.reshape(b, h, nb * bq)[:, :, :lq]
+    return out, lse
+
+
+def _dense_lse(q, k, geo: _Geometry, scale: float, rows: slice | None = None) -> torch.Tensor:
+    """``[B, H, Lq]`` log-sum-exp of the exact causal logits, computed in query chunks (no Lq x Lk buffer)."""
+    b, h, lq, d = q.shape
+    hkv = k.shape[1]
+    g = h // hkv
+    dev = q.device
+    out = torch.empty(b, h, lq, dtype=torch.float32, device=dev)
+    kf = k.float()
+    j = torch.arange(geo.lk, device=dev)
+    step = max(1, _CHUNK_ELEMENTS // max(b * h * geo.lk, 1))
+    for c0 in range(0, lq, step):
+        c1 = min(lq, c0 + step)
+        qc = _grouped(q[:, :, c0:c1].float(), hkv)
+        s = torch.einsum("bkgqd,bkjd->bkgqj", qc, kf).reshape(b, h, c1 - c0, geo.lk) * scale
+        i = geo.q_offset + torch.arange(c0, c1, device=dev)
+        m = (j[None, :] <= i[:, None])[None, None] & geo.key_valid[:, None, None, :]
+        out[:, :, c0:c1] = s.masked_fill(~m, -math.inf).logsumexp(-1)
+    return out
+
+
+def anchor_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cfg: AnchorConfig,
+    *,
+    scale: float,
+    q_offset: int = 0,
+    key_valid: torch.Tensor | None = None,
+    dense_heads: list[int] | tuple[int, ...] = (),
+    return_stats: bool = False,
+    compute_recall: bool = False,
+) -> tuple[torch.Tensor, AnchorStats | None]:
+    """AnchorAttention sparse prefill (arXiv 2505.23520, Sec. 3, Eq. 2-4), fast batched implementation.
+
+    Selection (anchors, pooled scores) is computed in fp32 on grouped query heads, without
+    repeating keys.  Attention over kept stripes gathers, per (batch, head, query block),
+    the kept keys padded to the largest kept set of a chunk of blocks, and runs one
+    batched softmax attention; there is no Python loop over queries or heads.
+
+    Args:
+        q: ``[B, H, Lq, D]`` queries at absolute positions ``q_offset .. q_offset+Lq-1``.
+        k, v: ``[B, Hkv, Lk, D]``, ``H % Hkv == 0``; ``Lk >= q_offset + Lq``.
+        cfg: :class:`AnchorConfig`.
+        scale: logit scale.
+        q_offset: absolute position of the first query (``Lk - Lq`` for a prompt continued on a cache).
+        key_valid: ``[B, Lk]`` bool, False at padding keys (left padding), or ``None``.
+        dense_heads: query-head indices that attend densely (all causal keys).
+        return_stats: also return :class:`AnchorStats` (sparsity, kept columns per block).
+        compute_recall: also fill ``AnchorStats.recall`` (exact softmax mass on kept keys; costs
+            one dense ``Q K^T`` pass in query chunks, never an ``Lq x Lk`` buffer).
+
+    Returns:
+        ``(out, stats)``: ``out`` is ``[B, H, Lq, D]`` in ``q.dtype``; queries with no valid key
+        (padding) give zeros.  ``stats`` is ``None`` unless requested.
+
+    Raises:
+        OptionError: ``H`` not a multiple of ``Hkv`` or ``Lk < q_offset + Lq``.
+    """
+    b, h, lq, d = q.shape
+    hkv = k.shape[1]
+    if h % hkv:
+        raise OptionError(f"query heads {h} not a multiple of key/value heads {hkv}")
+    if k.shape[2] < q_offset + lq:
+        raise OptionError(f"{k.shape[2]} keys cannot cover queries at positions {q_offset}..{q_offset + lq - 1}")
+    want_stats = return_stats or compute_recall
+    split = _split_left_padding(key_valid, q_offset, lq)
+    if split is not None:
+        return _per_sequence(
+            anchor_attention, q, k, v, cfg, split, scale=scale, q_offset=q_offset, key_valid=key_valid,
+            dense_heads=dense_heads, return_stats=return_stats, compute_recall=compute_recall,
+        )
+    n_dense = min(cfg.dense_last, lq)
+    ls = lq - n_dense  # queries that follow the sparse rule; the last n_dense attend densely
+    dense_set = sorted({int(x) for x in dense_heads})
+    if any(x < 0 or x >= h for x in dense_set):
+        raise OptionError(f"dense_heads={dense_set}: head indices must be in 0..{h - 1}")
+    geo = _geometry(q, k, cfg, q_offset, key_valid)
+    sparse_heads = [x for x in range(h) if x not in dense_set]
+    if cfg.theta == math.inf or not sparse_heads or ls == 0:
+        # every causal key is kept: exactly dense, no selection cost
+        out = dense_causal_attention(q, k, v, scale=scale, q_offset=q_offset, key_valid=key_valid)
+        stats = None
+        if want_stats:
+            causal = _pair_counts(None, geo, cfg)[0].expand(b, h).clone()
+            stats = AnchorStats(causal, causal.clone(), None, torch.ones_like(causal) if compute_recall else None)
+        return out, stats
+    g = h // hkv
+    if dense_set:
+        sidx = torch.tensor(sparse_heads, device=q.device)
+        qh, kh, vh = q.index_select(1, sidx), k.index_select(1, sidx // g), v.index_select(1, sidx // g)
+    else:
+        qh, kh, vh = q, k, v
+    keep = _select(qh, kh, cfg, scale, geo)
+    o, lse_kept = _sparse_attend(qh, kh, vh, keep, geo, cfg, scale, want_lse=compute_recall)
+    if dense_set:
+        out = dense_causal_attention(q, k, v, scale=scale, q_offset=q_offset, key_valid=key_valid)
+        out[:, sidx] = o
+    else:
+        out = o
+    if n_dense:
+        out[:, :, ls:] = dense_causal_attention(
+            q[:, :, ls:], k, v, scale=scale, q_offset=q_offset + ls, key_valid=key_valid
+        )
+    if not want_stats:
+        return out, None
+    causal, kept_s = _pair_counts(keep, geo, cfg, dense_from=ls)
+    causal = causal.expand(b, h).clone()
+    kept = causal.clone()
+    kept[:, sparse_heads] = kept_s
+    kept_cols = torch.full((b, h, geo.nb), -1, dtype=torch.long, device=q.device)
+    kept_cols[:, sparse_heads] = keep.sum(-1)
+    stats = AnchorStats(causal, kept, kept_cols)
+    if compute_recall:
+        r = torch.exp(lse_kept - _dense_lse(qh, kh, geo, scale)).nan_to_num(nan=1.0).double()  # [B, Hs, Lq]
+        r[:, :, ls:] = 1.0
+        qv = geo.query_valid[:, :lq].double()
+        recall = torch.ones(b, h, dtype=torch.float64, device=q.device)
+        recall[:, sparse_heads] = (r * qv[:, None]).sum(-1) / qv.sum(-1).clamp(min=1)[:, None]
+        stats.recall = recall
+    return out, stats
+
+
+def _split_left_padding(key_valid: torch.Tensor | None, q_offset: int, lq: int) -> list[int] | None:
+    """First valid key of each sequence when any sequence starts with padding, else ``None``.
+
+    Query blocks, the initial block and the local window are defined relative to each
+    sequence's first real token, so a left-padded sequence is computed exactly as it would
+    be alone.
+    """
+    if key_valid is None:
+        return None
+    starts = torch.argmax(key_valid.to(torch.int8), dim=1)
+    if not bool((starts > 0).any()):
+        return None
+    return [int(x) for x in starts]
+
+
+def _per_sequence(fn, q, k, v, cfg, starts, *, scale, q_offset, key_valid, dense_heads, return_stats, compute_recall):
+    """Run ``fn`` on each sequence with its left padding stripped; padded query rows get zeros."""
+    b, h, lq, d = q.shape
+    out = torch.zeros_like(q)
+    parts = []
+    for bi, p in enumerate(starts):
+        qi0 = min(lq, max(0, p - q_offset))
+        if qi0 >= lq or not bool(key_valid[bi].any()):
+            parts.append(None)
+            continue
+        kv = key_valid[bi : bi + 1, p:]
+        o, st = fn(
+            q[bi : bi + 1, :, qi0:], k[bi : bi + 1, :, p:], v[bi : bi + 1, :, p:], cfg, scale=scale,
+            q_offset=q_offset + qi0 - p, key_valid=None if bool(kv.all()) else kv, dense_heads=dense_heads,
+            **({"return_stats": return_stats, "compute_recall": compute_recall} if fn is anchor_attention else {}),
+        )
+        out[bi : bi + 1, :, qi0:] = o
+        parts.append(st)
+    if fn is not anchor_attention:  # the reference returns the kept mask [1, H, Lq', Lk']
+        lk = k.shape[2]
+        kept = torch.zeros(b, h, lq, lk, dtype=torch.bool)
+        for bi, (p, km) in enumerate(zip(starts, parts)):
+            if km is not None:
+                kept[bi, :, lq - km.shape[2] :, p:] = km[0]
+        return out, kept
+    if not (return_stats or compute_recall):
+        return out, None
+    zero = torch.zeros(1, h, dtype=torch.float64, device=q.device)
+    causal = torch.cat([zero if st is None else st.causal_pairs for st in parts])
+    kept = torch.cat([zero if st is None else st.kept_pairs for st in parts])
+    recall = None
+    if compute_recall:
+        recall = torch.cat([torch.ones_like(zero) if st is None else st.recall for st in parts])
+    nbs = [st.kept_columns.shape[-1] for st in parts if st is not None and st.kept_columns is not None]
+    cols = None
+    if nbs:
+        cols = torch.full((b, h, max(nbs)), -1, dtype=torch.long, device=q.device)
+        for bi, st in enumerate(parts):
+            if st is not None and st.kept_columns is not None:
+                cols[bi, :, : st.kept_columns.shape[-1]] = st.kept_columns[0]
+    return out, AnchorStats(causal, kept, cols, recall)
+
+
+def anchor_attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cfg: AnchorConfig,
+    *,
+    scale: float,
+    q_offset: int = 0,
+    key_valid: torch.Tensor | None = None,
+    dense_heads: list[int] | tuple[int, ...] = (),
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Slow, explicit AnchorAttention (arXiv 2505.23520 Eq. 2-4) with Python loops, for tests.
+
+    Same arguments and semantics as :func:`anchor_attention` (fp64 arithmetic).
+
+    Returns:
+        ``(out, kept)``: ``out`` ``[B, H, Lq, D]`` in ``q.dtype``; ``kept`` ``[B, H, Lq, Lk]`` bool,
+        the keys each query attended.  Left-padded sequences are computed with their padding
+        stripped (blocks relative to the first real token), exactly as :func:`anchor_attention`.
+    """
+    b, h, lq, d = q.shape
+    hkv, lk = k.shape[1], k.shape[2]
+    split = _split_left_padding(key_valid, q_offset, lq)
+    if split is not None:
+        return _per_sequence(
+            anchor_attention_reference, q, k, v, cfg, split, scale=scale, q_offset=q_offset, key_valid=key_valid,
+            dense_heads=dense_heads, return_stats=False, compute_recall=False,
+        )
+    g = h // hkv
+    bq = cfg.block_size
+    out = torch.zeros(b, h, lq, d, dtype=torch.float64)
+    kept = torch.zeros(b, h, lq, lk, dtype=torch.bool)
+    qd, kd, vd = q.double().cpu(), k.double().cpu(), v.double().cpu()
+    valid = torch.ones(b, lk, dtype=torch.bool) if key_valid is None else key_valid.cpu()
+    n_sparse = lq - min(cfg.dense_last, lq)
+    for bi in range(b):
+        start = next((j for j in range(lk) if valid[bi, j]), lk)
+        initial = set(range(start, min(start + cfg.init_block, lk)))
+        for hi in range(h):
+            kv = hi // g
+            for b0 in range(0, lq, bq):
+                rows = list(range(b0, min(b0 + bq, lq)))
+                end = q_offset + rows[-1] + 1  # one past the block's last query position
+                window = set(range(max(0, end - cfg.local_window), end))
+                always = {j for j in initial | window if j < end and valid[bi, j]}
+                # anchors of the block's valid queries
+                anchors = {}
+                for i in rows:
+                    p = q_offset + i
+                    if not valid[bi, p]:
+                        continue
+                    cand = [j for j in (initial | window) if j <= p and valid[bi, j]]
+                    anchors[i] = max(float(qd[bi, hi, i] @ kd[bi, kv, j]) * scale for j in cand)
+                dense_rows = hi in dense_heads
+                sel = set(always)
+                if not dense_rows and anchors:
+                    vis = [i for i in rows if i in anchors]
+                    pools = (
+                        [[i] for i in vis]
+                        if cfg.pooling == "max"
+                        else [
+                            [i for i in vis if (i - b0) // cfg.stride == p]
+                            for p in range(bq // cfg.stride)
+                        ]
+                    )
+                    for pool in pools:
+                        if not pool:
+                            continue
+                        qbar = sum(qd[bi, hi, i] for i in pool) / len(pool)
+                        abar = sum(anchors[i] for i in pool) / len(pool)
+                        for j in range(end):
+                            if valid[bi, j] and abar - float(qbar @ kd[bi, kv, j]) * scale <= cfg.theta:
+                                sel.add(j)
+                for i in rows:
+                    p = q_offset + i
+                    if dense_rows or i >= n_sparse:
+                        cols = [j for j in range(p + 1) if valid[bi, j]]
+                    else:
+                        cols = sorted(j for j in sel if j <= p)
+                    if not cols:
+                        continue
+                    kept[bi, hi, i, cols] = True
+                    s = torch.stack([qd[bi, hi, i] @ kd[bi, kv, j] for j in cols]) * scale
+                    pr = torch.softmax(s, 0)
+                    out[bi, hi, i] = sum(pr[n] * vd[bi, kv, j] for n, j in enumerate(cols))
+    return out.to(q.dtype), kept

@@ -1,0 +1,120 @@
+"""Shared reporting: JSON files, Markdown tables and terminal tables of eval results."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+__all__ = ["Column", "RULER_COLUMNS", "rows_to_markdown", "print_table", "write_json", "machine_info"]
+
+
+class Column:
+    """One table column: ``key`` in the row dict, ``title``, and a format (``"pct"``, ``"f3"``, ``"s"``, ``"x"``, ``"int"``, ``"str"``)."""
+
+    def __init__(self, key: str, title: str, fmt: str = "str"):
+        self.key, self.title, self.fmt = key, title, fmt
+
+    def render(self, value: Any) -> str:
+        if value is None or (isinstance(value, float) and math.isnan(value)):
+            return "-"
+        if self.fmt == "pct":
+            return f"{100 * value:.1f}%"
+        if self.fmt == "f3":
+            return f"{value:.3f}"
+        if self.fmt == "s":
+            return f"{value:.2f}s"
+        if self.fmt == "x":
+            return f"{value:.2f}x"
+        if self.fmt == "int":
+            return f"{int(round(value))}"
+        return str(value)
+
+
+RULER_COLUMNS = [
+    Column("task", "task"),
+    Column("length", "length", "int"),
+    Column("n", "n", "int"),
+    Column("dense_acc", "dense acc", "pct"),
+    Column("patched_acc", "patched acc", "pct"),
+    Column("sparsity", "sparsity", "pct"),
+    Column("recall_mean", "recall mean", "f3"),
+    Column("recall_worst5", "recall worst5%", "f3"),
+    Column("prefill_dense_s", "prefill dense", "s"),
+    Column("prefill_patched_s", "prefill patched", "s"),
+    Column("prefill_speedup", "speed-up", "x"),
+]
+
+
+def _present(columns: Sequence[Column], rows: Sequence[dict[str, Any]]) -> list[Column]:
+    return [c for c in columns if any(c.key in r for r in rows)]
+
+
+def rows_to_markdown(rows: Sequence[dict[str, Any]], columns: Sequence[Column]) -> str:
+    """A GitHub Markdown table of ``rows`` (columns absent from every row are dropped)."""
+    cols = _present(columns, rows)
+    lines = ["| " + " | ".join(c.title for c in cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
+    for r in rows:
+        lines.append("| " + " | ".join(c.render(r.get(c.key)) for c in cols) + " |")
+    return "\n".join(lines)
+
+
+def print_table(rows: Sequence[dict[str, Any]], columns: Sequence[Column], title: str | None = None) -> None:
+    """Print ``rows`` as a rich table on stdout."""
+    from rich.console import Console
+    from rich.table import Table
+
+    cols = _present(columns, rows)
+    table = Table(title=title)
+    for c in cols:
+        table.add_column(c.title, justify="left" if c.fmt == "str" else "right")
+    for r in rows:
+        table.add_row(*(c.render(r.get(c.key)) for c in cols))
+    Console(width=max(120, 14 * len(cols))).print(table)
+
+
+def machine_info() -> dict[str, Any]:
+    """CPU model, logical cores, torch threads, torch and transformers versions, Python version."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    import transformers
+
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+
+
+def write_json(path: str | os.PathLike, result: dict[str, Any]) -> Path:
+    """Write ``result`` as indented JSON (creating parent folders); returns the path."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps(result, indent=2, default=_jsonable))
+    return p
+
+
+def _jsonable(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.tolist()
+    if isinstance(x, Path):
+        return str(x)
+    if isinstance(x, float) and math.isinf(x):
+        return "inf" if x > 0 else "-inf"
+    raise TypeError(f"not JSON serialisable: {type(x).__name__}")

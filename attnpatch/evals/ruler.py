@@ -1,0 +1,214 @@
+"""RULER-style long-context eval: dense vs patched accuracy, sparsity, recall and prefill time.
+
+For every (task, context length) cell, the same prompts (:mod:`attnpatch.evals.ruler_tasks`)
+are answered greedily by the unpatched model and by the patched model, interleaved sample
+by sample so both see the same machine state.  Per cell the result holds: accuracy (RULER's
+string-match score) dense and patched, attention sparsity of the patched prefill, attention
+recall (mean and worst 5 % of layer-heads, from a separate measuring pass so prefill timings
+stay clean) and prefill wall time (seconds, median over samples) dense and patched.
+
+Source of the tasks: RULER (Hsieh et al. 2024, arXiv 2404.06654).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ..errors import DataError
+from ..patchers.core import patch, record_stats, unpatch
+from ..patchers.registry import get_method, validate_options
+from . import ruler_tasks
+from .recall import attention_recall, summarize_layers
+
+__all__ = ["run_ruler", "PrefillTimer", "generate_greedy"]
+
+
+class PrefillTimer:
+    """Times the first forward call (the prefill) of ``model.generate`` with forward hooks.
+
+    Use as a context manager; ``seconds`` holds the wall time (seconds) of the first
+    top-level forward call made inside the block.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.seconds: float | None = None
+        self._t0: float | None = None
+        self._hooks: list[Any] = []
+
+    def __enter__(self) -> "PrefillTimer":
+        def pre(*_):
+            if self._t0 is None:
+                self._t0 = time.perf_counter()
+
+        def post(*_):
+            if self.seconds is None and self._t0 is not None:
+                self.seconds = time.perf_counter() - self._t0
+
+        self._hooks = [self.model.register_forward_pre_hook(pre), self.model.register_forward_hook(post)]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._hooks:
+            h.remove()
+
+
+@torch.no_grad()
+def generate_greedy(model, tokenizer, input_ids: list[int], max_new_tokens: int) -> tuple[str, float]:
+    """Greedy ``model.generate`` on one prompt.
+
+    Args:
+        input_ids: the prompt's token ids.
+        max_new_tokens: generation budget (tokens).
+
+    Returns:
+        ``(text, prefill_seconds)``: the decoded new tokens (special tokens skipped) and the
+        wall time of the prefill forward call.
+    """
+    x = torch.tensor([input_ids], device=model.device)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    with PrefillTimer(model) as timer:
+        out = model.generate(
+            input_ids=x,
+            attention_mask=torch.ones_like(x),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=pad,
+        )
+    return tokenizer.decode(out[0, x.shape[1] :], skip_special_tokens=True), float(timer.seconds or 0.0)
+
+
+def run_ruler(
+    model: torch.nn.Module,
+    tokenizer,
+    *,
+    method: str = "anchor_attention",
+    options: dict[str, Any] | None = None,
+    tasks: Sequence[str] = ("niah_single",),
+    lengths: Sequence[int] = (1024, 2048, 4096),
+    num_samples: int = 10,
+    seed: int = 0,
+    depths: Sequence[float] | None = None,
+    haystack: str = "repeat",
+    recall: bool = True,
+    progress: Callable[[str], None] | None = None,
+    on_sample: Callable[[dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
+    """Run the RULER-style tasks on ``model``, dense and patched with ``method``.
+
+    Args:
+        model: an unpatched causal LM (it is patched and unpatched per sample, and left unpatched).
+        tokenizer: its tokenizer (the chat template is used when it has one).
+        method: registered method name, or ``"dense"`` for a baseline-only run (no patched columns).
+        options: the method's options.
+        tasks: names from :data:`attnpatch.evals.ruler_tasks.TASKS`.
+        lengths: context lengths in the model's tokens.
+        num_samples: samples per (task, length) cell.
+        seed: sample seed (the same prompts for every method and run).
+        depths: needle depths in [0, 1] cycled over samples (NIAH tasks).
+        haystack: ``"repeat"`` (RULER's noise sentences) or ``"essay"`` (natural prose).
+        recall: measure attention recall of the patched prefill (one extra measuring forward per sample).
+        progress: called with a short line after each sample.
+        on_sample: called with each per-sample result dict.
+
+    Returns:
+        ``{"method", "options", "cells": [...], "settings": {...}}``; each cell has ``task``,
+        ``length`` (target tokens), ``tokens`` (mean actual), ``n``, ``dense_acc``, and for a
+        patched run ``patched_acc``, ``sparsity``, ``recall_mean``, ``recall_worst5``,
+        ``prefill_dense_s``, ``prefill_patched_s`` (medians, seconds), ``prefill_speedup``
+        and ``samples`` (per-sample details).
+
+    Raises:
+        DataError: unknown task, or a length too short for a task.
+        UnknownMethodError, OptionError: bad method or options.
+    """
+    options = dict(options or {})
+    baseline_only = method == "dense" and not options
+    if not baseline_only:
+        m = get_method(method)
+        options = validate_options(m, options)
+    bad = [t for t in tasks if t not in ruler_tasks.TASKS]
+    if bad:
+        raise DataError(f"unknown RULER task(s) {bad}; allowed: {', '.join(ruler_tasks.TASKS)}")
+    model.eval()
+    cells = []
+    for task in tasks:
+        for length in lengths:
+            samples = ruler_tasks.make_samples(
+                task, tokenizer, length, num_samples, seed=seed, depths=list(depths) if depths else None, haystack=haystack
+            )
+            rows = []
+            for i, s in enumerate(samples):
+                ids = ruler_tasks.build_input_ids(tokenizer, s)
+                text_d, t_d = generate_greedy(model, tokenizer, ids, s.max_new_tokens)
+                row: dict[str, Any] = {
+                    "task": task, "length": length, "tokens": len(ids), "depth": s.depth, "answers": s.answers,
+                    "dense_pred": text_d, "dense_score": ruler_tasks.score(task, text_d, s.answers), "prefill_dense_s": t_d,
+                }
+                if not baseline_only:
+                    patch(model, method, **options)
+                    try:
+                        with record_stats(model) as rec:
+                            text_p, t_p = generate_greedy(model, tokenizer, ids, s.max_new_tokens)
+                        summ = summarize_layers(rec.forwards[0]) if rec.forwards else {}
+                        row.update(
+                            patched_pred=text_p,
+                            patched_score=ruler_tasks.score(task, text_p, s.answers),
+                            prefill_patched_s=t_p,
+                            sparsity=summ.get("sparsity"),
+                        )
+                        if recall:
+                            r = attention_recall(model, torch.tensor([ids], device=model.device))
+                            row.update(recall_mean=r["recall_mean"], recall_worst5=r["recall_worst"], worst_heads=r["worst_heads"][:5])
+                    finally:
+                        unpatch(model)
+                rows.append(row)
+                if on_sample:
+                    on_sample(row)
+                if progress:
+                    msg = f"{task} L={length} sample {i + 1}/{len(samples)}: dense {row['dense_score']:.2f} ({t_d:.2f}s)"
+                    if not baseline_only:
+                        msg += f", patched {row['patched_score']:.2f} ({row['prefill_patched_s']:.2f}s)"
+                    progress(msg)
+            cells.append(_aggregate(task, length, rows, baseline_only))
+    return {
+        "method": method,
+        "options": options,
+        "cells": cells,
+        "settings": {
+            "tasks": list(tasks), "lengths": list(lengths), "num_samples": num_samples, "seed": seed,
+            "depths": list(depths) if depths else None, "haystack": haystack, "recall": recall,
+            "torch_threads": torch.get_num_threads(),
+        },
+    }
+
+
+def _mean(xs):
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else None
+
+
+def _aggregate(task: str, length: int, rows: list[dict[str, Any]], baseline_only: bool) -> dict[str, Any]:
+    cell: dict[str, Any] = {
+        "task": task,
+        "length": length,
+        "tokens": _mean([r["tokens"] for r in rows]),
+        "n": len(rows),
+        "dense_acc": _mean([r["dense_score"] for r in rows]),
+        "prefill_dense_s": statistics.median(r["prefill_dense_s"] for r in rows),
+    }
+    if not baseline_only:
+        cell.update(
+            patched_acc=_mean([r["patched_score"] for r in rows]),
+            sparsity=_mean([r.get("sparsity") for r in rows]),
+            recall_mean=_mean([r.get("recall_mean") for r in rows]),
+            recall_worst5=_mean([r.get("recall_worst5") for r in rows]),
+            prefill_patched_s=statistics.median(r["prefill_patched_s"] for r in rows),
+        )
+        cell["prefill_speedup"] = cell["prefill_dense_s"] / cell["prefill_patched_s"] if cell["prefill_patched_s"] else None
+    cell["samples"] = rows
+    return cell

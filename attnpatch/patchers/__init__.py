@@ -1,0 +1,10 @@
+"""Method registry and model adapters."""
+
+from .core import handle_of, is_patched, patch, patch_info, patched, record_stats, unpatch
+from .registry import get_method, list_methods, register_method
+from .state import ForwardState, LayerRecord
+
+__all__ = [
+    "patch", "unpatch", "patched", "is_patched", "patch_info", "record_stats", "handle_of",
+    "get_method", "list_methods", "register_method", "ForwardState", "LayerRecord",
+]

@@ -1,0 +1,30 @@
+import pytest
+import torch
+
+torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+
+
+def tiny_causal_lm(kind: str, seed: int = 0, layers: int = 2, vocab: int = 128):
+    """A randomly initialised Llama / Qwen2 / Qwen3 of a few hundred thousand parameters."""
+    from transformers import (
+        LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
+    )
+
+    cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[kind]
+    cfg = cls[0](
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, attn_implementation="sdpa",
+    )
+    torch.manual_seed(seed)
+    model = cls[1](cfg).eval()
+    # sharpen attention so that thresholds select something (random init gives near-uniform attention)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(6.0)
+            layer.self_attn.k_proj.weight.mul_(6.0)
+    return model
+
+
+@pytest.fixture(params=["llama", "qwen2", "qwen3"])
+def causal_lm(request):
+    return tiny_causal_lm(request.param)

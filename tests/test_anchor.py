@@ -1,0 +1,146 @@
+"""AnchorAttention math: fast implementation vs the slow reference, exactness properties, recall."""
+
+import math
+
+import pytest
+import torch
+
+from attnpatch.attention.anchor import (
+    AnchorConfig,
+    anchor_attention,
+    anchor_attention_reference,
+    dense_causal_attention,
+    select_stripes,
+)
+from attnpatch.errors import OptionError
+
+
+def _inputs(b, h, hkv, lq, lk, d, seed=0, pad=None):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, h, lq, d, generator=g)
+    k = torch.randn(b, hkv, lk, d, generator=g)
+    v = torch.randn(b, hkv, lk, d, generator=g)
+    # a few strong directions make logits spread, so thresholds matter
+    q[..., 0] *= 3
+    k[..., 0] *= 3
+    key_valid = None
+    if pad is not None:
+        key_valid = torch.ones(b, lk, dtype=torch.bool)
+        for i, p in enumerate(pad):
+            key_valid[i, :p] = False
+    return q, k, v, key_valid
+
+
+def _valid_rows(key_valid, b, lq, lk):
+    if key_valid is None:
+        return torch.ones(b, lq, dtype=torch.bool)
+    return key_valid[:, lk - lq :]
+
+
+CASES = [
+    # (b, h, hkv, lq, lk, d, cfg kwargs, pad, dense_heads)
+    (2, 4, 2, 40, 40, 8, dict(theta=0.5), None, ()),
+    (2, 4, 2, 40, 40, 8, dict(theta=2.0), None, ()),
+    (1, 6, 2, 45, 45, 8, dict(theta=1.0, pool_stride=4, local_window=16), None, ()),
+    (2, 4, 4, 40, 40, 8, dict(theta=1.0, pooling="max"), None, ()),
+    (2, 4, 2, 37, 45, 8, dict(theta=1.0, dense_last=5), None, ()),  # prompt continued on a cache
+    (2, 4, 2, 40, 40, 8, dict(theta=1.0), [0, 7], ()),  # left padding
+    (2, 4, 2, 40, 40, 8, dict(theta=1.0), [3, 7], (1,)),  # padding + a dense head
+    (1, 3, 3, 33, 33, 8, dict(theta=1.5, dense_last=3), [5], ()),
+]
+
+
+@pytest.mark.parametrize("b,h,hkv,lq,lk,d,kw,pad,dense_heads", CASES)
+def test_fast_matches_reference(b, h, hkv, lq, lk, d, kw, pad, dense_heads):
+    cfg = AnchorConfig(block_size=8, init_block=4, local_window=kw.pop("local_window", 8), min_len=0, **kw)
+    q, k, v, kv = _inputs(b, h, hkv, lq, lk, d, pad=pad)
+    off = lk - lq
+    out, st = anchor_attention(
+        q, k, v, cfg, scale=d**-0.5, q_offset=off, key_valid=kv, dense_heads=dense_heads,
+        return_stats=True, compute_recall=True,
+    )
+    ref, kept = anchor_attention_reference(q, k, v, cfg, scale=d**-0.5, q_offset=off, key_valid=kv, dense_heads=dense_heads)
+    rows = _valid_rows(kv, b, lq, lk)[:, None, :, None]
+    assert torch.allclose(out * rows, ref * rows, atol=1e-5, rtol=1e-5)
+    # sparsity counts agree with the reference's kept set
+    kept_pairs = (kept.sum(-1) * rows[..., 0]).sum(-1).double()
+    assert torch.equal(kept_pairs, st.kept_pairs)
+    # recall agrees with the exact softmax mass of the reference's kept keys
+    s = torch.einsum("bhqd,bhkd->bhqk", q.double(), k.double().repeat_interleave(h // hkv, 1)) * d**-0.5
+    i = off + torch.arange(lq)
+    causal = torch.arange(lk)[None, :] <= i[:, None]
+    allowed = causal[None, None] & (kv[:, None, None, :] if kv is not None else True)
+    p = torch.softmax(s.masked_fill(~allowed, -math.inf), -1).nan_to_num(0.0)
+    mass = (p * kept).sum(-1)  # [b, h, lq]
+    rec = (mass * rows[..., 0]).sum(-1) / rows[..., 0].sum(-1)
+    assert torch.allclose(rec, st.recall, atol=1e-5)
+    assert (st.sparsity >= 0).all() and (st.sparsity <= 1).all()
+
+
+def test_theta_inf_equals_dense():
+    q, k, v, kv = _inputs(2, 4, 2, 300, 300, 16, pad=[0, 20])
+    cfg = AnchorConfig(theta=math.inf, block_size=32, init_block=16, local_window=32, min_len=0)
+    out, st = anchor_attention(q, k, v, cfg, scale=0.25, key_valid=kv, return_stats=True)
+    dense = dense_causal_attention(q, k, v, scale=0.25, key_valid=kv)
+    assert torch.allclose(out, dense, atol=1e-6)
+    assert float(st.sparsity.max()) == 0.0
+
+
+def test_theta_minus_inf_keeps_initial_block_and_window_only():
+    b, h, hkv, n, d = 1, 2, 1, 96, 8
+    q, k, v, _ = _inputs(b, h, hkv, n, n, d, seed=3)
+    cfg = AnchorConfig(theta=-math.inf, block_size=16, init_block=8, local_window=32, min_len=0)
+    keep = select_stripes(q, k, cfg, scale=d**-0.5)
+    for blk in range(n // 16):
+        end = (blk + 1) * 16
+        expected = torch.zeros(n, dtype=torch.bool)
+        expected[:8] = True
+        expected[max(0, end - 32) : end] = True
+        assert torch.equal(keep[0, 0, blk], expected)
+    # explicit masked reference: per query, initial block + window, causal
+    out, _ = anchor_attention(q, k, v, cfg, scale=d**-0.5)
+    i = torch.arange(n)[:, None]
+    j = torch.arange(n)[None, :]
+    end = (i // 16 + 1) * 16
+    mask = ((j < 8) | (j >= end - 32)) & (j <= i)
+    s = (q @ k.transpose(-1, -2)) * d**-0.5
+    ref = torch.softmax(s.masked_fill(~mask, -math.inf), -1) @ v
+    assert torch.allclose(out, ref, atol=1e-5)
+
+
+def test_dense_last_and_dense_heads_are_exact():
+    q, k, v, _ = _inputs(1, 4, 2, 128, 128, 8, seed=5)
+    cfg = AnchorConfig(theta=-math.inf, block_size=16, init_block=4, local_window=16, min_len=0, dense_last=20)
+    out, _ = anchor_attention(q, k, v, cfg, scale=0.3, dense_heads=(2,))
+    dense = dense_causal_attention(q, k, v, scale=0.3)
+    assert torch.allclose(out[:, :, -20:], dense[:, :, -20:], atol=1e-6)
+    assert torch.allclose(out[:, 2], dense[:, 2], atol=1e-6)
+    assert not torch.allclose(out[:, 0, :-20], dense[:, 0, :-20], atol=1e-3)
+
+
+def test_bf16_and_shapes():
+    q, k, v, _ = _inputs(1, 4, 2, 100, 100, 16)
+    cfg = AnchorConfig(theta=3.0, block_size=16, init_block=8, local_window=16, min_len=0)
+    q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    out, _ = anchor_attention(q, k, v, cfg, scale=0.25)
+    # same (bf16-rounded) values in fp32: selection is computed in fp32 either way
+    ref, _ = anchor_attention(q.float(), k.float(), v.float(), cfg, scale=0.25)
+    assert out.dtype == torch.bfloat16 and out.shape == (1, 4, 100, 16)
+    assert (out.float() - ref).abs().max() < 0.05
+
+
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(theta="big"), "theta='big'"),
+        (dict(theta=float("nan")), "theta=nan"),
+        (dict(block_size=0), "block_size=0"),
+        (dict(block_size=64, local_window=32), "local_window=32 < block_size=64"),
+        (dict(pooling="median"), "pooling='median'.*'mean', 'max'"),
+        (dict(pool_stride=48), "pool_stride=48 does not divide block_size=128"),
+        (dict(dense_last=-1), "dense_last=-1"),
+    ],
+)
+def test_config_errors_name_the_value(kw, match):
+    with pytest.raises(OptionError, match=match):
+        AnchorConfig(**kw)

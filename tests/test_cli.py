@@ -1,0 +1,68 @@
+"""The command line, end to end on a tiny random model saved to disk (no hub, no real checkpoint)."""
+
+import json
+
+import pytest
+
+from attnpatch.cli import main
+from conftest import tiny_causal_lm
+from test_ruler_tasks import _make_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny-llama")
+    tok = _make_tokenizer(chat=True)
+    model = tiny_causal_lm("llama", vocab=len(tok))
+    model.save_pretrained(d)
+    tok.save_pretrained(d)
+    return d
+
+
+def test_methods_json(capsys):
+    assert main(["methods", "--json"]) == 0
+    methods = {m["name"]: m for m in json.loads(capsys.readouterr().out)}
+    assert methods["anchor_attention"]["options"]["theta"]["default"] == 12.0
+
+
+def test_eval_ruler_end_to_end(tiny_dir, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    md = tmp_path / "r.md"
+    rc = main([
+        "eval", "ruler", "--model", str(tiny_dir), "--method", "anchor_attention", "-o", "theta=2", "-o", "min_len=0",
+        "-o", "block_size=32", "-o", "local_window=32", "-o", "init_block=16",
+        "--tasks", "niah_single", "variable_tracking", "--lengths", "900", "--samples", "2", "--json", str(out), "--markdown", str(md),
+    ])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert res["method"] == "anchor_attention" and res["options"]["theta"] == 2.0
+    assert [(c["task"], c["length"], c["n"]) for c in res["cells"]] == [("niah_single", 900, 2), ("variable_tracking", 900, 2)]
+    for c in res["cells"]:
+        assert 0.98 * 900 <= c["tokens"] <= 900
+        assert 0 <= c["dense_acc"] <= 1 and 0 <= c["patched_acc"] <= 1
+        assert 0 < c["sparsity"] < 1
+        assert 0 < c["recall_worst5"] <= c["recall_mean"] <= 1
+        assert c["prefill_dense_s"] > 0 and c["prefill_patched_s"] > 0
+        assert len(c["samples"]) == 2 and "patched_pred" in c["samples"][0]
+    printed = capsys.readouterr().out
+    assert "patched acc" in printed and "recall worst5%" in printed
+    assert md.read_text().count("\n|") >= 3
+
+
+def test_eval_ruler_dense_baseline(tiny_dir, tmp_path):
+    out = tmp_path / "d.json"
+    assert main(["eval", "ruler", "--model", str(tiny_dir), "--method", "dense", "--lengths", "400", "--samples", "1", "--json", str(out), "--no-recall"]) == 0
+    cell = json.loads(out.read_text())["cells"][0]
+    assert "patched_acc" not in cell and cell["dense_acc"] is not None
+
+
+def test_bad_option_fails_before_loading(capsys):
+    assert main(["eval", "ruler", "--model", "/nonexistent", "-o", "theta=abc"]) == 2
+    assert "theta='abc'" in capsys.readouterr().err
+    assert main(["eval", "ruler", "--model", "/nonexistent", "-o", "nope=1"]) == 2
+    assert "unknown option(s) nope" in capsys.readouterr().err
+
+
+def test_missing_model_dir_is_clear(capsys):
+    assert main(["eval", "ruler", "--model", "/nonexistent/dir", "--samples", "1"]) == 2
+    assert "/nonexistent/dir" in capsys.readouterr().err

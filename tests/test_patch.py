@@ -1,0 +1,176 @@
+"""patch()/unpatch() on Hugging Face causal LMs: exactness, restore, padding, GQA, errors."""
+
+import math
+
+import pytest
+import torch
+
+import attnpatch
+from attnpatch import (
+    OptionError, PatchStateError, UnknownMethodError, UnsupportedModelError, is_patched, list_methods, patch,
+    patch_info, patched, record_stats, unpatch,
+)
+from attnpatch.evals.recall import attention_recall
+
+from conftest import tiny_causal_lm
+
+SMALL = dict(block_size=16, init_block=8, local_window=16, min_len=0)
+
+
+def _ids(b=2, n=150, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 128, (b, n), generator=g)
+    mask = torch.ones(b, n, dtype=torch.long)
+    if b > 1:
+        mask[1, :23] = 0  # left padding
+    return ids, mask
+
+
+@torch.no_grad()
+def test_theta_inf_matches_dense_prefill_and_generate(causal_lm):
+    ids, mask = _ids()
+    ref = causal_lm(ids, attention_mask=mask).logits
+    gen_ref = causal_lm.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, output_scores=True, return_dict_in_generate=True)
+    with patched(causal_lm, "anchor_attention", theta=math.inf, **SMALL):
+        out = causal_lm(ids, attention_mask=mask).logits
+        gen = causal_lm.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, output_scores=True, return_dict_in_generate=True)
+    valid = mask.bool()
+    assert torch.allclose(out[valid], ref[valid], atol=1e-5, rtol=1e-5)
+    assert torch.equal(gen.sequences, gen_ref.sequences)
+    for a, b in zip(gen.scores, gen_ref.scores):
+        assert torch.allclose(a, b, atol=1e-4)
+
+
+@torch.no_grad()
+def test_unpatch_restores_bit_for_bit(causal_lm):
+    ids, mask = _ids()
+    ref = causal_lm(ids, attention_mask=mask).logits
+    impl = causal_lm.config._attn_implementation
+    patch(causal_lm, "anchor_attention", theta=1.0, **SMALL)
+    assert is_patched(causal_lm)
+    sparse = causal_lm(ids, attention_mask=mask).logits
+    assert not torch.allclose(sparse[mask.bool()], ref[mask.bool()], atol=1e-3)  # the patch did something
+    unpatch(causal_lm)
+    assert not is_patched(causal_lm)
+    assert causal_lm.config._attn_implementation == impl
+    assert torch.equal(causal_lm(ids, attention_mask=mask).logits, ref)
+
+
+@torch.no_grad()
+def test_theta_minus_inf_attends_initial_block_and_window_only():
+    model = tiny_causal_lm("llama")
+    n = 96
+    ids, _ = _ids(1, n)
+    i = torch.arange(n)[:, None]
+    j = torch.arange(n)[None, :]
+    end = (i // 16 + 1) * 16
+    explicit = ((j < 8) | (j >= end - 16)) & (j <= i)  # initial block 8, window 16 ending at the block end
+    ref = model(ids, attention_mask=explicit[None, None]).logits  # a prepared 4D mask is used as is
+    with patched(model, "anchor_attention", theta=-math.inf, **SMALL):
+        out = model(ids).logits
+    assert torch.allclose(out, ref, atol=1e-5)
+
+
+@torch.no_grad()
+def test_left_padded_batch_equals_sequences_alone(causal_lm):
+    ids, mask = _ids()
+    with patched(causal_lm, "anchor_attention", theta=1.0, **SMALL):
+        both = causal_lm(ids, attention_mask=mask).logits
+        alone0 = causal_lm(ids[:1]).logits
+        alone1 = causal_lm(ids[1:, 23:]).logits
+    assert torch.allclose(both[0], alone0[0], atol=1e-4)
+    assert torch.allclose(both[1, 23:], alone1[0], atol=1e-4)
+
+
+@torch.no_grad()
+def test_decode_steps_run_dense_and_stats_recorded():
+    model = tiny_causal_lm("qwen2")
+    ids, _ = _ids(1, 120)
+    with patched(model, "anchor_attention", theta=0.5, **SMALL):
+        with record_stats(model) as rec:
+            model.generate(ids, max_new_tokens=3, do_sample=False)
+    prefill, *decode = rec.forwards
+    assert len(decode) == 2
+    assert {r.mode for r in prefill.values()} == {"sparse"}
+    assert all(r.mode == "dense:decode" and r.queries == 1 for f in decode for r in f.values())
+    sp = torch.stack([r.sparsity for r in prefill.values()])
+    assert float(sp.min()) > 0.05 and float(sp.max()) < 1.0
+    for r in prefill.values():
+        assert r.kept_columns.shape == (1, 4, 8)  # 120 queries / block 16 -> 8 blocks
+
+
+@torch.no_grad()
+def test_min_len_dense_layers_and_recall():
+    model = tiny_causal_lm("llama", layers=3)
+    ids, _ = _ids(1, 100)
+    with patched(model, "anchor_attention", theta=0.5, **{**SMALL, "min_len": 101}):
+        with record_stats(model) as rec:
+            model(ids)
+        assert {r.mode for r in rec.forwards[0].values()} == {"dense:short"}
+    with patched(model, "anchor_attention", theta=0.5, dense_layers=[1], dense_heads=[(2, 3)], **SMALL):
+        rep = attention_recall(model, ids)
+    modes = [p["mode"] for p in rep["per_layer"]]
+    assert modes == ["sparse", "dense:layer", "sparse"]
+    assert rep["per_layer"][1]["recall"] == [1.0] * 4
+    assert rep["per_layer"][2]["recall"][3] == pytest.approx(1.0)
+    assert 0.0 < rep["recall_worst"] <= rep["recall_mean"] < 1.0
+    assert 0.0 < rep["sparsity"] < 1.0
+    assert len(rep["worst_heads"]) == 1  # 5 % of 12 layer-heads, at least one
+
+
+def test_two_models_patched_side_by_side_do_not_interfere():
+    a, b = tiny_causal_lm("llama", seed=0), tiny_causal_lm("llama", seed=1)
+    ids, _ = _ids(1, 80)
+    with torch.no_grad():
+        ref_b = b(ids).logits
+        patch(a, "anchor_attention", theta=-math.inf, **SMALL)
+        patch(b, "anchor_attention", theta=math.inf, **SMALL)
+        a(ids)
+        out_b = b(ids).logits
+        unpatch(a)
+        unpatch(b)
+    assert torch.allclose(out_b, ref_b, atol=1e-5)
+
+
+def test_errors_are_clear():
+    model = tiny_causal_lm("llama")
+    with pytest.raises(UnknownMethodError, match="'nope'.*anchor_attention"):
+        patch(model, "nope")
+    with pytest.raises(OptionError, match="unknown option.*thetta.*allowed: theta"):
+        patch(model, "anchor_attention", thetta=3)
+    with pytest.raises(OptionError, match="theta='x'"):
+        patch(model, "anchor_attention", theta="x")
+    with pytest.raises(OptionError, match="block_size=0"):
+        patch(model, "anchor_attention", block_size=0)
+    with pytest.raises(OptionError, match="dense_layers contains 7"):
+        patch(model, "anchor_attention", dense_layers=[7])
+    with pytest.raises(PatchStateError, match="not patched"):
+        unpatch(model)
+    patch(model, "anchor_attention")
+    with pytest.raises(PatchStateError, match="already patched with 'anchor_attention'"):
+        patch(model, "dense")
+    unpatch(model)
+    assert not is_patched(model)
+    with pytest.raises(UnsupportedModelError, match="cannot patch a torch.nn.modules.linear.Linear"):
+        patch(torch.nn.Linear(2, 2), "anchor_attention")
+
+
+def test_causal_only_method_refuses_vision_encoder():
+    from transformers import Dinov2Config, Dinov2Model
+
+    vit = Dinov2Model(Dinov2Config(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, image_size=28, patch_size=14))
+    with pytest.raises(UnsupportedModelError, match="'anchor_attention' fits model kinds \\['causal_lm'\\].*'vision'.*causal-only"):
+        patch(vit, "anchor_attention")
+
+
+def test_list_methods_and_info():
+    methods = {m["name"]: m for m in list_methods()}
+    assert methods["anchor_attention"]["model_kinds"] == ["causal_lm"]
+    opts = methods["anchor_attention"]["options"]
+    assert {"theta", "block_size", "init_block", "local_window", "min_len", "pooling", "pool_stride", "dense_last"} <= set(opts)
+    model = tiny_causal_lm("qwen3")
+    with patched(model, "anchor_attention", theta=5) as m:
+        info = patch_info(m)
+    assert info["method"] == "anchor_attention" and info["options"]["theta"] == 5.0 and info["layers"] == 2
+    assert patch_info(model) is None
+    assert attnpatch.__version__
