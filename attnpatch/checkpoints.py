@@ -450,6 +450,27 @@ def _hub_error(name: str, err: BaseException) -> ModelNotFoundError:
     )
 
 
+def _hub_cached_or_reachable(repo_id: str, timeout: float = 5.0) -> bool:
+    """Whether ``repo_id``'s config is in the local hub cache, or the hub endpoint accepts a TCP connection within ``timeout`` seconds."""
+    import socket
+    from urllib.parse import urlparse
+
+    try:
+        from huggingface_hub import constants, try_to_load_from_cache
+
+        if isinstance(try_to_load_from_cache(repo_id, "config.json"), str):
+            return True
+        endpoint = constants.ENDPOINT
+    except Exception:  # pragma: no cover - very old huggingface_hub
+        endpoint = "https://huggingface.co"
+    url = urlparse(endpoint)
+    try:
+        with socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
 def load_causal_lm(name_or_path: str | os.PathLike, dtype=None, device="cpu", log: Log = _stderr):
     """Load a causal LM and its tokenizer, in eval mode.
 
@@ -499,8 +520,9 @@ def load_causal_lm(name_or_path: str | os.PathLike, dtype=None, device="cpu", lo
     else:
         folder = name
         source = f"hub id {name}"
-        if _env_true("HF_HUB_OFFLINE") or _env_true("TRANSFORMERS_OFFLINE"):
-            # huggingface_hub reads HF_HUB_OFFLINE once at import; honour a later setting too
+        if _env_true("HF_HUB_OFFLINE") or _env_true("TRANSFORMERS_OFFLINE") or not _hub_cached_or_reachable(name):
+            # huggingface_hub reads HF_HUB_OFFLINE once at import (honour a later setting too), and an
+            # unreachable hub would otherwise cost a minute of retries before the same error
             kwargs["local_files_only"] = True
 
     log(f"loading {source} ({dtype}, {device}) ...")

@@ -27,7 +27,7 @@ finer pooling (``pool_stride``) or per-query ``pooling="max"``, dense attention 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -154,7 +154,6 @@ class _Geometry:
     start: torch.Tensor  # [B] first valid key index
     query_valid: torch.Tensor  # [B, nb*bq] bool (padded query rows are False)
     block_end: torch.Tensor  # [nb] absolute position one past the block's last query
-    extra: dict = field(default_factory=dict)
 
 
 def _geometry(q: torch.Tensor, k: torch.Tensor, cfg: AnchorConfig, q_offset: int, key_valid: torch.Tensor | None):
@@ -371,71 +370,99 @@ def _pair_counts(keep: torch.Tensor | None, geo: _Geometry, cfg: AnchorConfig, d
     return causal, kept
 
 
-def _sparse_attend(q, k, v, keep, geo: _Geometry, cfg: AnchorConfig, scale: float, want_lse: bool):
-    """Exact attention of each query block over its kept keys (padded gather, batched over blocks and heads)."""
+def _sparse_attend(q, k, v, keep, geo: _Geometry, cfg: AnchorConfig, scale: float) -> torch.Tensor:
+    """Exact attention of each query block over its kept keys.
+
+    Every (batch, head, query block) is one group.  A group's keys are its kept keys before
+    the block (gathered, no causal constraint) followed by the block's own ``block_size``
+    diagonal keys (always kept, causal).  Groups are sorted by kept count and processed in
+    buckets padded only to the bucket's largest count, each bucket being one call of the
+    fused ``scaled_dot_product_attention`` with an additive mask; no Python loop over
+    queries, heads or blocks.
+    """
     b, h, lq, d = q.shape
-    hkv = k.shape[1]
+    hkv, lk = k.shape[1], geo.lk
     g = h // hkv
     bq, nb = cfg.block_size, geo.nb
     dev = q.device
-    counts = keep.sum(-1)  # [B, H, nb]
-    qpad = F.pad(q, (0, 0, 0, nb * bq - lq)).reshape(b, h, nb, bq, d)
-    pos = (geo.q_offset + torch.arange(nb * bq, device=dev)).reshape(nb, bq)
-    out = torch.empty(b, h, nb, bq, d, dtype=q.dtype, device=dev)
-    lse = torch.empty(b, h, nb, bq, dtype=torch.float32, device=dev) if want_lse else None
-    kv_head = torch.arange(h, device=dev) // g
-    kflat = k.reshape(b * hkv * geo.lk, d)
-    vflat = v.reshape(b * hkv * geo.lk, d)
-    base = ((torch.arange(b, device=dev)[:, None] * hkv + kv_head[None, :]) * geo.lk)[:, :, None, None]  # [B,H,1,1]
-    # process blocks in chunks so the gathered keys and scores stay bounded
-    maxk_all = int(counts.max()) if counts.numel() else 0
-    per_block = b * h * max(maxk_all, 1) * (bq + 2 * d)
-    step = max(1, _CHUNK_ELEMENTS // per_block)
-    for c0 in range(0, nb, step):
-        c1 = min(nb, c0 + step)
-        kc = keep[:, :, c0:c1]
-        maxk = max(int(counts[:, :, c0:c1].max()), 1)
-        # indices of kept keys in ascending order (True first, stable); empty slots point past the end
-        order = torch.argsort((~kc).to(torch.int8), dim=-1, stable=True)[..., :maxk]  # [B,H,n,maxk]
-        slot_ok = torch.arange(maxk, device=dev) < counts[:, :, c0:c1, None]
-        flat = (base + order).reshape(-1)
-        kg = kflat.index_select(0, flat).reshape(b, h, c1 - c0, maxk, d)
-        vg = vflat.index_select(0, flat).reshape(b, h, c1 - c0, maxk, d)
-        order = order.masked_fill(~slot_ok, geo.lk)
-        qc = qpad[:, :, c0:c1]
-        s = torch.matmul(qc, kg.transpose(-1, -2)).float() * scale  # [B,H,n,bq,maxk]
-        s.masked_fill_(order[:, :, :, None, :] > pos[None, None, c0:c1, :, None], -math.inf)
-        m = s.amax(-1, keepdim=True).clamp(min=-1e30)  # rows without keys (only with inner padding) stay finite
-        p = torch.exp_(s.sub_(m))
-        den = p.sum(-1, keepdim=True)
-        o = torch.matmul(p.to(vg.dtype), vg) / den.clamp(min=1e-30).to(vg.dtype)
-        out[:, :, c0:c1] = o
-        if want_lse:
-            lse[:, :, c0:c1] = (den.log() + m)[..., 0]
-    out = out.reshape(b, h, nb * bq, d)[:, :, :lq]
-    if want_lse:
-        lse = lse.reshape(b, h, nb * bq)[:, :, :lq]
-    return out, lse
+    n_groups = b * h * nb
+    p0 = geo.q_offset + torch.arange(nb, device=dev) * bq  # first query position of each block
+    j = torch.arange(lk, device=dev)
+    off = (keep & (j < p0[:, None])).reshape(n_groups, lk)  # kept keys strictly before the block
+    counts = off.sum(-1)
+    qg = F.pad(q, (0, 0, 0, nb * bq - lq)).reshape(n_groups, bq, d)
+    grp = torch.arange(n_groups, device=dev)
+    g_b, g_h, g_blk = grp // (h * nb), (grp // nb) % h, grp % nb
+    kv_base = (g_b * hkv + g_h // g) * lk  # flat row of key 0 of the group's key/value head
+    kflat, vflat = k.reshape(-1, d), v.reshape(-1, d)
+    diag = p0[:, None] + torch.arange(bq, device=dev)  # [nb, bq]; slot-causal masking handles overrun
+    diag_ok = diag < lk
+    diag = diag.clamp(max=lk - 1)
+    causal_bias = torch.zeros(bq, bq, device=dev).masked_fill(
+        torch.ones(bq, bq, dtype=torch.bool, device=dev).triu(1), -math.inf
+    )
+    out = torch.empty(n_groups, bq, d, dtype=q.dtype, device=dev)
+    sorted_counts, perm = counts.sort()
+    inner_padding = not bool(geo.key_valid.all())
+    budget = _CHUNK_ELEMENTS // 2
+    i = 0
+    while i < n_groups:
+        width = int(sorted_counts[i]) + bq
+        i2 = min(n_groups, i + max(1, budget // (bq * width)))
+        while i2 > i + 1 and (i2 - i) * bq * (int(sorted_counts[i2 - 1]) + bq) > 2 * budget:
+            i2 = i + (i2 - i) // 2
+        idx = perm[i:i2]
+        n = idx.numel()
+        mk = int(sorted_counts[i2 - 1])
+        if mk:
+            order = torch.argsort((~off[idx]).to(torch.int8), dim=-1, stable=True)[:, :mk]  # ascending kept keys
+        else:
+            order = torch.zeros(n, 0, dtype=torch.long, device=dev)
+        slots = torch.cat([order, diag[g_blk[idx]]], 1)  # [n, mk + bq]
+        rows = (kv_base[idx, None] + slots).reshape(-1)
+        kk = kflat.index_select(0, rows).reshape(n, mk + bq, d)
+        vv = vflat.index_select(0, rows).reshape(n, mk + bq, d)
+        pad_ok = torch.arange(mk, device=dev) < counts[idx, None]  # [n, mk]
+        d_ok = diag_ok[g_blk[idx]]
+        if inner_padding:
+            d_ok = d_ok & geo.key_valid[g_b[idx, None], diag[g_blk[idx]]]
+        bias = torch.empty(n, bq, mk + bq, dtype=q.dtype if q.dtype in (torch.float16, torch.bfloat16) else torch.float32, device=dev)
+        bias[:, :, :mk] = torch.where(pad_ok, 0.0, -math.inf)[:, None, :]
+        bias[:, :, mk:] = causal_bias
+        bias[:, :, mk:].masked_fill_(~d_ok[:, None, :], -math.inf)
+        qq = qg.index_select(0, idx)
+        o = F.scaled_dot_product_attention(qq[:, None], kk[:, None], vv[:, None], attn_mask=bias[:, None], scale=scale)[:, 0]
+        out[idx] = o.nan_to_num(0.0) if inner_padding else o
+        i = i2
+    return out.reshape(b, h, nb * bq, d)[:, :, :lq]
 
 
-def _dense_lse(q, k, geo: _Geometry, scale: float, rows: slice | None = None) -> torch.Tensor:
-    """``[B, H, Lq]`` log-sum-exp of the exact causal logits, computed in query chunks (no Lq x Lk buffer)."""
+def _kept_mass(q, k, keep, geo: _Geometry, cfg: AnchorConfig, scale: float) -> torch.Tensor:
+    """``[B, H, Lq]`` exact softmax mass (over valid causal keys) carried by each query's kept keys.
+
+    One dense softmax pass in chunks of query blocks (never an ``Lq x Lk`` buffer for all
+    queries at once); the kept mass of a block's queries is a product with the block's stripe mask.
+    """
     b, h, lq, d = q.shape
     hkv = k.shape[1]
-    g = h // hkv
+    bq, nb = cfg.block_size, geo.nb
     dev = q.device
-    out = torch.empty(b, h, lq, dtype=torch.float32, device=dev)
+    qpad = F.pad(q.float(), (0, 0, 0, nb * bq - lq))
     kf = k.float()
     j = torch.arange(geo.lk, device=dev)
-    step = max(1, _CHUNK_ELEMENTS // max(b * h * geo.lk, 1))
-    for c0 in range(0, lq, step):
-        c1 = min(lq, c0 + step)
-        qc = _grouped(q[:, :, c0:c1].float(), hkv)
-        s = torch.einsum("bkgqd,bkjd->bkgqj", qc, kf).reshape(b, h, c1 - c0, geo.lk) * scale
-        i = geo.q_offset + torch.arange(c0, c1, device=dev)
-        m = (j[None, :] <= i[:, None])[None, None] & geo.key_valid[:, None, None, :]
-        out[:, :, c0:c1] = s.masked_fill(~m, -math.inf).logsumexp(-1)
-    return out
+    out = torch.empty(b, h, nb * bq, dtype=torch.float64, device=dev)
+    step = max(1, _CHUNK_ELEMENTS // max(b * h * bq * geo.lk, 1))
+    for c0 in range(0, nb, step):
+        c1 = min(nb, c0 + step)
+        r0, r1 = c0 * bq, c1 * bq
+        qc = _grouped(qpad[:, :, r0:r1], hkv)
+        s = torch.einsum("bkgqd,bkjd->bkgqj", qc, kf).reshape(b, h, r1 - r0, geo.lk).mul_(scale)
+        i = geo.q_offset + torch.arange(r0, r1, device=dev)
+        allowed = (j[None, :] <= i[:, None])[None, None] & geo.key_valid[:, None, None, :]
+        p = torch.softmax(s.masked_fill_(~allowed, -math.inf), -1).nan_to_num_(0.0)
+        mass = torch.einsum("bhnqj,bhnj->bhnq", p.reshape(b, h, c1 - c0, bq, geo.lk), keep[:, :, c0:c1].to(p.dtype))
+        out[:, :, r0:r1] = mass.reshape(b, h, r1 - r0).double()
+    return out[:, :, :lq]
 
 
 def anchor_attention(
@@ -512,7 +539,7 @@ def anchor_attention(
     else:
         qh, kh, vh = q, k, v
     keep = _select(qh, kh, cfg, scale, geo)
-    o, lse_kept = _sparse_attend(qh, kh, vh, keep, geo, cfg, scale, want_lse=compute_recall)
+    o = _sparse_attend(qh, kh, vh, keep, geo, cfg, scale)
     if dense_set:
         out = dense_causal_attention(q, k, v, scale=scale, q_offset=q_offset, key_valid=key_valid)
         out[:, sidx] = o
@@ -532,7 +559,7 @@ def anchor_attention(
     kept_cols[:, sparse_heads] = keep.sum(-1)
     stats = AnchorStats(causal, kept, kept_cols)
     if compute_recall:
-        r = torch.exp(lse_kept - _dense_lse(qh, kh, geo, scale)).nan_to_num(nan=1.0).double()  # [B, Hs, Lq]
+        r = _kept_mass(qh, kh, keep, geo, cfg, scale)  # [B, Hs, Lq]
         r[:, :, ls:] = 1.0
         qv = geo.query_valid[:, :lq].double()
         recall = torch.ones(b, h, dtype=torch.float64, device=q.device)
