@@ -39,7 +39,10 @@ def _cmd_methods(args) -> int:
 
     con = Console(width=140)
     for m in methods:
-        t = Table(title=f"{m['name']} — {m['summary']}\n[dim]{m['source']}; model kinds: {', '.join(m['model_kinds'])}[/dim]")
+        t = Table(
+            title=f"{m['name']} — {m['summary']}\n[dim]{m['source']}; model kinds: {', '.join(m['model_kinds'])}[/dim]",
+            expand=True,
+        )
         t.add_column("option")
         t.add_column("type")
         t.add_column("default")
@@ -64,11 +67,11 @@ def _cmd_models(args) -> int:
     from rich.table import Table
 
     t = Table(title="offline catalogue (any local directory or Hugging Face hub id is accepted as well)")
-    keys = list(entries[0].keys()) if entries else []
+    keys = [k for k in ("name", "architecture", "packages", "params", "prepared", "notes") if entries and k in entries[0]]
     for k in keys:
         t.add_column(k)
     for e in entries:
-        t.add_row(*(str(e[k]) for k in keys))
+        t.add_row(*(", ".join(e[k]) if isinstance(e[k], (list, tuple)) else str(e[k]) for k in keys))
     Console(width=160).print(t)
     return 0
 

@@ -174,3 +174,19 @@ def test_list_methods_and_info():
     assert info["method"] == "anchor_attention" and info["options"]["theta"] == 5.0 and info["layers"] == 2
     assert patch_info(model) is None
     assert attnpatch.__version__
+
+
+@torch.no_grad()
+def test_dense_method_on_vision_encoder_is_exact_and_restores():
+    from transformers import Dinov2Config, Dinov2Model
+
+    torch.manual_seed(0)
+    vit = Dinov2Model(Dinov2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, image_size=56, patch_size=14)).eval()
+    x = torch.randn(2, 3, 56, 56)
+    ref = vit(pixel_values=x).last_hidden_state
+    with patched(vit, "dense"):
+        with record_stats(vit) as rec:
+            out = vit(pixel_values=x).last_hidden_state
+    assert torch.allclose(out, ref, atol=1e-6)
+    assert {r.mode for r in rec.forwards[0].values()} == {"dense"} and len(rec.forwards[0]) == 2
+    assert torch.equal(vit(pixel_values=x).last_hidden_state, ref)

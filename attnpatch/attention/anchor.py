@@ -455,12 +455,13 @@ def _kept_mass(q, k, keep, geo: _Geometry, cfg: AnchorConfig, scale: float) -> t
     for c0 in range(0, nb, step):
         c1 = min(nb, c0 + step)
         r0, r1 = c0 * bq, c1 * bq
+        lc = min(geo.lk, geo.q_offset + r1)  # keys after the chunk's last query are never causal
         qc = _grouped(qpad[:, :, r0:r1], hkv)
-        s = torch.einsum("bkgqd,bkjd->bkgqj", qc, kf).reshape(b, h, r1 - r0, geo.lk).mul_(scale)
+        s = torch.einsum("bkgqd,bkjd->bkgqj", qc, kf[:, :, :lc]).reshape(b, h, r1 - r0, lc).mul_(scale)
         i = geo.q_offset + torch.arange(r0, r1, device=dev)
-        allowed = (j[None, :] <= i[:, None])[None, None] & geo.key_valid[:, None, None, :]
+        allowed = (j[None, :lc] <= i[:, None])[None, None] & geo.key_valid[:, None, None, :lc]
         p = torch.softmax(s.masked_fill_(~allowed, -math.inf), -1).nan_to_num_(0.0)
-        mass = torch.einsum("bhnqj,bhnj->bhnq", p.reshape(b, h, c1 - c0, bq, geo.lk), keep[:, :, c0:c1].to(p.dtype))
+        mass = torch.einsum("bhnqj,bhnj->bhnq", p.reshape(b, h, c1 - c0, bq, lc), keep[:, :, c0:c1, :lc].to(p.dtype))
         out[:, :, r0:r1] = mass.reshape(b, h, r1 - r0).double()
     return out[:, :, :lq]
 

@@ -84,7 +84,7 @@ def _dispatch(module, query, key, value, attention_mask, dropout: float = 0.0, s
     b, h, lq, d = query.shape
     lk = key.shape[2]
     scale = scaling if scaling is not None else d**-0.5
-    layer = int(getattr(module, "layer_idx", -1))
+    layer = module._attnpatch_layer
     state = handle.state
     record = state is not None and state.record
     q_offset, key_valid = _key_layout(attention_mask, lq, lk)
@@ -172,12 +172,14 @@ class HFAdapter:
         model = handle.model
         original = model.config._attn_implementation
         mods = attention_modules(model)
-        for _, m in mods:
+        for i, (_, m) in enumerate(mods):
             m._attnpatch = handle
+            li = getattr(m, "layer_idx", None)
+            m._attnpatch_layer = int(li) if isinstance(li, int) else i  # encoders often carry no layer_idx
         model.set_attn_implementation(ATTN_NAME)
         if model.config._attn_implementation != ATTN_NAME:
             for _, m in mods:
-                del m._attnpatch
+                del m._attnpatch, m._attnpatch_layer
             raise UnsupportedModelError(
                 f"{type(model).__name__} refused set_attn_implementation({ATTN_NAME!r}); it does not dispatch "
                 "attention through transformers.AttentionInterface"
@@ -189,6 +191,6 @@ class HFAdapter:
         original, mods = undo
         handle.model.set_attn_implementation(original)
         for _, m in mods:
-            if "_attnpatch" in m.__dict__:
-                del m._attnpatch
+            for attr in ("_attnpatch", "_attnpatch_layer"):
+                m.__dict__.pop(attr, None)
 
