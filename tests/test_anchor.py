@@ -42,7 +42,7 @@ CASES = [
     (2, 4, 2, 40, 40, 8, dict(theta=0.5), None, ()),
     (2, 4, 2, 40, 40, 8, dict(theta=2.0), None, ()),
     (1, 6, 2, 45, 45, 8, dict(theta=1.0, pool_stride=4, local_window=16), None, ()),
-    (2, 4, 4, 40, 40, 8, dict(theta=1.0, pooling="max"), None, ()),
+    (2, 4, 4, 40, 40, 8, dict(theta=1.0, pool_stride=1), None, ()),
     (2, 4, 2, 37, 45, 8, dict(theta=1.0, dense_last=5), None, ()),  # prompt continued on a cache
     (2, 4, 2, 40, 40, 8, dict(theta=1.0), [0, 7], ()),  # left padding
     (2, 4, 2, 40, 40, 8, dict(theta=1.0), [3, 7], (1,)),  # padding + a dense head
@@ -52,6 +52,7 @@ CASES = [
 
 @pytest.mark.parametrize("b,h,hkv,lq,lk,d,kw,pad,dense_heads", CASES)
 def test_fast_matches_reference(b, h, hkv, lq, lk, d, kw, pad, dense_heads):
+    kw = {"dense_last": 0, "pool_stride": None, **kw}
     cfg = AnchorConfig(block_size=8, init_block=4, local_window=kw.pop("local_window", 8), min_len=0, **kw)
     q, k, v, kv = _inputs(b, h, hkv, lq, lk, d, pad=pad)
     off = lk - lq
@@ -89,7 +90,7 @@ def test_theta_inf_equals_dense():
 def test_theta_minus_inf_keeps_initial_block_and_window_only():
     b, h, hkv, n, d = 1, 2, 1, 96, 8
     q, k, v, _ = _inputs(b, h, hkv, n, n, d, seed=3)
-    cfg = AnchorConfig(theta=-math.inf, block_size=16, init_block=8, local_window=32, min_len=0)
+    cfg = AnchorConfig(theta=-math.inf, block_size=16, init_block=8, local_window=32, min_len=0, dense_last=0)
     keep = select_stripes(q, k, cfg, scale=d**-0.5)
     for blk in range(n // 16):
         end = (blk + 1) * 16
@@ -120,7 +121,7 @@ def test_dense_last_and_dense_heads_are_exact():
 
 def test_bf16_and_shapes():
     q, k, v, _ = _inputs(1, 4, 2, 100, 100, 16)
-    cfg = AnchorConfig(theta=3.0, block_size=16, init_block=8, local_window=16, min_len=0)
+    cfg = AnchorConfig(theta=3.0, block_size=16, init_block=8, local_window=16, min_len=0, dense_last=0)
     q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
     out, _ = anchor_attention(q, k, v, cfg, scale=0.25)
     # same (bf16-rounded) values in fp32: selection is computed in fp32 either way
@@ -136,7 +137,7 @@ def test_bf16_and_shapes():
         (dict(theta=float("nan")), "theta=nan"),
         (dict(block_size=0), "block_size=0"),
         (dict(block_size=64, local_window=32), "local_window=32 < block_size=64"),
-        (dict(pooling="median"), "pooling='median'.*'mean', 'max'"),
+        (dict(pool_stride=0), "pool_stride=0"),
         (dict(pool_stride=48), "pool_stride=48 does not divide block_size=128"),
         (dict(dense_last=-1), "dense_last=-1"),
     ],

@@ -14,7 +14,7 @@ from attnpatch.evals.recall import attention_recall
 
 from conftest import tiny_causal_lm
 
-SMALL = dict(block_size=16, init_block=8, local_window=16, min_len=0)
+SMALL = dict(block_size=16, init_block=8, local_window=16, min_len=0, dense_last=0)
 
 
 def _ids(b=2, n=150, seed=1):
@@ -140,6 +140,8 @@ def test_errors_are_clear():
         patch(model, "anchor_attention", thetta=3)
     with pytest.raises(OptionError, match="theta='x'"):
         patch(model, "anchor_attention", theta="x")
+    with pytest.raises(OptionError, match="block_size=None.*expected an integer"):
+        patch(model, "anchor_attention", block_size=None)  # not nullable
     with pytest.raises(OptionError, match="block_size=0"):
         patch(model, "anchor_attention", block_size=0)
     with pytest.raises(OptionError, match="dense_layers contains 7"):
@@ -167,7 +169,7 @@ def test_list_methods_and_info():
     methods = {m["name"]: m for m in list_methods()}
     assert methods["anchor_attention"]["model_kinds"] == ["causal_lm"]
     opts = methods["anchor_attention"]["options"]
-    assert {"theta", "block_size", "init_block", "local_window", "min_len", "pooling", "pool_stride", "dense_last"} <= set(opts)
+    assert {"theta", "block_size", "init_block", "local_window", "min_len", "pool_stride", "dense_last"} <= set(opts)
     model = tiny_causal_lm("qwen3")
     with patched(model, "anchor_attention", theta=5) as m:
         info = patch_info(m)

@@ -32,6 +32,7 @@ class Option:
         default: the value used when the option is not given.
         help: one line, with units.
         choices: allowed values for ``"str"`` options.
+        nullable: ``None`` (or the string ``"none"``) is an allowed value.
     """
 
     name: str
@@ -39,6 +40,7 @@ class Option:
     default: Any
     help: str
     choices: tuple[str, ...] | None = None
+    nullable: bool = False
 
     def coerce(self, value: Any) -> Any:
         """Check ``value``'s type (accepting CLI strings) and return it normalised.
@@ -47,6 +49,8 @@ class Option:
             OptionError: the value's type does not fit ``kind``, or is not among ``choices``.
         """
         where = f"option {self.name}={value!r}"
+        if self.nullable and (value is None or (isinstance(value, str) and value.strip().lower() == "none")):
+            return None
         try:
             if self.kind == "float":
                 if isinstance(value, str):
@@ -55,8 +59,6 @@ class Option:
                     raise TypeError
                 return float(value)
             if self.kind == "int":
-                if value is None and self.default is None:
-                    return None
                 if isinstance(value, str):
                     value = int(value)
                 if isinstance(value, bool) or not isinstance(value, int):
@@ -196,11 +198,11 @@ def validate_options(method: Method, options: dict[str, Any]) -> dict[str, Any]:
 # --------------------------------------------------------------------------- methods
 
 
-def _options_from_dataclass(cls, helps: dict[str, tuple[str, str]], choices: dict[str, tuple[str, ...]] | None = None):
+def _options_from_dataclass(cls, helps: dict[str, tuple[str, str]], nullable: tuple[str, ...] = ()):
     opts = {}
     for f in dataclasses.fields(cls):
         kind, help_ = helps[f.name]
-        opts[f.name] = Option(f.name, kind, f.default, help_, (choices or {}).get(f.name))
+        opts[f.name] = Option(f.name, kind, f.default, help_, nullable=f.name in nullable)
     return opts
 
 
@@ -210,8 +212,7 @@ ANCHOR_OPTION_HELP = {
     "init_block": ("int", "initial keys always kept (tokens)"),
     "local_window": ("int", "keys before each block's end always kept (tokens, >= block_size)"),
     "min_len": ("int", "prompts shorter than this run dense (tokens)"),
-    "pooling": ("str", "how a block's queries are pooled for stripe selection"),
-    "pool_stride": ("int", "queries per pooled query for pooling='mean' (tokens; None = block_size, the paper)"),
+    "pool_stride": ("int", "queries averaged per pool for stripe selection (tokens; None = block_size as in the paper, 1 = per query; 8 chosen by measurement)"),
     "dense_last": ("int", "the last n prompt queries attend densely (tokens)"),
     "dense_layers": ("int_list", "layer indices that run dense attention"),
     "dense_heads": ("pair_list", "(layer, head) pairs that run dense attention"),
@@ -264,7 +265,7 @@ register_method(
         name="anchor_attention",
         summary="AnchorAttention sparse prefill: anchor-relative stripe selection, exact attention on kept keys; decoding dense",
         source="AnchorAttention, arXiv 2505.23520, Sec. 3 (Eq. 2-4)",
-        options=_options_from_dataclass(AnchorConfig, ANCHOR_OPTION_HELP, {"pooling": ("mean", "max")}),
+        options=_options_from_dataclass(AnchorConfig, ANCHOR_OPTION_HELP, nullable=("pool_stride",)),
         model_kinds=frozenset({"causal_lm"}),
         make_config=lambda o: AnchorConfig(**o),
         forward=anchor_forward,
