@@ -108,18 +108,24 @@ def _cmd_eval_ruler(args) -> int:
 
         def progress(msg: str) -> None:
             prog.update(bar, advance=1, description=msg)
+            if not prog.console.is_terminal:  # a log file gets one plain line per sample
+                done = int(prog.tasks[0].completed)
+                print(f"[{done}/{total}] {msg}", file=sys.stderr, flush=True)
+
+        path = args.json or f"ruler_{_slug(args.model)}_{_slug(args.method)}.json"
+        machine = machine_info()
+
+        def save(partial: dict[str, Any], complete: bool = False) -> None:
+            write_json(path, {**partial, "model": args.model, "machine": machine, "complete": complete})
 
         result = run_ruler(
             model, tok, method=args.method, options=options, tasks=tasks, lengths=args.lengths,
             num_samples=args.samples, seed=args.seed, depths=args.depths, haystack=args.haystack,
-            recall=not args.no_recall, progress=progress,
+            recall=not args.no_recall, progress=progress, on_cell=save,
         )
-    result["model"] = args.model
-    result["machine"] = machine_info()
+    save(result, complete=True)
     title = f"RULER-style eval — {args.model} — {args.method} {_fmt_opts(result['options'])}"
     print_table(result["cells"], RULER_COLUMNS, title=title)
-    path = args.json or f"ruler_{_slug(args.model)}_{_slug(args.method)}.json"
-    write_json(path, result)
     print(f"wrote {path}")
     if args.markdown:
         from pathlib import Path
@@ -161,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--depths", nargs="+", type=float, help="needle depths in [0, 1], cycled over samples")
     pr.add_argument("--haystack", choices=["repeat", "essay"], default="repeat")
     pr.add_argument("--no-recall", action="store_true", help="skip the attention-recall measuring pass")
-    pr.add_argument("--json", help="result JSON path (default: ruler_<model>_<method>.json)")
+    pr.add_argument("--json", help="result JSON path, rewritten after every finished cell (default: ruler_<model>_<method>.json)")
     pr.add_argument("--markdown", help="also write the table as Markdown to this path")
     pr.add_argument("--threads", type=int, help="torch CPU threads")
     pr.set_defaults(func=_cmd_eval_ruler)

@@ -97,6 +97,7 @@ def run_ruler(
     recall: bool = True,
     progress: Callable[[str], None] | None = None,
     on_sample: Callable[[dict[str, Any]], None] | None = None,
+    on_cell: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
     """Run the RULER-style tasks on ``model``, dense and patched with ``method``.
 
@@ -114,6 +115,8 @@ def run_ruler(
         recall: measure attention recall of the patched prefill (one extra measuring forward per sample).
         progress: called with a short line after each sample.
         on_sample: called with each per-sample result dict.
+        on_cell: called after each finished (task, length) cell with the result so far (same
+            layout as the return value), e.g. to save partial results of a long run.
 
     Returns:
         ``{"method", "options", "cells": [...], "settings": {...}}``; each cell has ``task``,
@@ -135,7 +138,12 @@ def run_ruler(
     if bad:
         raise DataError(f"unknown RULER task(s) {bad}; allowed: {', '.join(ruler_tasks.TASKS)}")
     model.eval()
-    cells = []
+    cells: list[dict[str, Any]] = []
+    settings = {
+        "tasks": list(tasks), "lengths": list(lengths), "num_samples": num_samples, "seed": seed,
+        "depths": list(depths) if depths else None, "haystack": haystack, "recall": recall,
+        "torch_threads": torch.get_num_threads(),
+    }
     for task in tasks:
         for length in lengths:
             samples = ruler_tasks.make_samples(
@@ -175,16 +183,13 @@ def run_ruler(
                         msg += f", patched {row['patched_score']:.2f} ({row['prefill_patched_s']:.2f}s)"
                     progress(msg)
             cells.append(_aggregate(task, length, rows, baseline_only))
-    return {
-        "method": method,
-        "options": options,
-        "cells": cells,
-        "settings": {
-            "tasks": list(tasks), "lengths": list(lengths), "num_samples": num_samples, "seed": seed,
-            "depths": list(depths) if depths else None, "haystack": haystack, "recall": recall,
-            "torch_threads": torch.get_num_threads(),
-        },
-    }
+            if on_cell:
+                on_cell(_result(method, options, cells, settings))
+    return _result(method, options, cells, settings)
+
+
+def _result(method: str, options: dict[str, Any], cells: list[dict[str, Any]], settings: dict[str, Any]) -> dict[str, Any]:
+    return {"method": method, "options": options, "cells": list(cells), "settings": settings}
 
 
 def _mean(xs):
