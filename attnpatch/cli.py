@@ -76,6 +76,20 @@ def _cmd_models(args) -> int:
     return 0
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
+    return value
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"{value} is not in [0, 1]")
+    return value
+
+
 def _slug(s: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "-", s).strip("-")
 
@@ -161,15 +175,15 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--method", default="anchor_attention", help="registered method, or 'dense' for a baseline-only run")
     pr.add_argument("-o", "--option", action="append", default=[], metavar="NAME=VALUE", help="method option, repeatable (e.g. -o theta=12)")
     pr.add_argument("--tasks", nargs="+", choices=list(ruler_tasks.TASKS) + ["all"], help="default: niah_single")
-    pr.add_argument("--lengths", nargs="+", type=int, default=[1024, 2048, 4096], help="context lengths in model tokens")
-    pr.add_argument("--samples", type=int, default=10, help="samples per (task, length) cell (default: %(default)s)")
+    pr.add_argument("--lengths", nargs="+", type=_positive_int, default=[1024, 2048, 4096], help="context lengths in model tokens")
+    pr.add_argument("--samples", type=_positive_int, default=10, help="samples per (task, length) cell (default: %(default)s)")
     pr.add_argument("--seed", type=int, default=0)
-    pr.add_argument("--depths", nargs="+", type=float, help="needle depths in [0, 1], cycled over samples")
+    pr.add_argument("--depths", nargs="+", type=_fraction, help="needle depths in [0, 1], cycled over samples")
     pr.add_argument("--haystack", choices=["repeat", "essay"], default="repeat")
     pr.add_argument("--no-recall", action="store_true", help="skip the attention-recall measuring pass")
     pr.add_argument("--json", help="result JSON path, rewritten after every finished cell (default: ruler_<model>_<method>.json)")
     pr.add_argument("--markdown", help="also write the table as Markdown to this path")
-    pr.add_argument("--threads", type=int, help="torch CPU threads")
+    pr.add_argument("--threads", type=_positive_int, help="torch CPU threads")
     pr.set_defaults(func=_cmd_eval_ruler)
     return p
 

@@ -145,3 +145,16 @@ def test_bf16_and_shapes():
 def test_config_errors_name_the_value(kw, match):
     with pytest.raises(OptionError, match=match):
         AnchorConfig(**kw)
+
+
+def test_right_padding_matches_reference_and_sequence_alone():
+    q, k, v, _ = _inputs(2, 4, 2, 48, 48, 8, seed=7)
+    kv = torch.ones(2, 48, dtype=torch.bool)
+    kv[1, 30:] = False  # right padding
+    cfg = AnchorConfig(theta=0.5, block_size=8, init_block=4, local_window=8, min_len=0, dense_last=3, pool_stride=4)
+    out, st = anchor_attention(q, k, v, cfg, scale=0.3, key_valid=kv, return_stats=True)
+    ref, _ = anchor_attention_reference(q, k, v, cfg, scale=0.3, key_valid=kv)
+    alone, _ = anchor_attention(q[1:, :, :30], k[1:, :, :30], v[1:, :, :30], cfg, scale=0.3)
+    assert torch.allclose(out[:, :, :30], ref[:, :, :30], atol=1e-5)
+    assert torch.allclose(out[1, :, :30], alone[0], atol=1e-6)
+    assert float(st.causal_pairs[1, 0]) == 30 * 31 / 2

@@ -192,3 +192,79 @@ def test_dense_method_on_vision_encoder_is_exact_and_restores():
     assert torch.allclose(out, ref, atol=1e-6)
     assert {r.mode for r in rec.forwards[0].values()} == {"dense"} and len(rec.forwards[0]) == 2
     assert torch.equal(vit(pixel_values=x).last_hidden_state, ref)
+
+
+@torch.no_grad()
+def test_static_cache_prefill_and_generate_match_dense():
+    from transformers import StaticCache
+
+    model = tiny_causal_lm("llama")
+    ids, _ = _ids(1, 200)
+    ref = model(ids).logits
+    gen_ref = model.generate(ids, max_new_tokens=4, do_sample=False, cache_implementation="static", output_scores=True, return_dict_in_generate=True)
+    with patched(model, "anchor_attention", theta=math.inf, **SMALL):
+        out = model(ids, cache=StaticCache(config=model.config, max_cache_len=512)).logits
+        gen = model.generate(ids, max_new_tokens=4, do_sample=False, cache_implementation="static", output_scores=True, return_dict_in_generate=True)
+    assert torch.allclose(out, ref, atol=1e-5)
+    assert torch.equal(gen.sequences, gen_ref.sequences)
+    assert all(torch.allclose(a, b, atol=1e-4) for a, b in zip(gen.scores, gen_ref.scores))
+
+
+@torch.no_grad()
+def test_right_padding_and_short_sequences_computed_as_alone():
+    model = tiny_causal_lm("qwen2")
+    g = torch.Generator().manual_seed(4)
+    lens = [200, 137, 40]
+    ids = torch.randint(0, 128, (3, 200), generator=g)
+    opts = {**SMALL, "theta": 0.5, "min_len": 48, "dense_last": 8}
+    with patched(model, "anchor_attention", **opts):
+        right = torch.zeros(3, 200, dtype=torch.long)
+        left = torch.zeros(3, 200, dtype=torch.long)
+        for i, n in enumerate(lens):
+            right[i, :n] = 1
+            left[i, 200 - n :] = 1
+        out_r = model(ids, attention_mask=right).logits
+        ids_l = torch.stack([torch.cat([ids[i, n:], ids[i, :n]]) for i, n in enumerate(lens)])  # sequence i at the end
+        pos_l = (left.cumsum(-1) - 1).clamp(min=0)
+        out_l = model(ids_l, attention_mask=left, position_ids=pos_l).logits
+        for i, n in enumerate(lens):
+            alone = model(ids[i : i + 1, :n]).logits[0]
+            assert torch.allclose(out_r[i, :n], alone, atol=1e-4), n
+            assert torch.allclose(out_l[i, 200 - n :], alone, atol=1e-4), n
+
+
+def test_patched_model_pickles_and_options_accept_numpy_scalars():
+    import pickle
+
+    import numpy as np
+
+    model = tiny_causal_lm("llama")
+    with patched(model, "anchor_attention", theta=np.float32(3.0), block_size=np.int64(16), init_block=torch.tensor(8), local_window=16) as m:
+        assert patch_info(m)["options"]["block_size"] == 16 and isinstance(patch_info(m)["options"]["init_block"], int)
+        clone = pickle.loads(pickle.dumps(m))
+        assert is_patched(clone)
+    with pytest.raises(OptionError, match="theta=.*expected a number"):
+        patch(model, "anchor_attention", theta=10**400)
+    with pytest.raises(OptionError, match="takes no options"):
+        patch(model, "dense", theta=1)
+
+
+@torch.no_grad()
+def test_recall_of_an_all_dense_forward_is_one():
+    model = tiny_causal_lm("llama")
+    ids, _ = _ids(1, 60)
+    with patched(model, "anchor_attention"):  # min_len 512 > 60 tokens: every layer dense
+        rep = attention_recall(model, ids)
+        with pytest.raises(ValueError, match="worst_fraction=2.0"):
+            attention_recall(model, ids, worst_fraction=2.0)
+        with pytest.raises(ValueError, match=r"\(60,\): expected \[batch, tokens\]"):
+            attention_recall(model, ids[0])
+    assert rep["recall_mean"] == 1.0 and rep["recall_worst"] == 1.0 and rep["sparsity"] == 0.0
+
+
+def test_patched_context_does_not_mask_the_body_error():
+    model = tiny_causal_lm("llama")
+    with pytest.raises(KeyError):
+        with patched(model, "dense"):
+            unpatch(model)
+            raise KeyError("body")

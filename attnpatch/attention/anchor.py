@@ -246,12 +246,12 @@ def select_stripes(
         and the local window, never a padding key or a key after the block's last query.
 
     Raises:
-        OptionError: shapes that do not fit (``H`` not a multiple of ``Hkv``).
+        ValueError: shapes that do not fit (``H`` not a multiple of ``Hkv``).
     """
     b, h, lq, d = q.shape
     hkv = k.shape[1]
     if h % hkv:
-        raise OptionError(f"query heads {h} not a multiple of key/value heads {hkv}")
+        raise ValueError(f"query heads {h} not a multiple of key/value heads {hkv}")
     geo = _geometry(q, k, cfg, q_offset, key_valid)
     return _select(q, k, cfg, scale, geo)
 
@@ -275,17 +275,18 @@ def _select(q: torch.Tensor, k: torch.Tensor, cfg: AnchorConfig, scale: float, g
     pos = geo.q_offset + torch.arange(nb * bq, device=dev)  # absolute query positions
 
     # (1) anchors: max logit over initial block and local window, per query.
-    init_idx = (geo.start[:, None] + torch.arange(cfg.init_block, device=dev)[None, :])  # [B, I]
+    n_init = min(cfg.init_block, geo.lk)
+    init_idx = (geo.start[:, None] + torch.arange(n_init, device=dev)[None, :])  # [B, I]
     init_ok = init_idx < geo.lk
     init_idx = init_idx.clamp(max=geo.lk - 1)
-    k_init = torch.gather(kf, 2, init_idx[:, None, :, None].expand(b, hkv, cfg.init_block, d))  # [B,Hkv,I,D]
+    k_init = torch.gather(kf, 2, init_idx[:, None, :, None].expand(b, hkv, n_init, d))  # [B,Hkv,I,D]
     qg = _grouped(qpad, hkv)  # [B, Hkv, G, nb*bq, D]
     s_init = torch.einsum("bkgqd,bkid->bkgqi", qg, k_init) * scale
     init_ok_q = init_ok[:, None, :] & (init_idx[:, None, :] <= pos[None, :, None]) & geo.key_valid.gather(1, init_idx)[:, None, :]
     s_init = s_init.masked_fill(~init_ok_q[:, None, None], -math.inf)
     anchor = s_init.amax(-1)  # [B, Hkv, G, nb*bq]
 
-    w = cfg.local_window
+    w = min(cfg.local_window, geo.lk)
     win_idx = geo.block_end[:, None] - w + torch.arange(w, device=dev)[None, :]  # [nb, W]
     win_ok = win_idx >= 0
     win_idx = win_idx.clamp(min=0)
@@ -512,16 +513,17 @@ def anchor_attention(
         (padding) give zeros.  ``stats`` is ``None`` unless requested.
 
     Raises:
-        OptionError: ``H`` not a multiple of ``Hkv`` or ``Lk < q_offset + Lq``.
+        ValueError: ``H`` not a multiple of ``Hkv`` or ``Lk < q_offset + Lq``.
+        OptionError: a ``dense_heads`` index outside ``0..H-1``.
     """
     b, h, lq, d = q.shape
     hkv = k.shape[1]
     if h % hkv:
-        raise OptionError(f"query heads {h} not a multiple of key/value heads {hkv}")
+        raise ValueError(f"query heads {h} not a multiple of key/value heads {hkv}")
     if k.shape[2] < q_offset + lq:
-        raise OptionError(f"{k.shape[2]} keys cannot cover queries at positions {q_offset}..{q_offset + lq - 1}")
+        raise ValueError(f"{k.shape[2]} keys cannot cover queries at positions {q_offset}..{q_offset + lq - 1}")
     want_stats = return_stats or compute_recall
-    split = _split_left_padding(key_valid, q_offset, lq)
+    split = _split_padding(key_valid, q_offset, lq)
     if split is not None:
         return _per_sequence(
             anchor_attention, q, k, v, cfg, split, scale=scale, q_offset=q_offset, key_valid=key_valid,
@@ -534,8 +536,8 @@ def anchor_attention(
         raise OptionError(f"dense_heads={dense_set}: head indices must be in 0..{h - 1}")
     geo = _geometry(q, k, cfg, q_offset, key_valid)
     sparse_heads = [x for x in range(h) if x not in dense_set]
-    if cfg.theta == math.inf or not sparse_heads or ls == 0:
-        # every causal key is kept: exactly dense, no selection cost
+    if cfg.theta == math.inf or not sparse_heads or ls == 0 or lq < cfg.min_len:
+        # every causal key is kept (or the prompt is shorter than min_len): exactly dense
         out = dense_causal_attention(q, k, v, scale=scale, q_offset=q_offset, key_valid=key_valid)
         stats = None
         if want_stats:
@@ -578,45 +580,53 @@ def anchor_attention(
     return out, stats
 
 
-def _split_left_padding(key_valid: torch.Tensor | None, q_offset: int, lq: int) -> list[int] | None:
-    """First valid key of each sequence when any sequence starts with padding, else ``None``.
+def _split_padding(key_valid: torch.Tensor | None, q_offset: int, lq: int) -> list[tuple[int, int]] | None:
+    """``(first, end)`` valid key range of each sequence when any sequence is padded, else ``None``.
 
-    Query blocks, the initial block and the local window are defined relative to each
-    sequence's first real token, so a left-padded sequence is computed exactly as it would
-    be alone.
+    Query blocks, the initial block, the local window and ``dense_last`` are defined relative
+    to each sequence's own first and last real tokens, so a padded sequence (left padding,
+    or right padding in a prompt) is computed exactly as it would be alone.
     """
     if key_valid is None:
         return None
-    starts = torch.argmax(key_valid.to(torch.int8), dim=1)
-    if not bool((starts > 0).any()):
+    lk = key_valid.shape[1]
+    any_valid = key_valid.any(1)
+    first = torch.argmax(key_valid.to(torch.int8), dim=1)
+    end = lk - torch.argmax(key_valid.flip(1).to(torch.int8), dim=1)
+    first = torch.where(any_valid, first, 0)
+    end = torch.where(any_valid, end, 0)
+    # keys after the last query are empty cache slots or future tokens, not padding to strip
+    end = end.clamp(max=q_offset + lq)
+    if bool((first == 0).all()) and bool((end == q_offset + lq).all()):
         return None
-    return [int(x) for x in starts]
+    return [(int(a), int(e)) for a, e in zip(first, end)]
 
 
-def _per_sequence(fn, q, k, v, cfg, starts, *, scale, q_offset, key_valid, dense_heads, return_stats, compute_recall):
-    """Run ``fn`` on each sequence with its left padding stripped; padded query rows get zeros."""
+def _per_sequence(fn, q, k, v, cfg, ranges, *, scale, q_offset, key_valid, dense_heads, return_stats, compute_recall):
+    """Run ``fn`` on each sequence with its padding stripped; padded query rows get zeros."""
     b, h, lq, d = q.shape
     out = torch.zeros_like(q)
     parts = []
-    for bi, p in enumerate(starts):
+    for bi, (p, e) in enumerate(ranges):
         qi0 = min(lq, max(0, p - q_offset))
-        if qi0 >= lq or not bool(key_valid[bi].any()):
+        qi1 = max(qi0, min(lq, e - q_offset))
+        if qi1 <= qi0:
             parts.append(None)
             continue
-        kv = key_valid[bi : bi + 1, p:]
+        kv = key_valid[bi : bi + 1, p:e]
         o, st = fn(
-            q[bi : bi + 1, :, qi0:], k[bi : bi + 1, :, p:], v[bi : bi + 1, :, p:], cfg, scale=scale,
+            q[bi : bi + 1, :, qi0:qi1], k[bi : bi + 1, :, p:e], v[bi : bi + 1, :, p:e], cfg, scale=scale,
             q_offset=q_offset + qi0 - p, key_valid=None if bool(kv.all()) else kv, dense_heads=dense_heads,
             **({"return_stats": return_stats, "compute_recall": compute_recall} if fn is anchor_attention else {}),
         )
-        out[bi : bi + 1, :, qi0:] = o
-        parts.append(st)
+        out[bi : bi + 1, :, qi0:qi1] = o
+        parts.append(st if fn is anchor_attention else (qi0, p, st))
     if fn is not anchor_attention:  # the reference returns the kept mask [1, H, Lq', Lk']
-        lk = k.shape[2]
-        kept = torch.zeros(b, h, lq, lk, dtype=torch.bool)
-        for bi, (p, km) in enumerate(zip(starts, parts)):
-            if km is not None:
-                kept[bi, :, lq - km.shape[2] :, p:] = km[0]
+        kept = torch.zeros(b, h, lq, k.shape[2], dtype=torch.bool)
+        for bi, part in enumerate(parts):
+            if part is not None:
+                qi0, p, km = part
+                kept[bi, :, qi0 : qi0 + km.shape[2], p : p + km.shape[3]] = km[0]
         return out, kept
     if not (return_stats or compute_recall):
         return out, None
@@ -658,7 +668,7 @@ def anchor_attention_reference(
     """
     b, h, lq, d = q.shape
     hkv, lk = k.shape[1], k.shape[2]
-    split = _split_left_padding(key_valid, q_offset, lq)
+    split = _split_padding(key_valid, q_offset, lq)
     if split is not None:
         return _per_sequence(
             anchor_attention_reference, q, k, v, cfg, split, scale=scale, q_offset=q_offset, key_valid=key_valid,

@@ -18,12 +18,14 @@ from ..patchers.state import LayerRecord
 __all__ = ["attention_recall", "summarize_layers"]
 
 
-def summarize_layers(layers: dict[int, LayerRecord], worst_fraction: float = 0.05) -> dict[str, Any]:
+def summarize_layers(layers: dict[int, LayerRecord], worst_fraction: float = 0.05, recall_measured: bool | None = None) -> dict[str, Any]:
     """Aggregate one forward's layer records.
 
     Args:
         layers: ``{layer: LayerRecord}`` of one forward call (see :func:`attnpatch.record_stats`).
         worst_fraction: share of (layer, head) pairs averaged for ``recall_worst`` (0.05 = worst 5 %).
+        recall_measured: whether recall was requested for this forward; ``None`` = whether any
+            layer carries one.  When requested, layers that ran dense count as 1.0.
 
     Returns:
         dict with ``sparsity`` (skipped fraction of all causal query-key pairs, all layers and
@@ -32,14 +34,19 @@ def summarize_layers(layers: dict[int, LayerRecord], worst_fraction: float = 0.0
         ``[layer, head, recall]``), ``per_layer`` (list of dicts: layer, mode, sparsity,
         recall per head), and ``recall_matrix`` (``[layers, heads]`` list, batch-averaged) —
         the recall entries are ``None`` when recall was not measured.
+
+    Raises:
+        ValueError: ``worst_fraction`` outside ``(0, 1]``.
     """
+    if not 0.0 < worst_fraction <= 1.0:
+        raise ValueError(f"worst_fraction={worst_fraction!r}: must be in (0, 1]")
     if not layers:
         return {"sparsity": None, "recall_mean": None, "recall_worst": None, "worst_heads": [], "per_layer": []}
     kept = sum(float(r.kept_pairs.sum()) for r in layers.values() if r.kept_pairs is not None)
     causal = sum(float(r.causal_pairs.sum()) for r in layers.values() if r.causal_pairs is not None)
     per_layer = []
     rows = []
-    have_recall = any(r.recall is not None for r in layers.values())
+    have_recall = any(r.recall is not None for r in layers.values()) if recall_measured is None else recall_measured
     for li in sorted(layers):
         r = layers[li]
         h = r.causal_pairs.shape[1] if r.causal_pairs is not None else 0
@@ -96,8 +103,13 @@ def attention_recall(
 
     Raises:
         PatchStateError: ``model`` is not patched.
+        ValueError: ``input_ids`` not 2-D, or ``worst_fraction`` outside ``(0, 1]``.
     """
     handle_of(model)
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids of shape {tuple(input_ids.shape)}: expected [batch, tokens]")
+    if not 0.0 < worst_fraction <= 1.0:
+        raise ValueError(f"worst_fraction={worst_fraction!r}: must be in (0, 1]")
     with record_stats(model, recall=True) as rec:
         model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-    return summarize_layers(rec.forwards[0], worst_fraction)
+    return summarize_layers(rec.forwards[0], worst_fraction, recall_measured=True)

@@ -78,11 +78,13 @@ class PatchHandle:
         return None
 
     def install(self) -> None:
+        """Apply the adapter and the per-forward hooks."""
         self._undo = self.adapter.apply(self)
         self._hooks.append(self.model.register_forward_pre_hook(self._pre, with_kwargs=True))
         self._hooks.append(self.model.register_forward_hook(self._post, with_kwargs=True, always_call=True))
 
     def remove(self) -> None:
+        """Remove the hooks and let the adapter restore the model."""
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
@@ -167,7 +169,8 @@ def patched(model: torch.nn.Module, method: str = "anchor_attention", **options:
     try:
         yield model
     finally:
-        unpatch(model)
+        if is_patched(model):  # the block may have unpatched it already; do not mask its own error
+            unpatch(model)
 
 
 def is_patched(model: torch.nn.Module) -> bool:

@@ -50,9 +50,14 @@ def _register() -> None:
 
 
 def _key_layout(attention_mask: torch.Tensor | None, lq: int, lk: int) -> tuple[int, torch.Tensor | None]:
-    """``(q_offset, key_valid [B, Lk] or None)`` from the 4D mask HF passes (bool, or additive float)."""
+    """``(q_offset, key_valid [B, Lk] or None)`` from the 4D mask HF passes (bool, or additive float).
+
+    A ``None`` mask means what it means to ``sdpa_attention_forward``: one query sees every key
+    (a decoding step); several queries are causal from key 0 (``is_causal`` is top-left aligned,
+    which is also right for a static cache whose key length exceeds the prompt).
+    """
     if attention_mask is None:
-        return lk - lq, None
+        return (lk - 1 if lq == 1 else 0), None
     last = attention_mask[:, 0, -1, :]
     if last.dtype != torch.bool:
         last = last > torch.finfo(last.dtype).min / 2
@@ -133,6 +138,7 @@ class HFAdapter:
 
     @staticmethod
     def layer_count(handle: PatchHandle) -> int:
+        """Number of attention modules the patch routes."""
         return len(attention_modules(handle.model))
 
     @staticmethod
@@ -168,6 +174,14 @@ class HFAdapter:
 
     @staticmethod
     def apply(handle: PatchHandle) -> Any:
+        """Bind ``handle`` to every attention module and switch the model to the ``"attnpatch"`` implementation.
+
+        Returns:
+            What :meth:`restore` needs: the original implementation name and the modules.
+
+        Raises:
+            UnsupportedModelError: the model refuses ``set_attn_implementation``.
+        """
         _register()
         model = handle.model
         original = model.config._attn_implementation
@@ -188,6 +202,7 @@ class HFAdapter:
 
     @staticmethod
     def restore(handle: PatchHandle, undo: Any) -> None:
+        """Switch back to the original attention implementation and unbind the modules."""
         original, mods = undo
         handle.model.set_attn_implementation(original)
         for _, m in mods:

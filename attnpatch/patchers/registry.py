@@ -9,6 +9,7 @@ entry with :func:`register_method`.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -49,21 +50,23 @@ class Option:
             OptionError: the value's type does not fit ``kind``, or is not among ``choices``.
         """
         where = f"option {self.name}={value!r}"
+        if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):  # numpy / torch scalars
+            value = value.item()
         if self.nullable and (value is None or (isinstance(value, str) and value.strip().lower() == "none")):
             return None
         try:
             if self.kind == "float":
                 if isinstance(value, str):
                     value = float(value)
-                if isinstance(value, bool) or not isinstance(value, (int, float)):
+                if isinstance(value, bool) or not isinstance(value, numbers.Real):
                     raise TypeError
                 return float(value)
             if self.kind == "int":
                 if isinstance(value, str):
                     value = int(value)
-                if isinstance(value, bool) or not isinstance(value, int):
+                if isinstance(value, bool) or not isinstance(value, numbers.Integral):
                     raise TypeError
-                return value
+                return int(value)
             if self.kind == "str":
                 if not isinstance(value, str):
                     raise TypeError
@@ -86,10 +89,10 @@ class Option:
                 if any(len(x) != 2 or any(isinstance(y, bool) or not isinstance(y, int) for y in x) for x in out):
                     raise TypeError
                 return out
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, OverflowError) as exc:
             if isinstance(exc, OptionError):
                 raise
-            raise OptionError(f"{where}: expected {_KIND_TEXT[self.kind]}") from None
+            raise OptionError(f"{where}: expected {_KIND_TEXT[self.kind]}" + (" (or none)" if self.nullable else "")) from None
         raise AssertionError(self.kind)
 
 
@@ -184,10 +187,8 @@ def validate_options(method: Method, options: dict[str, Any]) -> dict[str, Any]:
     """
     unknown = sorted(set(options) - set(method.options))
     if unknown:
-        raise OptionError(
-            f"unknown option(s) {', '.join(unknown)} for method {method.name!r}; "
-            f"allowed: {', '.join(method.options)}"
-        )
+        allowed = f"allowed: {', '.join(method.options)}" if method.options else "it takes no options"
+        raise OptionError(f"unknown option(s) {', '.join(unknown)} for method {method.name!r}; {allowed}")
     full = {n: o.default for n, o in method.options.items()}
     for n, v in options.items():
         full[n] = method.options[n].coerce(v)
@@ -217,6 +218,10 @@ ANCHOR_OPTION_HELP = {
     "dense_layers": ("int_list", "layer indices that run dense attention"),
     "dense_heads": ("pair_list", "(layer, head) pairs that run dense attention"),
 }
+
+def _anchor_config(options: dict[str, Any]) -> AnchorConfig:
+    return AnchorConfig(**options)
+
 
 def anchor_forward(
     cfg: AnchorConfig,
@@ -267,7 +272,7 @@ register_method(
         source="AnchorAttention, arXiv 2505.23520, Sec. 3 (Eq. 2-4)",
         options=_options_from_dataclass(AnchorConfig, ANCHOR_OPTION_HELP, nullable=("pool_stride",)),
         model_kinds=frozenset({"causal_lm"}),
-        make_config=lambda o: AnchorConfig(**o),
+        make_config=_anchor_config,
         forward=anchor_forward,
     )
 )
@@ -278,6 +283,10 @@ class DenseConfig:
     """The ``dense`` baseline has no options: exact attention through the patch machinery."""
 
 
+def _dense_config(options: dict[str, Any]) -> DenseConfig:
+    return DenseConfig()
+
+
 register_method(
     Method(
         name="dense",
@@ -285,7 +294,7 @@ register_method(
         source="softmax attention (Vaswani et al. 2017, Eq. 1)",
         options={},
         model_kinds=frozenset({"causal_lm", "vision"}),
-        make_config=lambda o: DenseConfig(),
+        make_config=_dense_config,
         forward=dense_forward,
     )
 )
