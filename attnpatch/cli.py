@@ -135,7 +135,7 @@ def _cmd_eval_ruler(args) -> int:
         result = run_ruler(
             model, tok, method=args.method, options=options, tasks=tasks, lengths=args.lengths,
             num_samples=args.samples, seed=args.seed, depths=args.depths, haystack=args.haystack,
-            recall=not args.no_recall, progress=progress, on_cell=save,
+            recall=not args.no_recall, recall_samples=args.recall_samples, progress=progress, on_cell=save,
         )
     save(result, complete=True)
     title = f"RULER-style eval — {args.model} — {args.method} {_fmt_opts(result['options'])}"
@@ -181,6 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--depths", nargs="+", type=_fraction, help="needle depths in [0, 1], cycled over samples")
     pr.add_argument("--haystack", choices=["repeat", "essay"], default="repeat")
     pr.add_argument("--no-recall", action="store_true", help="skip the attention-recall measuring pass")
+    pr.add_argument("--recall-samples", type=_positive_int, metavar="N", help="measure recall on the first N samples of each cell only (default: all)")
     pr.add_argument("--json", help="result JSON path, rewritten after every finished cell (default: ruler_<model>_<method>.json)")
     pr.add_argument("--markdown", help="also write the table as Markdown to this path")
     pr.add_argument("--threads", type=_positive_int, help="torch CPU threads")

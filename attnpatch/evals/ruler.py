@@ -95,6 +95,7 @@ def run_ruler(
     depths: Sequence[float] | None = None,
     haystack: str = "repeat",
     recall: bool = True,
+    recall_samples: int | None = None,
     progress: Callable[[str], None] | None = None,
     on_sample: Callable[[dict[str, Any]], None] | None = None,
     on_cell: Callable[[dict[str, Any]], None] | None = None,
@@ -113,6 +114,8 @@ def run_ruler(
         depths: needle depths in [0, 1] cycled over samples (NIAH tasks).
         haystack: ``"repeat"`` (RULER's noise sentences) or ``"essay"`` (natural prose).
         recall: measure attention recall of the patched prefill (one extra measuring forward per sample).
+        recall_samples: measure recall on the first ``recall_samples`` samples of each cell only
+            (``None`` = all); the cell's recall columns then average those samples.
         progress: called with a short line after each sample.
         on_sample: called with each per-sample result dict.
         on_cell: called after each finished (task, length) cell with the result so far (same
@@ -141,7 +144,7 @@ def run_ruler(
     cells: list[dict[str, Any]] = []
     settings = {
         "tasks": list(tasks), "lengths": list(lengths), "num_samples": num_samples, "seed": seed,
-        "depths": list(depths) if depths else None, "haystack": haystack, "recall": recall,
+        "depths": list(depths) if depths else None, "haystack": haystack, "recall": recall, "recall_samples": recall_samples,
         "torch_threads": torch.get_num_threads(),
     }
     for task in tasks:
@@ -169,7 +172,7 @@ def run_ruler(
                             prefill_patched_s=t_p,
                             sparsity=summ.get("sparsity"),
                         )
-                        if recall:
+                        if recall and (recall_samples is None or i < recall_samples):
                             r = attention_recall(model, torch.tensor([ids], device=model.device))
                             row.update(recall_mean=r["recall_mean"], recall_worst5=r["recall_worst"], worst_heads=r["worst_heads"][:5])
                     finally:
