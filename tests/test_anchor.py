@@ -47,13 +47,15 @@ CASES = [
     (2, 4, 2, 40, 40, 8, dict(theta=1.0), [0, 7], ()),  # left padding
     (2, 4, 2, 40, 40, 8, dict(theta=1.0), [3, 7], (1,)),  # padding + a dense head
     (1, 3, 3, 33, 33, 8, dict(theta=1.5, dense_last=3), [5], ()),
+    (2, 4, 2, 40, 40, 8, dict(theta=0.5, min_len=20), [0, 25], ()),  # sequence 1 (15 tokens) is below min_len: dense
 ]
 
 
 @pytest.mark.parametrize("b,h,hkv,lq,lk,d,kw,pad,dense_heads", CASES)
 def test_fast_matches_reference(b, h, hkv, lq, lk, d, kw, pad, dense_heads):
     kw = {"dense_last": 0, "pool_stride": None, **kw}
-    cfg = AnchorConfig(block_size=8, init_block=4, local_window=kw.pop("local_window", 8), min_len=0, **kw)
+    kw = {"min_len": 0, **kw}
+    cfg = AnchorConfig(block_size=8, init_block=4, local_window=kw.pop("local_window", 8), **kw)
     q, k, v, kv = _inputs(b, h, hkv, lq, lk, d, pad=pad)
     off = lk - lq
     out, st = anchor_attention(

@@ -687,7 +687,8 @@ def anchor_attention_reference(
     kept = torch.zeros(b, h, lq, lk, dtype=torch.bool)
     qd, kd, vd = q.double().cpu(), k.double().cpu(), v.double().cpu()
     valid = torch.ones(b, lk, dtype=torch.bool) if key_valid is None else key_valid.cpu()
-    n_sparse = lq - min(cfg.dense_last, lq)
+    # prompts shorter than min_len run dense; otherwise the last dense_last queries do
+    n_sparse = 0 if lq < cfg.min_len else lq - min(cfg.dense_last, lq)
     for bi in range(b):
         start = next((j for j in range(lk) if valid[bi, j]), lk)
         initial = set(range(start, min(start + cfg.init_block, lk)))
@@ -706,7 +707,7 @@ def anchor_attention_reference(
                         continue
                     cand = [j for j in (initial | window) if j <= p and valid[bi, j]]
                     anchors[i] = max(float(qd[bi, hi, i] @ kd[bi, kv, j]) * scale for j in cand)
-                dense_rows = hi in dense_heads
+                dense_rows = hi in dense_heads or n_sparse == 0
                 sel = set(always)
                 if not dense_rows and anchors:
                     vis = [i for i in rows if i in anchors]

@@ -18,6 +18,11 @@ from ..patchers.state import LayerRecord
 __all__ = ["attention_recall", "summarize_layers"]
 
 
+def _check_worst_fraction(worst_fraction: float) -> None:
+    if not 0.0 < worst_fraction <= 1.0:
+        raise ValueError(f"worst_fraction={worst_fraction!r}: must be in (0, 1]")
+
+
 def summarize_layers(layers: dict[int, LayerRecord], worst_fraction: float = 0.05, recall_measured: bool | None = None) -> dict[str, Any]:
     """Aggregate one forward's layer records.
 
@@ -38,8 +43,7 @@ def summarize_layers(layers: dict[int, LayerRecord], worst_fraction: float = 0.0
     Raises:
         ValueError: ``worst_fraction`` outside ``(0, 1]``.
     """
-    if not 0.0 < worst_fraction <= 1.0:
-        raise ValueError(f"worst_fraction={worst_fraction!r}: must be in (0, 1]")
+    _check_worst_fraction(worst_fraction)
     if not layers:
         return {"sparsity": None, "recall_mean": None, "recall_worst": None, "worst_heads": [], "per_layer": []}
     kept = sum(float(r.kept_pairs.sum()) for r in layers.values() if r.kept_pairs is not None)
@@ -108,8 +112,7 @@ def attention_recall(
     handle_of(model)
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids of shape {tuple(input_ids.shape)}: expected [batch, tokens]")
-    if not 0.0 < worst_fraction <= 1.0:
-        raise ValueError(f"worst_fraction={worst_fraction!r}: must be in (0, 1]")
+    _check_worst_fraction(worst_fraction)
     with record_stats(model, recall=True) as rec:
         model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
     return summarize_layers(rec.forwards[0], worst_fraction, recall_measured=True)
