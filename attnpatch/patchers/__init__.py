@@ -2,6 +2,7 @@
 
 from .core import handle_of, is_patched, patch, patch_info, patched, record_stats, unpatch
 from .registry import get_method, list_methods, register_method
+from . import vision_methods  # noqa: F401  (registers fna, sink_mask, fna+sink_mask)
 from .state import ForwardState, LayerRecord
 
 __all__ = [

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
 from ..errors import PatchStateError, UnsupportedModelError
 from .registry import Method, get_method, validate_options
-from .state import ForwardState, LayerRecord
+from .state import ForwardState, LayerContext, LayerRecord
 
 __all__ = [
     "PatchHandle",
@@ -28,6 +28,7 @@ __all__ = [
     "is_patched",
     "patch_info",
     "record_stats",
+    "run_layer",
 ]
 
 _HANDLE_ATTR = "_attnpatch_handle"
@@ -36,7 +37,11 @@ _HANDLE_ATTR = "_attnpatch_handle"
 @dataclass
 class _Recorder:
     recall: bool
+    teacher_forced: bool = False
+    capture: bool = False
+    probe: Any = None
     forwards: list[dict[int, LayerRecord]] = field(default_factory=list)
+    outputs: list[dict[int, torch.Tensor]] = field(default_factory=list)
 
 
 class PatchHandle:
@@ -63,25 +68,45 @@ class PatchHandle:
         self.recorders: list[_Recorder] = []
         self._hooks: list[Any] = []
         self._undo: Any = None
+        self.num_layers = 0  # set by the adapter
+        self.prefix_tokens = 0  # set by the adapter (CLS + registers for ViTs)
+        self._depth = 0
 
-    # forward hooks: one ForwardState per top-level call
+    # forward hooks: one ForwardState per top-level call (nested roots share it)
     def _pre(self, module, args, kwargs):
-        rec = bool(self.recorders)
-        self.state = ForwardState(record=rec, recall=any(r.recall for r in self.recorders))
+        self._depth += 1
+        if self._depth > 1:
+            return None
+        rs = self.recorders
+        probes = [r.probe for r in rs if r.probe is not None]
+        self.state = ForwardState(
+            record=bool(rs),
+            recall=any(r.recall for r in rs),
+            teacher_forced=any(r.teacher_forced for r in rs),
+            capture=any(r.capture for r in rs),
+            probe=probes[-1] if probes else None,
+        )
         return None
 
     def _post(self, module, args, kwargs, output):
+        self._depth = max(0, self._depth - 1)
+        if self._depth > 0:
+            return None
         state, self.state = self.state, None
         if state is not None and state.record:
             for r in self.recorders:
                 r.forwards.append(state.layers)
+                if r.capture:
+                    r.outputs.append(state.outputs)
         return None
 
     def install(self) -> None:
         """Apply the adapter and the per-forward hooks."""
         self._undo = self.adapter.apply(self)
-        self._hooks.append(self.model.register_forward_pre_hook(self._pre, with_kwargs=True))
-        self._hooks.append(self.model.register_forward_hook(self._post, with_kwargs=True, always_call=True))
+        roots = getattr(self.adapter, "roots", None)
+        for root in roots(self) if roots is not None else [self.model]:
+            self._hooks.append(root.register_forward_pre_hook(self._pre, with_kwargs=True))
+            self._hooks.append(root.register_forward_hook(self._post, with_kwargs=True, always_call=True))
 
     def remove(self) -> None:
         """Remove the hooks and let the adapter restore the model."""
@@ -90,19 +115,106 @@ class PatchHandle:
         self._hooks.clear()
         self.adapter.restore(self, self._undo)
         self.state = None
+        self._depth = 0
+
+
+def _count_pairs(key_valid: torch.Tensor | None, q_offset: int, lq: int, lk: int, b: int, h: int, causal: bool) -> torch.Tensor:
+    """``[B, H]`` query-key pairs among valid keys (causal: only keys at or before each query)."""
+    if not causal:
+        if key_valid is None:
+            return torch.full((b, h), float(lq * lk), dtype=torch.float64)
+        return (key_valid.sum(-1).double().cpu() * lq)[:, None].expand(b, h).clone()
+    if key_valid is None:
+        n = lq * q_offset + lq * (lq + 1) // 2
+        return torch.full((b, h), float(n), dtype=torch.float64)
+    cum = key_valid.to(torch.int64).cumsum(-1)
+    pos = q_offset + torch.arange(lq, device=key_valid.device)
+    per_q = cum[:, pos] * key_valid[:, pos]
+    return per_q.sum(-1).double().cpu()[:, None].expand(b, h).clone()
+
+
+def run_layer(
+    handle: "PatchHandle",
+    layer: int,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: float,
+    exact: Callable[[], torch.Tensor],
+    q_offset: int = 0,
+    key_valid: torch.Tensor | None = None,
+    causal: bool = False,
+) -> torch.Tensor:
+    """Run the patch's method for one attention call; what every adapter calls.
+
+    Args:
+        handle: the model's patch.
+        layer: attention-layer index.
+        q: ``[B, H, Lq, D]``; k, v: ``[B, Hkv, Lk, D]``.
+        scale: attention scale.
+        exact: computes the model's own exact attention for this call, ``[B, H, Lq, D]``.
+        q_offset, key_valid, causal: see :class:`~attnpatch.patchers.state.LayerContext`.
+
+    Returns:
+        ``[B, H, Lq, D]``: the method's output, or ``exact()`` where the method declines (and
+        always ``exact()`` in a teacher-forced run, after recording the method's error).
+    """
+    state = handle.state
+    record = state is not None and state.record
+    shared = state.shared if state is not None else {}
+    ctx = LayerContext(
+        layer=layer, num_layers=handle.num_layers, scale=scale, q_offset=q_offset, key_valid=key_valid,
+        causal=causal, prefix_tokens=handle.prefix_tokens, state=state, record=record,
+        hidden=shared.get("_hidden"), residual=shared.get("_residual"),
+    )
+    if state is not None and state.probe is not None:
+        state.probe(ctx, q, k, v)
+    out, rec = handle.method_forward(handle.config, q, k, v, ctx)
+    if state is not None and state.teacher_forced:
+        ref = exact()
+        if out is not None and rec is not None:
+            num = (out.float() - ref.float()).flatten(1).norm(dim=-1)
+            rec.rel_error = (num / ref.float().flatten(1).norm(dim=-1).clamp(min=1e-30)).cpu()
+        elif rec is not None:
+            rec.rel_error = torch.zeros(q.shape[0])
+        out = ref
+    elif out is None:
+        out = exact()
+    if record and rec is not None:
+        if rec.causal_pairs is None:
+            b, h, lq, _ = q.shape
+            rec.causal_pairs = _count_pairs(key_valid, q_offset, lq, k.shape[2], b, h, causal)
+            rec.kept_pairs = rec.causal_pairs.clone() if rec.kept_pairs is None else rec.kept_pairs
+        state.layers[layer] = rec
+    if state is not None and state.capture:
+        state.outputs[layer] = out.detach()
+    return out
+
+
+def set_layer_inputs(handle: "PatchHandle", hidden: torch.Tensor | None = None, residual: torch.Tensor | None = None) -> None:
+    """Adapters' hooks: remember the current layer's attention input / block input for the method (no copy)."""
+    state = handle.state
+    if state is None:
+        return
+    if hidden is not None:
+        state.shared["_hidden"] = hidden
+    if residual is not None:
+        state.shared["_residual"] = residual
 
 
 def _find_adapter(model: torch.nn.Module):
-    from . import hf
+    from . import hf, timm_adapter
 
-    for adapter in (hf.HFAdapter,):
+    for adapter in (hf.HFAdapter, timm_adapter.TimmAdapter):
         kind = adapter.detect(model)
         if kind is not None:
             return adapter, kind
     raise UnsupportedModelError(
         f"cannot patch a {type(model).__module__}.{type(model).__name__}: supported are Hugging Face "
         "transformers models whose attention dispatches through transformers.AttentionInterface "
-        "(e.g. LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM)"
+        "(e.g. LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Dinov2Model, Dinov2WithRegistersModel) "
+        "and timm VisionTransformer models (timm.layers.Attention)"
     )
 
 
@@ -139,6 +251,8 @@ def patch(model: torch.nn.Module, method: str = "anchor_attention", **options: A
         )
     handle = PatchHandle(model, m, full, adapter, kind)
     adapter.check(handle)
+    if m.check is not None:
+        m.check(handle.config, adapter.layer_count(handle))
     handle.install()
     object.__setattr__(model, _HANDLE_ATTR, handle)
     return model
@@ -204,22 +318,36 @@ def patch_info(model: torch.nn.Module) -> dict[str, Any] | None:
 
 
 @contextlib.contextmanager
-def record_stats(model: torch.nn.Module, recall: bool = False) -> Iterator[_Recorder]:
+def record_stats(
+    model: torch.nn.Module,
+    recall: bool = False,
+    *,
+    teacher_forced: bool = False,
+    capture: bool = False,
+    probe: Callable[..., None] | None = None,
+) -> Iterator[_Recorder]:
     """Record per-layer statistics of every forward call made inside the block.
 
     Args:
         model: a patched model.
         recall: also measure attention recall in sparse layers (one extra dense ``Q K^T`` pass per layer).
+        teacher_forced: every patched layer also computes exact attention on its inputs, records
+            ``rel_error`` (relative Frobenius error of the method's output) and passes the exact
+            output on, so each layer's error is measured with exact inputs.
+        capture: keep every layer's attention output ``[B, H, N, D]`` (in ``outputs``; memory:
+            one activation per layer).
+        probe: called as ``probe(ctx, q, k, v)`` at every routed layer (diagnostics).
 
     Yields:
         A recorder whose ``forwards`` list gets, per top-level forward call (prefill and each
-        decoding step of ``generate``), a dict ``{layer_index: LayerRecord}``.
+        decoding step of ``generate``), a dict ``{layer_index: LayerRecord}`` (and, with
+        ``capture``, ``outputs`` a dict ``{layer_index: tensor}`` per call).
 
     Raises:
         PatchStateError: ``model`` is not patched.
     """
     handle = handle_of(model)
-    rec = _Recorder(recall=recall)
+    rec = _Recorder(recall=recall, teacher_forced=teacher_forced, capture=capture, probe=probe)
     handle.recorders.append(rec)
     try:
         yield rec

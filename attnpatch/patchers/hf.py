@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ..errors import UnsupportedModelError
-from .core import PatchHandle
+from .core import PatchHandle, run_layer, set_layer_inputs
 
 ATTN_NAME = "attnpatch"
 _DISPATCH_CLASSES: dict[type, bool] = {}
@@ -69,53 +69,64 @@ def _key_layout(attention_mask: torch.Tensor | None, lq: int, lk: int) -> tuple[
     return last_pos + 1 - lq, last
 
 
-def _count_causal(key_valid: torch.Tensor | None, q_offset: int, lq: int, b: int, h: int) -> torch.Tensor:
-    """``[B, H]`` causal pairs among valid tokens for queries at ``q_offset .. q_offset+Lq-1``."""
-    if key_valid is None:
-        n = lq * q_offset + lq * (lq + 1) // 2
-        return torch.full((b, h), float(n), dtype=torch.float64)
-    cum = key_valid.to(torch.int64).cumsum(-1)
-    pos = q_offset + torch.arange(lq, device=key_valid.device)
-    per_q = cum[:, pos] * key_valid[:, pos]
-    return per_q.sum(-1).double().cpu()[:, None].expand(b, h).clone()
-
-
 def _dispatch(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None, **kwargs):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     handle: PatchHandle | None = getattr(module, "_attnpatch", None)
     if handle is None:  # a module of a model that is not patched (cannot happen through patch())
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    b, h, lq, d = query.shape
-    lk = key.shape[2]
+    lq, lk, d = query.shape[2], key.shape[2], query.shape[3]
     scale = scaling if scaling is not None else d**-0.5
-    layer = module._attnpatch_layer
-    state = handle.state
-    record = state is not None and state.record
     q_offset, key_valid = _key_layout(attention_mask, lq, lk)
-    out, rec = handle.method_forward(
-        handle.config,
-        query,
-        key,
-        value,
-        scale=scale,
-        q_offset=q_offset,
-        key_valid=key_valid,
-        layer=layer,
-        state=state,
-        record=record,
-        causal=bool(getattr(module, "is_causal", True)),
-    )
-    if out is None:  # the method chose exact attention for this call
+
+    def exact() -> torch.Tensor:
         out = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)[0]
-    else:
-        out = out.transpose(1, 2).contiguous()
-    if record:
-        if rec.causal_pairs is None:
-            rec.causal_pairs = _count_causal(key_valid, q_offset, lq, b, h)
-            rec.kept_pairs = rec.causal_pairs.clone()
-        state.layers[layer] = rec
-    return out, None
+        return out.transpose(1, 2)
+
+    out = run_layer(
+        handle, module._attnpatch_layer, query, key, value, scale=scale, exact=exact, q_offset=q_offset,
+        key_valid=key_valid, causal=bool(getattr(module, "is_causal", True)),
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _block_of(model: torch.nn.Module, name: str) -> torch.nn.Module | None:
+    """The transformer block holding the attention module called ``name``: the ancestor that is an item of a ModuleList."""
+    parts = name.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        parent = model.get_submodule(".".join(parts[: i - 1])) if i > 1 else model
+        child = getattr(parent, parts[i - 1], None)
+        if isinstance(child, (torch.nn.ModuleList, torch.nn.Sequential)) and parts[i].isdigit():
+            return child[int(parts[i])]
+    return None
+
+
+def _prefix_tokens(model: torch.nn.Module, kind: str) -> int:
+    """CLS + register tokens for ViT encoders (token roles FNA and sink masking need); 0 for causal LMs."""
+    if kind != "vision":
+        return 0
+    cfg = model.config
+    vcfg = getattr(cfg, "vision_config", None) or cfg
+    return 1 + int(getattr(vcfg, "num_register_tokens", 0) or 0)
+
+
+def _first_tensor(args, kwargs, name: str) -> torch.Tensor | None:
+    x = args[0] if args else kwargs.get(name)
+    return x if isinstance(x, torch.Tensor) else None
+
+
+def _attn_input_hook(handle: PatchHandle):
+    def hook(module, args, kwargs):
+        set_layer_inputs(handle, hidden=_first_tensor(args, kwargs, "hidden_states"))
+
+    return hook
+
+
+def _block_input_hook(handle: PatchHandle):
+    def hook(module, args, kwargs):
+        set_layer_inputs(handle, residual=_first_tensor(args, kwargs, "hidden_states"))
+
+    return hook
 
 
 class HFAdapter:
@@ -186,24 +197,36 @@ class HFAdapter:
         model = handle.model
         original = model.config._attn_implementation
         mods = attention_modules(model)
-        for i, (_, m) in enumerate(mods):
+        handle.num_layers = len(mods)
+        handle.prefix_tokens = _prefix_tokens(model, handle.kind)
+        hooks = []
+        for i, (name, m) in enumerate(mods):
             m._attnpatch = handle
             li = getattr(m, "layer_idx", None)
             m._attnpatch_layer = int(li) if isinstance(li, int) else i  # encoders often carry no layer_idx
+            if handle.kind == "vision":  # token features for landmark selection and sink detection
+                hooks.append(m.register_forward_pre_hook(_attn_input_hook(handle), with_kwargs=True))
+                block = _block_of(model, name)
+                if block is not None:
+                    hooks.append(block.register_forward_pre_hook(_block_input_hook(handle), with_kwargs=True))
         model.set_attn_implementation(ATTN_NAME)
         if model.config._attn_implementation != ATTN_NAME:
             for _, m in mods:
                 del m._attnpatch, m._attnpatch_layer
+            for h in hooks:
+                h.remove()
             raise UnsupportedModelError(
                 f"{type(model).__name__} refused set_attn_implementation({ATTN_NAME!r}); it does not dispatch "
                 "attention through transformers.AttentionInterface"
             )
-        return original, mods
+        return original, mods, hooks
 
     @staticmethod
     def restore(handle: PatchHandle, undo: Any) -> None:
         """Switch back to the original attention implementation and unbind the modules."""
-        original, mods = undo
+        original, mods, hooks = undo
+        for h in hooks:
+            h.remove()
         handle.model.set_attn_implementation(original)
         for _, m in mods:
             for attr in ("_attnpatch", "_attnpatch_layer"):

@@ -17,7 +17,7 @@ import torch
 
 from ..attention.anchor import AnchorConfig, anchor_attention
 from ..errors import OptionError, UnknownMethodError
-from .state import ForwardState, LayerRecord
+from .state import LayerContext, LayerRecord
 
 __all__ = ["Option", "Method", "register_method", "get_method", "list_methods", "validate_options", "METHODS"]
 
@@ -28,8 +28,9 @@ class Option:
 
     Attributes:
         name: keyword name passed to :func:`attnpatch.patch`.
-        kind: ``"float"``, ``"int"``, ``"str"``, ``"int_list"`` (list of ints) or
-            ``"pair_list"`` (list of ``(layer, head)`` pairs).
+        kind: ``"float"``, ``"int"``, ``"str"``, ``"bool"``, ``"int_or_auto"`` (an int or the
+            string ``"auto"``), ``"int_list"`` (list of ints) or ``"pair_list"`` (list of
+            ``(layer, head)`` pairs).
         default: the value used when the option is not given.
         help: one line, with units.
         choices: allowed values for ``"str"`` options.
@@ -67,6 +68,23 @@ class Option:
                 if isinstance(value, bool) or not isinstance(value, numbers.Integral):
                     raise TypeError
                 return int(value)
+            if self.kind == "bool":
+                if isinstance(value, str):
+                    low = value.strip().lower()
+                    if low not in ("true", "false", "1", "0", "yes", "no"):
+                        raise ValueError
+                    value = low in ("true", "1", "yes")
+                if not isinstance(value, bool):
+                    raise TypeError
+                return value
+            if self.kind == "int_or_auto":
+                if isinstance(value, str):
+                    if value.strip().lower() == "auto":
+                        return "auto"
+                    value = int(value)
+                if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                    raise TypeError
+                return int(value)
             if self.kind == "str":
                 if not isinstance(value, str):
                     raise TypeError
@@ -100,6 +118,8 @@ _KIND_TEXT = {
     "float": "a number",
     "int": "an integer",
     "str": "a string",
+    "bool": "true or false",
+    "int_or_auto": "an integer or 'auto'",
     "int_list": "a list of integers (e.g. [17, 18] or '17,18')",
     "pair_list": "a list of (layer, head) pairs (e.g. [(17, 3)] or '17:3,18:0')",
 }
@@ -116,10 +136,13 @@ class Method:
         options: the method's options, by name.
         model_kinds: model kinds it fits: ``"causal_lm"`` (decoder prefill), ``"vision"`` (bidirectional encoder).
         make_config: builds the config object from the validated option dict.
-        forward: ``forward(config, q, k, v, *, scale, q_offset, key_valid, layer, state, record, causal)``
-            with ``q`` ``[B, H, Lq, D]``, ``k, v`` ``[B, Hkv, Lk, D]``, ``key_valid`` ``[B, Lk]`` bool or
-            ``None``; returns ``(out [B, H, Lq, D] or None, LayerRecord)`` where ``None`` asks the
-            adapter to run the model's exact attention for this call.
+        forward: ``forward(config, q, k, v, ctx)`` with ``q`` ``[B, H, Lq, D]``, ``k, v``
+            ``[B, Hkv, Lk, D]`` and ``ctx`` a :class:`~attnpatch.patchers.state.LayerContext`
+            (layer index, scale, positions, padding, token roles, per-forward state); returns
+            ``(out [B, H, Lq, D] or None, LayerRecord)`` where ``None`` asks the adapter to run
+            the model's exact attention for this call.
+        check: ``check(config, num_layers)`` run at patch time against the model's depth
+            (raises :class:`~attnpatch.errors.OptionError`), or ``None``.
     """
 
     name: str
@@ -129,6 +152,7 @@ class Method:
     model_kinds: frozenset[str]
     make_config: Callable[[dict[str, Any]], Any]
     forward: Callable[..., tuple[torch.Tensor | None, LayerRecord]]
+    check: Callable[[Any, int], None] | None = None
 
     def describe(self) -> dict[str, Any]:
         """Plain-data description: name, summary, source, model kinds, options with defaults and help."""
@@ -199,11 +223,13 @@ def validate_options(method: Method, options: dict[str, Any]) -> dict[str, Any]:
 # --------------------------------------------------------------------------- methods
 
 
-def _options_from_dataclass(cls, helps: dict[str, tuple[str, str]], nullable: tuple[str, ...] = ()):
+def _options_from_dataclass(
+    cls, helps: dict[str, tuple[str, str]], nullable: tuple[str, ...] = (), choices: dict[str, tuple[str, ...]] | None = None
+):
     opts = {}
     for f in dataclasses.fields(cls):
         kind, help_ = helps[f.name]
-        opts[f.name] = Option(f.name, kind, f.default, help_, nullable=f.name in nullable)
+        opts[f.name] = Option(f.name, kind, f.default, help_, nullable=f.name in nullable, choices=(choices or {}).get(f.name))
     return opts
 
 
@@ -224,20 +250,10 @@ def _anchor_config(options: dict[str, Any]) -> AnchorConfig:
 
 
 def anchor_forward(
-    cfg: AnchorConfig,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    scale: float,
-    q_offset: int,
-    key_valid: torch.Tensor | None,
-    layer: int,
-    state: ForwardState | None,
-    record: bool,
-    causal: bool,
+    cfg: AnchorConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: LayerContext
 ) -> tuple[torch.Tensor | None, LayerRecord]:
     """AnchorAttention on prefill; exact attention for decoding steps, short prompts and ``dense_layers``."""
+    layer, state = ctx.layer, ctx.state
     lq, lk = q.shape[2], k.shape[2]
     if lq == 1:
         return None, LayerRecord(layer, "dense:decode", lq, lk)
@@ -248,8 +264,8 @@ def anchor_forward(
     heads = [hd for (li, hd) in cfg.dense_heads if li == layer]
     recall = bool(state is not None and state.recall)
     out, st = anchor_attention(
-        q, k, v, cfg, scale=scale, q_offset=q_offset, key_valid=key_valid, dense_heads=heads,
-        return_stats=record, compute_recall=recall,
+        q, k, v, cfg, scale=ctx.scale, q_offset=ctx.q_offset, key_valid=ctx.key_valid, dense_heads=heads,
+        return_stats=ctx.record, compute_recall=recall,
     )
     rec = LayerRecord(layer, "sparse", lq, lk)
     if st is not None:
@@ -260,9 +276,9 @@ def anchor_forward(
     return out, rec
 
 
-def dense_forward(cfg, q, k, v, *, scale, q_offset, key_valid, layer, state, record, causal):
+def dense_forward(cfg, q, k, v, ctx: LayerContext):
     """The ``dense`` baseline: always the model's exact attention."""
-    return None, LayerRecord(layer, "dense", q.shape[2], k.shape[2])
+    return None, LayerRecord(ctx.layer, "dense", q.shape[2], k.shape[2])
 
 
 register_method(

@@ -1,0 +1,257 @@
+"""Frozen-feature evals of a patched ViT against the same model unpatched, in one run.
+
+One pass over the images computes, batch by batch and interleaved (so every setting sees the
+same machine state), the dense features and the features of each patched setting, timing each
+forward call (seconds; landmark selection included).  From the features:
+
+* ``knn``: leave-one-out k-NN top-1/top-5 (DINO's weighted vote, :func:`attnpatch.evals.frozen.knn_classify`);
+* ``linear_probe``: logistic regression, stratified cross-validation;
+* ``retrieval``: image-to-image same-class retrieval, recall@1/5 and mAP@R;
+* ``fidelity``: cosine similarity of the final CLS token and of the mean patch token (patched vs
+  dense, per image), k-NN prediction agreement, and per layer the relative Frobenius error
+  ``||H_patched - H_exact||_F / ||H_exact||_F`` of the attention output, measured
+  *teacher-forced* (each layer gets the exact model's inputs, so its own error is isolated) and
+  *free-running* (the patched model's own inputs; errors accumulate), on the first
+  ``layer_error_images`` images.
+
+All metrics use the final CLS token (after the model's last norm) as the image feature.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import OptionError, UnsupportedModelError
+from ..patchers.core import patched, record_stats
+from ..patchers.registry import get_method, validate_options
+
+__all__ = ["TASKS", "encode", "token_count", "run_feature_eval"]
+
+TASKS = ("fidelity", "knn", "linear_probe", "retrieval")
+
+
+def _prefix_tokens(model: torch.nn.Module) -> int:
+    if hasattr(model, "num_prefix_tokens"):  # timm
+        return int(model.num_prefix_tokens)
+    cfg = getattr(model, "config", None)
+    vcfg = getattr(cfg, "vision_config", None) or cfg
+    return 1 + int(getattr(vcfg, "num_register_tokens", 0) or 0)
+
+
+@torch.no_grad()
+def encode(model: torch.nn.Module, pixel_values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Final CLS token and mean patch token of a ViT encoder.
+
+    Args:
+        model: a Hugging Face DINOv2-style model (``last_hidden_state`` after the final norm) or a
+            timm ``VisionTransformer`` (``forward_features``).
+        pixel_values: ``[B, 3, H, W]``.
+
+    Returns:
+        ``(cls [B, C], patch_mean [B, C])`` float32 on CPU; register tokens are excluded from the mean.
+
+    Raises:
+        UnsupportedModelError: a model of neither kind.
+    """
+    x = pixel_values.to(next(model.parameters()).device, next(model.parameters()).dtype)
+    if hasattr(model, "forward_features") and type(model).__module__.startswith("timm."):
+        h = model.forward_features(x)
+    else:
+        try:
+            from transformers import PreTrainedModel
+        except ImportError:  # pragma: no cover
+            PreTrainedModel = ()  # noqa: N806
+        if not isinstance(model, PreTrainedModel):
+            raise UnsupportedModelError(f"cannot encode images with a {type(model).__name__}: expected a transformers ViT or a timm ViT")
+        h = model(pixel_values=x).last_hidden_state
+    p = _prefix_tokens(model)
+    return h[:, 0].float().cpu(), h[:, p:].float().mean(1).cpu()
+
+
+def token_count(model: torch.nn.Module, resolution: int) -> int:
+    """Tokens ``N`` a square ``resolution`` input gives (patches + CLS + registers)."""
+    patch = getattr(getattr(model, "config", None), "patch_size", None)
+    if patch is None and hasattr(model, "patch_embed"):
+        patch = model.patch_embed.patch_size[0]
+    patch = int(patch[0] if isinstance(patch, (tuple, list)) else patch)
+    return (resolution // patch) ** 2 + _prefix_tokens(model)
+
+
+def _cos(a: torch.Tensor, b: torch.Tensor) -> np.ndarray:
+    return torch.nn.functional.cosine_similarity(a, b, dim=-1).numpy()
+
+
+def _layer_errors(a: dict[int, torch.Tensor], b: dict[int, torch.Tensor]) -> dict[int, np.ndarray]:
+    out = {}
+    for li in sorted(set(a) & set(b)):
+        x, y = a[li].float(), b[li].float()
+        num = (x - y).flatten(1).norm(dim=-1)
+        out[li] = (num / y.flatten(1).norm(dim=-1).clamp(min=1e-30)).cpu().numpy()
+    return out
+
+
+def _metrics(feats: np.ndarray, labels: np.ndarray, tasks: Sequence[str], knn_k: int, folds: int, seed: int) -> dict[str, Any]:
+    from . import frozen
+
+    out: dict[str, Any] = {}
+    if "knn" in tasks or "fidelity" in tasks:
+        r = frozen.knn_classify(feats, labels, k=knn_k)
+        out.update(knn_top1=r["top1"], knn_top5=r["top5"], _knn_pred=r["predictions"])
+    if "linear_probe" in tasks:
+        r = frozen.linear_probe(feats, labels, folds=folds, seed=seed)
+        out.update(linear_probe=r["mean"], linear_probe_std=r["std"], linear_probe_folds=r["folds"])
+    if "retrieval" in tasks:
+        r = frozen.image_retrieval(feats, labels, ks=(1, 5))
+        out.update(map_at_r=r["map_at_r"], recall_at_1=r["recall@1"], recall_at_5=r["recall@5"])
+    return out
+
+
+def run_feature_eval(
+    model: torch.nn.Module,
+    images,
+    preprocess: Callable[[list], torch.Tensor],
+    *,
+    settings: Sequence[tuple[str, dict[str, Any]]],
+    tasks: Sequence[str] = TASKS,
+    batch_size: int = 16,
+    layer_error_images: int = 32,
+    knn_k: int = 20,
+    folds: int = 5,
+    seed: int = 0,
+    warmup: bool = True,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict[str, Any]:
+    """Dense vs patched frozen-feature metrics and throughput, on the same images in one run.
+
+    Args:
+        model: an unpatched ViT encoder (see :func:`encode`); left unpatched.
+        images: a labelled image set (``len``, ``[i] -> (PIL image, label)``, ``labels`` ``[N]``),
+            e.g. :func:`attnpatch.evals.images.load_image_set`.
+        preprocess: list of PIL images -> ``[B, 3, R, R]`` (e.g. :func:`attnpatch.evals.images.make_preprocess`).
+        settings: ``[(method, options), ...]`` patched settings compared with dense.
+        tasks: subset of :data:`TASKS`.
+        batch_size: images per forward call.
+        layer_error_images: per-layer errors (teacher-forced and free-running) are measured on
+            the first this many images (each costs two extra forward calls per setting).
+        knn_k, folds, seed: k-NN neighbours, linear-probe folds, seed.
+        warmup: run one untimed forward per setting on the first batch before timing.
+        progress: called as ``progress(images_done, images_total)``.
+
+    Returns:
+        ``{"n_images", "resolution" (pixels), "tokens", "batch_size", "dense": {metrics,
+        "seconds", "images_per_s"}, "runs": [{"method", "options", metrics, "seconds",
+        "images_per_s", "speedup", "cls_cosine", "cls_cosine_min", "patch_cosine",
+        "knn_agreement", "layer_error_teacher" (list per layer), "layer_error_free",
+        "mean_layer_error_teacher", "mean_layer_error_free", "sampled_at" (layer -> images)}]}``.
+        Times are seconds of model forward calls (landmark selection included).
+
+    Raises:
+        OptionError: unknown task; UnknownMethodError / OptionError for a bad setting.
+    """
+    bad = [t for t in tasks if t not in TASKS]
+    if bad:
+        raise OptionError(f"unknown task(s) {bad}; allowed: {', '.join(TASKS)}")
+    settings = [(m, validate_options(get_method(m), dict(o))) for m, o in settings]
+    model.eval()
+    n = len(images)
+    labels = np.asarray(images.labels)[:n]
+    dense_cls, dense_pm, dense_t = [], [], 0.0
+    runs = [
+        {"cls": [], "pm": [], "t": 0.0, "teacher": {}, "free": {}, "sampled_at": {}}
+        for _ in settings
+    ]
+    resolution = tokens = None
+    done = 0
+    for start in range(0, n, batch_size):
+        batch = [images[i][0] for i in range(start, min(n, start + batch_size))]
+        x = preprocess(batch)
+        resolution = int(x.shape[-1])
+        if warmup and start == 0:
+            encode(model, x[:1])
+            for m, o in settings:
+                with patched(model, m, **o):
+                    encode(model, x[:1])
+        t0 = time.perf_counter()
+        c, p = encode(model, x)
+        dense_t += time.perf_counter() - t0
+        dense_cls.append(c)
+        dense_pm.append(p)
+        need_layers = "fidelity" in tasks and start < layer_error_images
+        dense_out = None
+        if need_layers:
+            with patched(model, "dense"), record_stats(model, capture=True) as rec:
+                encode(model, x)
+            dense_out = rec.outputs[0]
+        for (m, o), r in zip(settings, runs):
+            with patched(model, m, **o), record_stats(model) as rec:
+                t0 = time.perf_counter()
+                c, p = encode(model, x)
+                r["t"] += time.perf_counter() - t0
+            r["cls"].append(c)
+            r["pm"].append(p)
+            lay = rec.forwards[0] if rec.forwards else {}
+            tokens = next((rr.queries for rr in lay.values()), tokens)
+            first = {}
+            for li in sorted(lay):
+                lm = lay[li].landmarks
+                if lm is not None:
+                    for bi in range(lm.shape[0]):
+                        if bi not in first and int(lm[bi, 0]) >= 0:
+                            first[bi] = li
+            for li in first.values():
+                r["sampled_at"][li] = r["sampled_at"].get(li, 0) + 1
+            if need_layers:
+                with patched(model, m, **o), record_stats(model, teacher_forced=True) as rec_t:
+                    encode(model, x)
+                for li, lr in rec_t.forwards[0].items():
+                    if lr.rel_error is not None:
+                        r["teacher"].setdefault(li, []).append(lr.rel_error.numpy())
+                with patched(model, m, **o), record_stats(model, capture=True) as rec_f:
+                    encode(model, x)
+                for li, e in _layer_errors(rec_f.outputs[0], dense_out).items():
+                    r["free"].setdefault(li, []).append(e)
+        done += len(batch)
+        if progress:
+            progress(done, n)
+    dcls = torch.cat(dense_cls)
+    dense_metrics = _metrics(dcls.numpy(), labels, tasks, knn_k, folds, seed)
+    dense_pred = dense_metrics.pop("_knn_pred", None)
+    result: dict[str, Any] = {
+        "n_images": n,
+        "resolution": resolution,
+        "tokens": tokens,
+        "batch_size": batch_size,
+        "tasks": list(tasks),
+        "dense": {**dense_metrics, "seconds": dense_t, "images_per_s": n / dense_t if dense_t else None},
+        "runs": [],
+    }
+    for (m, o), r in zip(settings, runs):
+        pcls = torch.cat(r["cls"])
+        met = _metrics(pcls.numpy(), labels, tasks, knn_k, folds, seed)
+        pred = met.pop("_knn_pred", None)
+        row: dict[str, Any] = {"method": m, "options": o, **met, "seconds": r["t"], "images_per_s": n / r["t"] if r["t"] else None}
+        row["speedup"] = (dense_t / r["t"]) if r["t"] else None
+        if "fidelity" in tasks:
+            cc = _cos(pcls, dcls)
+            row.update(
+                cls_cosine=float(cc.mean()),
+                cls_cosine_min=float(cc.min()),
+                patch_cosine=float(_cos(torch.cat(r["pm"]), torch.cat(dense_pm)).mean()),
+                knn_agreement=float(np.mean(pred == dense_pred)) if pred is not None else None,
+            )
+            te = [float(np.concatenate(r["teacher"][li]).mean()) for li in sorted(r["teacher"])]
+            fe = [float(np.concatenate(r["free"][li]).mean()) for li in sorted(r["free"])]
+            row.update(
+                layer_error_teacher=te,
+                layer_error_free=fe,
+                mean_layer_error_teacher=float(np.mean(te)) if te else None,
+                mean_layer_error_free=float(np.mean(fe)) if fe else None,
+            )
+        row["sampled_at"] = {str(k): v for k, v in sorted(r["sampled_at"].items())}
+        result["runs"].append(row)
+    return result
