@@ -1,0 +1,99 @@
+"""Vision evals end to end on a tiny random DINOv2 saved to disk and a tiny imagefolder (no hub, no real checkpoint)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from attnpatch.cli import main
+
+
+@pytest.fixture(scope="module")
+def tiny_vit_dir(tmp_path_factory):
+    from transformers import Dinov2Config, Dinov2Model
+
+    from attnpatch.checkpoints import dinov2_image_processor
+
+    d = tmp_path_factory.mktemp("tiny-dinov2")
+    torch.manual_seed(0)
+    cfg = Dinov2Config(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, intermediate_size=128, image_size=70, patch_size=14)
+    Dinov2Model(cfg).eval().save_pretrained(d)
+    dinov2_image_processor().save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def tiny_images(tmp_path_factory):
+    from PIL import Image
+
+    root = tmp_path_factory.mktemp("imgs")
+    (root / "train").mkdir()
+    rng = np.random.default_rng(0)
+    rows = []
+    for i in range(12):
+        label = i % 3
+        arr = (rng.random((80, 96, 3)) * 60 + 60 * label).astype(np.uint8)  # classes differ in brightness
+        name = f"img{i:02d}.jpg"
+        Image.fromarray(arr).save(root / "train" / name)
+        rows.append({"file_name": name, "label": label})
+    (root / "train" / "metadata.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (root / "classes.json").write_text(json.dumps([{"index": i, "name": n} for i, n in enumerate(["dark", "mid", "bright"])]))
+    return root
+
+
+@pytest.mark.parametrize("task", ["fidelity", "knn", "linear-probe", "retrieval"])
+def test_vision_eval_cli_end_to_end(task, tiny_vit_dir, tiny_images, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    rc = main([
+        "eval", task, "--model", str(tiny_vit_dir), "--data", str(tiny_images), "--method", "fna", "-o", "s=9",
+        "--resolution", "70", "--batch-size", "5", "--layer-error-images", "5", "--k", "3", "--json", str(out),
+    ])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert res["n_images"] == 12 and res["resolution"] == 70 and res["tokens"] == 26
+    run = res["runs"][0]
+    assert run["method"] == "fna" and run["options"]["s"] == 9 and run["images_per_s"] > 0 and res["dense"]["images_per_s"] > 0
+    if task == "fidelity":
+        assert 0.5 < run["cls_cosine"] <= 1.0 + 1e-6
+        assert len(run["layer_error_teacher"]) == 4 and run["layer_error_teacher"][0] == 0.0  # layers before the sample layer are exact
+        assert run["mean_layer_error_teacher"] > 0 and run["approximated_layers"] == [2, 3]  # auto: no massive token -> 4 // 2
+        assert 0 <= run["knn_agreement"] <= 1
+    if task == "knn":
+        assert res["dense"]["knn_top1"] == pytest.approx(1.0)  # brightness classes are trivially separable
+    if task == "linear-probe":
+        assert 0 <= run["linear_probe"] <= 1
+    if task == "retrieval":
+        assert 0 <= run["map_at_r"] <= 1 and "recall_at_1" in run
+    printed = capsys.readouterr().out
+    assert "dense" in printed and "fna" in printed
+
+
+def test_vision_eval_s_at_least_n_matches_dense(tiny_vit_dir, tiny_images, tmp_path):
+    out = tmp_path / "r.json"
+    with pytest.warns(UserWarning, match="s=26 >= N=26"):
+        rc = main(["eval", "fidelity", "--model", str(tiny_vit_dir), "--data", str(tiny_images), "--method", "fna", "-o", "s=26",
+                   "--resolution", "70", "--k", "3", "--json", str(out)])
+    assert rc == 0
+    run = json.loads(out.read_text())["runs"][0]
+    assert run["cls_cosine"] == pytest.approx(1.0, abs=1e-6) and run["knn_agreement"] == 1.0
+    assert run["mean_layer_error_teacher"] == 0.0
+
+
+def test_vision_eval_bad_input(tiny_vit_dir, tiny_images, capsys):
+    assert main(["eval", "knn", "--model", str(tiny_vit_dir), "--data", str(tiny_images), "--method", "fna", "-o", "s=0"]) == 2
+    assert "s=0" in capsys.readouterr().err
+    assert main(["eval", "knn", "--model", str(tiny_vit_dir), "--data", str(tiny_images), "--method", "anchor_attention"]) == 2
+    assert "causal-only" in capsys.readouterr().err
+    assert main(["eval", "knn", "--model", str(tiny_vit_dir), "--data", str(tiny_images / "nope")]) == 2
+
+
+def test_sinks_cli(tiny_vit_dir, tiny_images, tmp_path, capsys):
+    out = tmp_path / "s.json"
+    assert main(["sinks", "--model", str(tiny_vit_dir), "--data", str(tiny_images), "--images", "3", "--resolution", "70", "--json", str(out)]) == 0
+    rep = json.loads(out.read_text())
+    assert rep["tokens"] == 26 and len(rep["layers"]) == 4
+    assert all(len(e["massive"]) == 3 and len(e["sinks"]) == 3 for e in rep["layers"])
+    assert "first layer with a massive token" in capsys.readouterr().out
