@@ -47,6 +47,13 @@ SWEEP = (
     + [("sink_mask", {"mask_layers": 2, "renormalize": True}), ("fna+sink_mask", {"s": 64})]
 )
 
+SWEEP_KEY = (  # the decisions that matter most, for a larger N
+    [("fna", {"s": 64, "sample_layer": li}) for li in (4, 5, 6, 7)]
+    + [("fna", {"s": 64, "sample_layer": 6, "pinv": p, **extra}) for p, extra in
+       [("newton", {}), ("rtol", {"rtol": 1e-1}), ("rtol", {"rtol": 1e-3})]]
+    + [("fna", {"s": 64, "sample_layer": 6, "features": "hidden"})]
+)
+
 
 class FolderImages:
     """A labelled imagefolder (``train/metadata.jsonl`` + JPEGs) read with PIL alone (no ``datasets``)."""
@@ -153,7 +160,8 @@ def cmd_features(args) -> int:
         sub = FolderImages(args.data, lab, args.sweep_images, args.per_class)
         for r in args.sweep_resolution:
             res = run_feature_eval(
-                model, sub, make_preprocess(proc, r), settings=SWEEP, tasks=("fidelity",), batch_size=args.batch_size,
+                model, sub, make_preprocess(proc, r), settings=SWEEP if args.sweep_set == "full" else SWEEP_KEY,
+                tasks=("fidelity",), batch_size=args.batch_size,
                 layer_error_images=args.sweep_images, compute_metrics=False,
             )
             (out / f"sweep_res{r}.json").write_text(json.dumps({**meta, **res}, default=str))
@@ -245,6 +253,7 @@ def main(argv=None) -> int:
     f.add_argument("--layer-error-images", type=int, default=32)
     f.add_argument("--sweep", action="store_true")
     f.add_argument("--sweep-images", type=int, default=128)
+    f.add_argument("--sweep-set", choices=["full", "key"], default="full")
     f.add_argument("--sweep-resolution", nargs="+", type=int, default=[448])
     f.add_argument("--sinks", action="store_true")
     f.add_argument("--out", required=True)
