@@ -14,12 +14,13 @@ from .errors import (
     UnknownMethodError,
     UnsupportedModelError,
 )
+from .evals.sink_diagnostic import sink_diagnostic
 from .patchers import is_patched, list_methods, patch, patch_info, patched, record_stats, unpatch
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "patch", "unpatch", "patched", "is_patched", "patch_info", "list_methods", "record_stats",
+    "patch", "unpatch", "patched", "is_patched", "patch_info", "list_methods", "record_stats", "sink_diagnostic",
     "AttnpatchError", "OptionError", "UnknownMethodError", "UnsupportedModelError", "PatchStateError",
     "ModelNotFoundError", "DataError",
 ]
