@@ -364,9 +364,9 @@ FNA_OPTION_HELP = {
     "s": ("int", "landmarks per image (tokens, CLS and registers included; s >= N runs exact attention)"),
     "sample_layer": ("int_or_auto", "layer where landmarks are sampled once and reused later ('auto' = first layer with a massive token, else auto_fallback)"),
     "resample": ("bool", "sample landmarks again at every patched layer"),
-    "strategy": ("str", "landmark selection: fps, random, strided, kmeans"),
-    "features": ("str", "what landmark selection runs on: keys (heads concatenated) or hidden (attention input)"),
-    "pinv": ("str", "pseudo-inverse of the s x s landmark kernel: rtol (float64 SVD with cut-off), newton (Newton-Schulz), exact"),
+    "strategy": ("str", "landmark selection strategy"),
+    "features": ("str", "what landmark selection runs on: the keys (heads concatenated) or the attention input hidden states"),
+    "pinv": ("str", "pseudo-inverse of the s x s landmark kernel (rtol: float64 SVD with relative cut-off; newton: Newton-Schulz)"),
     "rtol": ("float", "relative singular-value cut-off of pinv=rtol"),
     "newton_iters": ("int", "iterations of pinv=newton"),
     "massive_ratio": ("float", "massive token: block-input L2 norm above this many times the median (sample_layer=auto)"),
@@ -375,7 +375,7 @@ FNA_OPTION_HELP = {
 }
 SINK_OPTION_HELP = {
     "mask_layers": ("int", "the last m layers zero the attention into sink tokens (layers)"),
-    "detect": ("str", "sink detection: attention (mass received), norm (massive tokens), both"),
+    "detect": ("str", "sink detection: by attention mass received, by massive norm, or both"),
     "detect_layer": ("int_or_auto", "layer where sinks are detected ('auto' = first masked layer)"),
     "norm_ratio": ("float", "massive token: block-input L2 norm above this many times the median"),
     "mass_ratio": ("float", "attention sink: receives more than this many times the uniform share 1/N"),
