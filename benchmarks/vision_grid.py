@@ -148,10 +148,16 @@ def cmd_features(args) -> int:
         res = run_feature_eval(
             model, images, make_preprocess(proc, r), settings=GRID, tasks=("fidelity",), batch_size=args.batch_size,
             layer_error_images=args.layer_error_images, compute_metrics=False, return_features=True,
+            feature_layers=args.feature_layers,
+            progress=lambda d, t: print(f"  res {r}: {d}/{t} images ({time.time() - t0:.0f} s)", flush=True),
         )
         feats = res.pop("features")
+        extra = {}
+        for li, d in feats["layers"].items():
+            extra[f"L{li}_dense"] = d["dense"].astype(np.float16)
+            extra.update({f"L{li}_run{i}": f.astype(np.float16) for i, f in enumerate(d["runs"])})
         np.savez_compressed(out / f"res{r}.npz", labels=feats["labels"], dense=feats["dense"].astype(np.float16),
-                            **{f"run{i}": f.astype(np.float16) for i, f in enumerate(feats["runs"])})
+                            **{f"run{i}": f.astype(np.float16) for i, f in enumerate(feats["runs"])}, **extra)
         (out / f"res{r}.json").write_text(json.dumps({**meta, **res}, default=str))
         print(f"res {r} ({time.time() - t0:.0f} s): dense {res['dense']['images_per_s']:.1f} img/s; " + "; ".join(
             f"{_setting_name(x['method'], x['shown_options'])}: cos {x['cls_cosine']:.4f} err {x['mean_layer_error_teacher']:.3f} "
@@ -192,11 +198,12 @@ def cmd_metrics(args) -> int:
             return knn, {"knn_top1": knn["top1"], "knn_top5": knn["top5"], "linear_probe": lp["mean"], "map_at_r": ret["map_at_r"],
                          "recall_at_1": ret["recall@1"]}
 
-        dk, dm = metrics(np.concatenate([p["dense"] for p in parts]))
+        pre = f"L{args.layer}_" if args.layer is not None else ""
+        dk, dm = metrics(np.concatenate([p[pre + "dense"] for p in parts]))
         dsec = sum(m["dense"]["seconds"] for m in metas)
         rows = [{"setting": "dense", **dm, "images_per_s": n / dsec}]
         for i, run in enumerate(metas[0]["runs"]):
-            pk, pm = metrics(np.concatenate([p[f"run{i}"] for p in parts]))
+            pk, pm = metrics(np.concatenate([p[f"{pre}run{i}"] for p in parts]))
             rs = [m["runs"][i] for m in metas]
             ns = [m["n_images"] for m in metas]
             sec = sum(x["seconds"] for x in rs)
@@ -214,7 +221,8 @@ def cmd_metrics(args) -> int:
                 "mean_layer_error_free": float(np.mean([x["mean_layer_error_free"] for x in rs])),
                 "images_per_s": n / sec, "speedup": dsec / sec, "sampled_at": sampled,
             })
-        head = (f"#### {metas[0]['model']} at {r} px (N = {metas[0]['tokens']} tokens), {n} images of "
+        which = "final CLS" if args.layer is None else f"CLS of block {args.layer} (final norm applied)"
+        head = (f"#### {which} — {metas[0]['model']} at {r} px (N = {metas[0]['tokens']} tokens), {n} images of "
                 f"{len(set(labels.tolist()))} classes; {metas[0].get('gpu') or metas[0]['device']}, {metas[0]['dtype']}, "
                 f"torch {metas[0]['torch']}, {metas[0]['date']}")
         cols = ["setting", "knn_top1", "linear_probe", "map_at_r", "recall_at_1", "knn_agreement", "cls_cosine", "cls_cosine_min",
@@ -256,6 +264,7 @@ def main(argv=None) -> int:
     f.add_argument("--sweep-set", choices=["full", "key"], default="full")
     f.add_argument("--sweep-resolution", nargs="+", type=int, default=[448])
     f.add_argument("--sinks", action="store_true")
+    f.add_argument("--feature-layers", nargs="*", type=int, default=[], help="also keep these blocks' CLS tokens (final norm applied)")
     f.add_argument("--out", required=True)
     f.set_defaults(func=cmd_features)
     m = sub.add_parser("metrics")
@@ -263,6 +272,7 @@ def main(argv=None) -> int:
     m.add_argument("--k", type=int, default=20)
     m.add_argument("--folds", type=int, default=5)
     m.add_argument("--markdown")
+    m.add_argument("--layer", type=int, help="metrics on this block's CLS features (saved with --feature-layers)")
     m.set_defaults(func=cmd_metrics)
     f.add_argument("--threads", type=int)
     args = ap.parse_args(argv)

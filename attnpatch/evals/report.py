@@ -11,7 +11,10 @@ from typing import Any, Sequence
 
 import torch
 
-__all__ = ["Column", "RULER_COLUMNS", "VISION_COLUMNS", "vision_rows", "rows_to_markdown", "print_table", "write_json", "machine_info"]
+__all__ = [
+    "Column", "RULER_COLUMNS", "VISION_COLUMNS", "ZEROSHOT_COLUMNS", "CLIP_RETRIEVAL_COLUMNS", "vision_rows", "clip_rows",
+    "rows_to_markdown", "print_table", "write_json", "machine_info",
+]
 
 
 class Column:
@@ -78,6 +81,49 @@ def vision_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
     for r in result["runs"]:
         opts = ", ".join(f"{k}={v}" for k, v in r.get("shown_options", r["options"]).items())
         rows.append({"setting": f"{r['method']}" + (f" ({opts})" if opts else ""), **base, **r})
+    return rows
+
+
+ZEROSHOT_COLUMNS = [
+    Column("setting", "setting"),
+    Column("resolution", "res", "int"),
+    Column("tokens", "N", "int"),
+    Column("top1", "top-1", "pct"),
+    Column("top5", "top-5", "pct"),
+    Column("agreement", "top-1 agree", "pct"),
+    Column("embed_cosine", "emb cos", "f3"),
+    Column("embed_cosine_min", "emb cos min", "f3"),
+    Column("images_per_s", "img/s", "f2"),
+    Column("speedup", "speed-up", "x"),
+]
+
+
+CLIP_RETRIEVAL_COLUMNS = [
+    Column("setting", "setting"),
+    Column("resolution", "res", "int"),
+    Column("tokens", "N", "int"),
+    Column("t2i_recall@1", "T→I R@1", "pct"),
+    Column("t2i_recall@5", "T→I R@5", "pct"),
+    Column("t2i_recall@10", "T→I R@10", "pct"),
+    Column("i2t_recall@1", "I→T R@1", "pct"),
+    Column("i2t_recall@5", "I→T R@5", "pct"),
+    Column("i2t_recall@10", "I→T R@10", "pct"),
+    Column("embed_cosine", "emb cos", "f3"),
+    Column("images_per_s", "img/s", "f2"),
+    Column("speedup", "speed-up", "x"),
+]
+
+
+def clip_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """Table rows of :func:`attnpatch.evals.clip.run_zeroshot_eval` / ``run_retrieval_eval``: dense,
+    each setting, and a ``chance`` row (the expected score of a random ranking)."""
+    rows = vision_rows(result)
+    for row, run in zip(rows[1:], result["runs"]):
+        towers = run.get("towers")
+        if towers and list(towers) != ["vision"]:
+            row["setting"] += f" [towers: {', '.join(towers)}]"
+    if result.get("chance"):
+        rows.append({"setting": "chance", **result["chance"]})
     return rows
 
 

@@ -43,34 +43,63 @@ def _prefix_tokens(model: torch.nn.Module) -> int:
     return 1 + int(getattr(vcfg, "num_register_tokens", 0) or 0)
 
 
+def _blocks_and_norm(model: torch.nn.Module) -> tuple[list[torch.nn.Module], torch.nn.Module | None]:
+    if type(model).__module__.startswith("timm.") and hasattr(model, "blocks"):
+        return list(model.blocks), getattr(model, "norm", None)
+    enc = getattr(model, "encoder", None)
+    layers = getattr(enc, "layer", None) or getattr(enc, "layers", None)
+    return list(layers or []), getattr(model, "layernorm", None) or getattr(model, "post_layernorm", None)
+
+
 @torch.no_grad()
-def encode(model: torch.nn.Module, pixel_values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Final CLS token and mean patch token of a ViT encoder.
+def encode(
+    model: torch.nn.Module, pixel_values: torch.Tensor, layers: Sequence[int] = ()
+) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
+    """Final CLS token and mean patch token of a ViT encoder (and, optionally, intermediate CLS tokens).
 
     Args:
         model: a Hugging Face DINOv2-style model (``last_hidden_state`` after the final norm) or a
             timm ``VisionTransformer`` (``forward_features``).
         pixel_values: ``[B, 3, H, W]``.
+        layers: block indices whose output CLS token (passed through the model's final norm, as
+            DINOv2's ``get_intermediate_layers(norm=True)``) is returned as well.
 
     Returns:
-        ``(cls [B, C], patch_mean [B, C])`` float32 on CPU; register tokens are excluded from the mean.
+        ``(cls [B, C], patch_mean [B, C])`` float32 on CPU; register tokens are excluded from the
+        mean.  With ``layers``: ``(cls, patch_mean, {layer: cls_l [B, C]})``.
 
     Raises:
-        UnsupportedModelError: a model of neither kind.
+        UnsupportedModelError: a model of neither kind, or ``layers`` on a model whose blocks are not found.
     """
     x = pixel_values.to(next(model.parameters()).device, next(model.parameters()).dtype)
-    if hasattr(model, "forward_features") and type(model).__module__.startswith("timm."):
-        h = model.forward_features(x)
-    else:
-        try:
-            from transformers import PreTrainedModel
-        except ImportError:  # pragma: no cover
-            PreTrainedModel = ()  # noqa: N806
-        if not isinstance(model, PreTrainedModel):
-            raise UnsupportedModelError(f"cannot encode images with a {type(model).__name__}: expected a transformers ViT or a timm ViT")
-        h = model(pixel_values=x).last_hidden_state
+    hooks, got = [], {}
+    if layers:
+        blocks, norm = _blocks_and_norm(model)
+        if not blocks:
+            raise UnsupportedModelError(f"cannot find the transformer blocks of a {type(model).__name__} for layers={list(layers)}")
+        for li in layers:
+            def hook(module, args, out, li=li):
+                h = out[0] if isinstance(out, tuple) else out
+                got[li] = (norm(h) if norm is not None else h)[:, 0].float().cpu()
+
+            hooks.append(blocks[li].register_forward_hook(hook))
+    try:
+        if hasattr(model, "forward_features") and type(model).__module__.startswith("timm."):
+            h = model.forward_features(x)
+        else:
+            try:
+                from transformers import PreTrainedModel
+            except ImportError:  # pragma: no cover
+                PreTrainedModel = ()  # noqa: N806
+            if not isinstance(model, PreTrainedModel):
+                raise UnsupportedModelError(f"cannot encode images with a {type(model).__name__}: expected a transformers ViT or a timm ViT")
+            h = model(pixel_values=x).last_hidden_state
+    finally:
+        for hk in hooks:
+            hk.remove()
     p = _prefix_tokens(model)
-    return h[:, 0].float().cpu(), h[:, p:].float().mean(1).cpu()
+    cls, pm = h[:, 0].float().cpu(), h[:, p:].float().mean(1).cpu()
+    return (cls, pm, got) if layers else (cls, pm)
 
 
 def token_count(model: torch.nn.Module, resolution: int) -> int:
@@ -126,6 +155,7 @@ def run_feature_eval(
     warmup: bool = True,
     compute_metrics: bool = True,
     return_features: bool = False,
+    feature_layers: Sequence[int] = (),
     progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, Any]:
     """Dense vs patched frozen-feature metrics and throughput, on the same images in one run.
@@ -145,7 +175,10 @@ def run_feature_eval(
         compute_metrics: compute k-NN / linear-probe / retrieval metrics and k-NN agreement
             (needs faiss and scikit-learn); ``False`` leaves them to the caller (see ``return_features``).
         return_features: add ``"features": {"labels" [N], "dense" [N, C], "runs": [[N, C], ...]}``
-            (final CLS tokens, numpy float32) to the result.
+            (final CLS tokens, numpy float32) to the result, plus ``"layers": {layer: {"dense",
+            "runs"}}`` for ``feature_layers``.
+        feature_layers: also collect the CLS token of these blocks' outputs (final norm applied)
+            for ``return_features`` (metrics are computed on the final CLS token).
         progress: called as ``progress(images_done, images_total)``.
 
     Returns:
@@ -169,10 +202,16 @@ def run_feature_eval(
     n = len(images)
     labels = np.asarray(images.labels)[:n]
     dense_cls, dense_pm, dense_t = [], [], 0.0
+    dense_lay: dict[int, list] = {li: [] for li in feature_layers}
     runs = [
-        {"cls": [], "pm": [], "t": 0.0, "teacher": {}, "free": {}, "sampled_at": {}}
+        {"cls": [], "pm": [], "t": 0.0, "teacher": {}, "free": {}, "sampled_at": {}, "lay": {li: [] for li in feature_layers}}
         for _ in settings
     ]
+    fl = tuple(feature_layers)
+
+    def enc(x):
+        out = encode(model, x, fl)
+        return out if fl else (*out, {})
     resolution = tokens = None
     done = 0
     for start in range(0, n, batch_size):
@@ -185,10 +224,12 @@ def run_feature_eval(
                 with patched(model, m, **o):
                     encode(model, x[:1])
         t0 = time.perf_counter()
-        c, p = encode(model, x)
+        c, p, lay_d = enc(x)
         dense_t += time.perf_counter() - t0
         dense_cls.append(c)
         dense_pm.append(p)
+        for li in fl:
+            dense_lay[li].append(lay_d[li])
         need_layers = "fidelity" in tasks and start < layer_error_images
         dense_out = None
         if need_layers:
@@ -198,10 +239,12 @@ def run_feature_eval(
         for (m, o), r in zip(settings, runs):
             with patched(model, m, **o), record_stats(model) as rec:
                 t0 = time.perf_counter()
-                c, p = encode(model, x)
+                c, p, lay_p = enc(x)
                 r["t"] += time.perf_counter() - t0
             r["cls"].append(c)
             r["pm"].append(p)
+            for li in fl:
+                r["lay"][li].append(lay_p[li])
             lay = rec.forwards[0] if rec.forwards else {}
             tokens = next((rr.queries for rr in lay.values()), tokens)
             first = {}
@@ -267,5 +310,6 @@ def run_feature_eval(
     if return_features:
         result["features"] = {
             "labels": labels, "dense": dcls.numpy(), "runs": [torch.cat(r["cls"]).numpy() for r in runs],
+            "layers": {li: {"dense": torch.cat(dense_lay[li]).numpy(), "runs": [torch.cat(r["lay"][li]).numpy() for r in runs]} for li in fl},
         }
     return result

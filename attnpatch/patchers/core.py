@@ -52,11 +52,19 @@ class PatchHandle:
         method: the registered :class:`~attnpatch.patchers.registry.Method`.
         options: complete option dict (defaults filled in).
         config: the method's config object built from ``options``.
-        kind: model kind detected by the adapter (``"causal_lm"`` or ``"vision"``).
+        kind: model kind detected by the adapter (``"causal_lm"`` or ``"vision"``; for a
+            dual-tower model the kinds of the routed towers, e.g. ``"vision"`` or ``"vision+text"``).
+        towers: names of the routed towers, e.g. ``("vision",)``.
+        tower_kinds: every tower of the model and its kind (``"vision"``: bidirectional
+            image attention; ``"causal_lm"``: causal LM attention; ``"text"``: a text encoder
+            such as CLIP's, which only ``dense`` fits).
         state: the current :class:`ForwardState` while a forward call runs, else ``None``.
     """
 
-    def __init__(self, model: torch.nn.Module, method: Method, options: dict[str, Any], adapter, kind: str):
+    def __init__(
+        self, model: torch.nn.Module, method: Method, options: dict[str, Any], adapter, kind: str,
+        towers: tuple[str, ...] = (), tower_kinds: dict[str, str] | None = None,
+    ):
         self.model = model
         self.method = method
         self.options = options
@@ -64,6 +72,8 @@ class PatchHandle:
         self.method_forward = method.forward
         self.adapter = adapter
         self.kind = kind
+        self.towers = tuple(towers)  # the towers the patch routes (see patch(towers=...))
+        self.tower_kinds = dict(tower_kinds or {})  # every tower of the model -> its kind
         self.state: ForwardState | None = None
         self.recorders: list[_Recorder] = []
         self._hooks: list[Any] = []
@@ -204,26 +214,94 @@ def set_layer_inputs(handle: "PatchHandle", hidden: torch.Tensor | None = None, 
 
 
 def _find_adapter(model: torch.nn.Module):
-    from . import hf, timm_adapter
+    from . import hf, open_clip_adapter, timm_adapter
 
-    for adapter in (hf.HFAdapter, timm_adapter.TimmAdapter):
+    for adapter in (hf.HFAdapter, timm_adapter.TimmAdapter, open_clip_adapter.OpenClipAdapter):
         kind = adapter.detect(model)
         if kind is not None:
             return adapter, kind
     raise UnsupportedModelError(
         f"cannot patch a {type(model).__module__}.{type(model).__name__}: supported are Hugging Face "
         "transformers models whose attention dispatches through transformers.AttentionInterface "
-        "(e.g. LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Dinov2Model, Dinov2WithRegistersModel) "
-        "and timm VisionTransformer models (timm.layers.Attention)"
+        "(e.g. LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Dinov2Model, Dinov2WithRegistersModel, "
+        "CLIPModel, CLIPVisionModel, SiglipModel), timm VisionTransformer models (timm.layers.Attention) "
+        "and open_clip models with a VisionTransformer image tower"
     )
 
 
-def patch(model: torch.nn.Module, method: str = "anchor_attention", **options: Any) -> torch.nn.Module:
+# --------------------------------------------------------------------------- towers
+
+_KIND_NOTE = {
+    "vision": " (bidirectional attention; this method is causal-only)",
+    "text": " (a text encoder, e.g. CLIP's causal 77-token text transformer; only 'dense' fits it)",
+}
+
+
+def _tower_kinds(adapter, model: torch.nn.Module, kind: str) -> dict[str, str]:
+    """Every tower of ``model`` and its kind, in model order (an adapter without ``towers`` has one tower)."""
+    fn = getattr(adapter, "towers", None)
+    if fn is not None:
+        kinds = dict(fn(model))
+        if kinds:
+            return kinds
+    return {("vision" if kind == "vision" else "text"): kind}
+
+
+def _default_towers(adapter, model: torch.nn.Module, kinds: dict[str, str]) -> tuple[str, ...]:
+    fn = getattr(adapter, "default_towers", None)
+    if fn is not None:
+        return tuple(fn(model))
+    return tuple(kinds)
+
+
+def _choose_towers(model: torch.nn.Module, adapter, kinds: dict[str, str], towers: Any) -> tuple[str, ...]:
+    """Validate ``towers`` (``None``, ``"all"``, a name, or a sequence of names) against ``kinds``.
+
+    Raises:
+        OptionError: an empty selection, a value that is not a tower name, or a tower the model lacks.
+    """
+    from ..errors import OptionError
+
+    default = _default_towers(adapter, model, kinds)
+    allowed = ", ".join(map(repr, kinds))
+    where = f"{type(model).__name__} has the tower(s) {allowed} (default: {', '.join(map(repr, default))}; 'all' = every tower)"
+    if towers is None:
+        return default
+    names = [towers] if isinstance(towers, str) else towers
+    try:
+        names = list(names)
+    except TypeError:
+        raise OptionError(f"towers={towers!r}: expected a tower name or a sequence of names; {where}") from None
+    if any(not isinstance(t, str) for t in names):
+        raise OptionError(f"towers={towers!r}: tower names must be strings; {where}")
+    if names == ["all"]:
+        return tuple(kinds)
+    if not names:
+        raise OptionError(f"towers={towers!r}: empty; {where}")
+    bad = [t for t in names if t not in kinds]
+    if bad:
+        raise OptionError(f"towers={towers!r}: {', '.join(map(repr, bad))} is not a tower of this model; {where}")
+    return tuple(t for t in kinds if t in names)  # model order, no duplicates
+
+
+def _fits(method: Method, kind: str) -> bool:
+    return kind in method.model_kinds or method.name == "dense"  # dense is exact attention: it fits every tower
+
+
+def patch(model: torch.nn.Module, method: str = "anchor_attention", *, towers: Any = None, **options: Any) -> torch.nn.Module:
     """Replace ``model``'s attention with ``method``, in place.
 
     Args:
         model: a supported model (see :func:`attnpatch.list_methods` for methods and the model kinds each fits).
         method: a registered method name, e.g. ``"anchor_attention"`` or ``"dense"``.
+        towers: which towers of a multi-tower model to route (keyword only): a tower name, a
+            sequence of names, ``"all"``, or ``None`` for the adapter's default. Dual-tower
+            models (Hugging Face ``CLIPModel`` / ``SiglipModel``, open_clip ``CLIP``) have the
+            towers ``"vision"`` and ``"text"`` and route ``("vision",)`` by default, so the text
+            tower stays exactly as it was; single-tower models have one tower (``"vision"`` for
+            ViTs, ``"text"`` for causal LMs and text encoders), routed by default. Each routed
+            tower must fit the method: ``"vision"`` towers are of kind ``"vision"``, causal LM
+            towers ``"causal_lm"``, and CLIP/SigLIP text towers ``"text"``, which only ``dense`` fits.
         **options: the method's options; unknown names, wrong types and out-of-range values are refused.
 
     Returns:
@@ -231,9 +309,11 @@ def patch(model: torch.nn.Module, method: str = "anchor_attention", **options: A
 
     Raises:
         UnknownMethodError: ``method`` is not registered.
-        OptionError: an option is unknown, of the wrong type or out of range.
+        OptionError: an option is unknown, of the wrong type or out of range; ``towers`` names no
+            tower of this model (the message lists the model's towers).
         UnsupportedModelError: no adapter handles this model class, or the method does not fit
-            the model (e.g. a causal-only method on a bidirectional vision encoder).
+            the model or one of the chosen towers (e.g. a causal-only method on a bidirectional
+            vision encoder, or ``fna`` on CLIP's causal text tower).
         PatchStateError: ``model`` is already patched (call :func:`unpatch` first).
     """
     m = get_method(method)
@@ -244,12 +324,28 @@ def patch(model: torch.nn.Module, method: str = "anchor_attention", **options: A
             f"{type(model).__name__} is already patched with {cur.method.name!r}; call attnpatch.unpatch(model) first"
         )
     adapter, kind = _find_adapter(model)
-    if kind not in m.model_kinds:
-        raise UnsupportedModelError(
-            f"method {m.name!r} fits model kinds {sorted(m.model_kinds)}, but {type(model).__name__} is a {kind!r} model"
-            + (" (bidirectional attention; this method is causal-only)" if kind == "vision" else "")
-        )
-    handle = PatchHandle(model, m, full, adapter, kind)
+    kinds = _tower_kinds(adapter, model, kind)
+    chosen = _choose_towers(model, adapter, kinds, towers)
+    if len(kinds) == 1:
+        (only,) = kinds.values()
+        if not _fits(m, only):
+            raise UnsupportedModelError(
+                f"method {m.name!r} fits model kinds {sorted(m.model_kinds)}, but {type(model).__name__} is a {only!r} model"
+                + _KIND_NOTE.get(only, "")
+            )
+        kind = only
+    else:
+        for t in chosen:
+            if not _fits(m, kinds[t]):
+                fitting = [n for n in kinds if _fits(m, kinds[n])]
+                raise UnsupportedModelError(
+                    f"method {m.name!r} does not fit the {t!r} tower of {type(model).__name__}: that tower is a "
+                    f"{kinds[t]!r} tower{_KIND_NOTE.get(kinds[t], '')}, and {m.name!r} fits kinds {sorted(m.model_kinds)}. "
+                    + (f"Route only {', '.join(map(repr, fitting))} (towers={tuple(fitting)!r})" if fitting else "No tower of this model fits it")
+                    + f"; the default is towers={_default_towers(adapter, model, kinds)!r}"
+                )
+        kind = "+".join(dict.fromkeys(kinds[t] for t in chosen))
+    handle = PatchHandle(model, m, full, adapter, kind, towers=chosen, tower_kinds=kinds)
     adapter.check(handle)
     if m.check is not None:
         m.check(handle.config, adapter.layer_count(handle))
@@ -273,13 +369,14 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
 
 
 @contextlib.contextmanager
-def patched(model: torch.nn.Module, method: str = "anchor_attention", **options: Any) -> Iterator[torch.nn.Module]:
-    """Context-manager form of :func:`patch`: patched inside the ``with`` block, restored on exit (also on error).
+def patched(model: torch.nn.Module, method: str = "anchor_attention", *, towers: Any = None, **options: Any) -> Iterator[torch.nn.Module]:
+    """Context-manager form of :func:`patch` (same arguments, ``towers`` included): patched inside
+    the ``with`` block, restored on exit (also on error).
 
     Raises:
         The errors of :func:`patch`.
     """
-    patch(model, method, **options)
+    patch(model, method, towers=towers, **options)
     try:
         yield model
     finally:
@@ -305,7 +402,7 @@ def handle_of(model: torch.nn.Module) -> PatchHandle:
 
 
 def patch_info(model: torch.nn.Module) -> dict[str, Any] | None:
-    """``{"method", "options", "kind", "layers"}`` of a patched model, or ``None`` if not patched."""
+    """``{"method", "options", "kind", "layers", "towers"}`` of a patched model, or ``None`` if not patched."""
     handle = getattr(model, _HANDLE_ATTR, None)
     if handle is None:
         return None
@@ -314,6 +411,7 @@ def patch_info(model: torch.nn.Module) -> dict[str, Any] | None:
         "options": dict(handle.options),
         "kind": handle.kind,
         "layers": handle.adapter.layer_count(handle),
+        "towers": list(handle.towers),
     }
 
 

@@ -8,7 +8,17 @@ registered function reads the handle from the module it is called with, so the g
 registration carries no state.  Unpatching restores the original implementation name.
 
 Any model whose attention modules dispatch through ``ALL_ATTENTION_FUNCTIONS.get_interface``
-is covered (Llama, Qwen2, Qwen3, Mistral, ...).
+is covered (Llama, Qwen2, Qwen3, Mistral, DINOv2, CLIP, SigLIP, ...).
+
+Towers: an attention module whose config is a ``vision_config`` / ``text_config`` sub-config
+(``config.base_config_key``) belongs to the ``"vision"`` / ``"text"`` tower; any other module to
+``"text"`` if it is causal (causal LMs) and to ``"vision"`` otherwise (ViTs). A dual-tower model
+(``CLIPModel``, ``SiglipModel``) routes only the chosen towers: the ``"attnpatch"``
+implementation is set on those towers' sub-configs alone (``set_attn_implementation`` with a
+dict), so the other tower keeps its own implementation and computes bit for bit what it did.
+Tower kinds: ``"vision"``; ``"causal_lm"`` for a text tower whose modules are causal LM
+attention (``is_causal``); ``"text"`` for a text *encoder* (CLIP's causal-masked text
+transformer, SigLIP's bidirectional one), which only ``dense`` fits.
 """
 
 from __future__ import annotations
@@ -38,6 +48,49 @@ def _dispatches_through_interface(cls: type) -> bool:
 def attention_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     """``(name, module)`` of every attention module of ``model`` that dispatches through AttentionInterface."""
     return [(n, m) for n, m in model.named_modules() if _dispatches_through_interface(type(m))]
+
+
+_SUB_TOWERS = {"vision_config": "vision", "text_config": "text"}
+
+
+def _tower_of(module: torch.nn.Module) -> str:
+    """``"vision"`` / ``"text"`` from the module's config (``base_config_key``), else from its causality."""
+    key = getattr(getattr(module, "config", None), "base_config_key", "") or ""
+    if key in _SUB_TOWERS:
+        return _SUB_TOWERS[key]
+    return "text" if bool(getattr(module, "is_causal", False)) else "vision"
+
+
+def _towers(model: torch.nn.Module) -> dict[str, list[tuple[str, torch.nn.Module]]]:
+    """Tower name -> its attention modules (in model order); the vision tower first, as in open_clip."""
+    out: dict[str, list] = {}
+    for n, m in attention_modules(model):
+        out.setdefault(_tower_of(m), []).append((n, m))
+    return dict(sorted(out.items(), key=lambda kv: kv[0] != "vision"))
+
+
+def _tower_kind(name: str, mods: list[tuple[str, torch.nn.Module]]) -> str:
+    if all(bool(getattr(m, "is_causal", False)) for _, m in mods):
+        return "causal_lm"
+    return "vision" if name == "vision" else "text"
+
+
+def _routed(handle: PatchHandle) -> list[tuple[str, torch.nn.Module, str]]:
+    chosen = set(handle.towers) if handle.towers else None
+    return [(n, m, t) for t, mods in _towers(handle.model).items() if chosen is None or t in chosen for n, m in mods]
+
+
+def routed_modules(handle: PatchHandle) -> list[tuple[str, torch.nn.Module]]:
+    """``(name, module)`` of the attention modules of the handle's chosen towers, in model order."""
+    return [(n, m) for n, m, _ in _routed(handle)]
+
+
+def _sub_config_key(model: torch.nn.Module, cfg) -> str | None:
+    """The key of ``model.config``'s sub-config that *is* ``cfg`` (e.g. ``"vision_config"``), or ``None``."""
+    for key in getattr(model.config, "sub_configs", None) or {}:
+        if getattr(model.config, key, None) is cfg:
+            return key
+    return None
 
 
 def _register() -> None:
@@ -83,9 +136,11 @@ def _dispatch(module, query, key, value, attention_mask, dropout: float = 0.0, s
         out = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)[0]
         return out.transpose(1, 2)
 
+    # CLIP's text attention modules say is_causal=False but are called with is_causal=True and a causal mask
+    causal = bool(getattr(module, "is_causal", True)) or bool(kwargs.get("is_causal", False))
     out = run_layer(
         handle, module._attnpatch_layer, query, key, value, scale=scale, exact=exact, q_offset=q_offset,
-        key_valid=key_valid, causal=bool(getattr(module, "is_causal", True)),
+        key_valid=key_valid, causal=causal,
     )
     return out.transpose(1, 2).contiguous(), None
 
@@ -102,12 +157,21 @@ def _block_of(model: torch.nn.Module, name: str) -> torch.nn.Module | None:
 
 
 def _prefix_tokens(model: torch.nn.Module, kind: str) -> int:
-    """CLS + register tokens for ViT encoders (token roles FNA and sink masking need); 0 for causal LMs."""
+    """CLS + register tokens for ViT encoders (token roles FNA and sink masking need); 0 for causal LMs.
+
+    A vision tower without a class token (SigLIP: ``*.embeddings`` holds no ``cls_token`` /
+    ``class_embedding``; it pools with an attention head) has no CLS prefix.
+    """
     if kind != "vision":
         return 0
     cfg = model.config
     vcfg = getattr(cfg, "vision_config", None) or cfg
-    return 1 + int(getattr(vcfg, "num_register_tokens", 0) or 0)
+    registers = int(getattr(vcfg, "num_register_tokens", 0) or 0)
+    names = [n for n, _ in model.named_parameters() if not n.startswith("text_model.")]
+    has_cls = any(n.endswith(("cls_token", "class_embedding")) for n in names)
+    if not has_cls and "siglip" in str(getattr(vcfg, "model_type", "")):
+        return registers
+    return 1 + registers
 
 
 def _first_tensor(args, kwargs, name: str) -> torch.Tensor | None:
@@ -148,9 +212,35 @@ class HFAdapter:
         return "causal_lm" if causal == {True} else "vision"
 
     @staticmethod
+    def towers(model: torch.nn.Module) -> dict[str, str]:
+        """Tower name -> kind: ``{"vision": "vision", "text": "text"}`` for ``CLIPModel`` /
+        ``SiglipModel``; one tower for single-tower models (``{"text": "causal_lm"}`` for causal
+        LMs, ``{"vision": "vision"}`` for ViTs such as DINOv2 or ``CLIPVisionModel``)."""
+        return {t: _tower_kind(t, mods) for t, mods in _towers(model).items()}
+
+    @staticmethod
+    def default_towers(model: torch.nn.Module) -> tuple[str, ...]:
+        """``("vision",)`` for a model with a vision tower and another tower; every tower otherwise."""
+        names = tuple(_towers(model))
+        return ("vision",) if len(names) > 1 and "vision" in names else names
+
+    @staticmethod
+    def roots(handle: PatchHandle) -> list[torch.nn.Module]:
+        """Modules whose call is one whole forward pass: the model, and the routed towers'
+        sub-models (``vision_model`` / ``text_model``), so that ``get_image_features`` /
+        ``get_text_features`` (which call a tower without the model's own ``forward``) also get
+        exactly one per-forward state."""
+        out = [handle.model]
+        for t in handle.towers:
+            sub = getattr(handle.model, f"{t}_model", None)
+            if isinstance(sub, torch.nn.Module) and sub is not handle.model:
+                out.append(sub)
+        return out
+
+    @staticmethod
     def layer_count(handle: PatchHandle) -> int:
-        """Number of attention modules the patch routes."""
-        return len(attention_modules(handle.model))
+        """Number of attention modules the patch routes (those of the chosen towers)."""
+        return len(routed_modules(handle))
 
     @staticmethod
     def check(handle: PatchHandle) -> None:
@@ -165,10 +255,11 @@ class HFAdapter:
         model = handle.model
         cfg = model.config
         text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-        n_layers = len(attention_modules(model))
+        n_layers = len(routed_modules(handle))
         n_heads = getattr(text_cfg, "num_attention_heads", None)
         types = getattr(text_cfg, "layer_types", None) or []
-        if handle.method.name != "dense" and any(t != "full_attention" for t in types):
+        routes_lm = any(handle.tower_kinds.get(t) == "causal_lm" for t in handle.towers) if handle.tower_kinds else True
+        if handle.method.name != "dense" and routes_lm and any(t != "full_attention" for t in types):
             raise UnsupportedModelError(
                 f"{type(model).__name__} has layer types {sorted(set(types))}; method {handle.method.name!r} "
                 "supports full causal attention layers only (no sliding-window layers)"
@@ -185,45 +276,82 @@ class HFAdapter:
 
     @staticmethod
     def apply(handle: PatchHandle) -> Any:
-        """Bind ``handle`` to every attention module and switch the model to the ``"attnpatch"`` implementation.
+        """Bind ``handle`` to the chosen towers' attention modules and switch them to the ``"attnpatch"`` implementation.
+
+        When every attention module of the model is routed, the whole model is switched (as for
+        a causal LM or a ViT); otherwise only the chosen towers' sub-configs are
+        (``set_attn_implementation({"vision_config": "attnpatch"})``), and the other towers keep
+        their implementation.
 
         Returns:
-            What :meth:`restore` needs: the original implementation name and the modules.
+            What :meth:`restore` needs: the original implementation(s), the modules and the hooks.
 
         Raises:
-            UnsupportedModelError: the model refuses ``set_attn_implementation``.
+            UnsupportedModelError: the model refuses ``set_attn_implementation``, or a chosen
+                tower's sub-config could not be switched alone.
         """
         _register()
         model = handle.model
-        original = model.config._attn_implementation
-        mods = attention_modules(model)
+        all_mods = attention_modules(model)
+        routed = _routed(handle)
+        mods = [(n, m) for n, m, _ in routed]
+        kinds = handle.tower_kinds or HFAdapter.towers(model)
+        whole = len(mods) == len(all_mods)
+        if whole:
+            original: Any = model.config._attn_implementation
+            request: Any = ATTN_NAME
+        else:
+            keys = {_sub_config_key(model, getattr(m, "config", None)) for _, m in mods}
+            if None in keys:
+                raise UnsupportedModelError(
+                    f"{type(model).__name__}: the towers {handle.towers} have no sub-config of their own in "
+                    f"model.config.sub_configs, so they cannot be switched to {ATTN_NAME!r} apart from the other "
+                    f"towers; route every tower (towers='all') with method 'dense', or patch the tower's own sub-model"
+                )
+            original = {k: getattr(model.config, k)._attn_implementation for k in sorted(keys)}
+            request = {k: ATTN_NAME for k in sorted(keys)}
         handle.num_layers = len(mods)
-        handle.prefix_tokens = _prefix_tokens(model, handle.kind)
+        vision = any(kinds.get(t) == "vision" for t in handle.towers)
+        handle.prefix_tokens = _prefix_tokens(model, "vision" if vision else handle.kind)
+        multi = len(handle.towers) > 1
         hooks = []
-        for i, (name, m) in enumerate(mods):
+        for i, (name, m, tower) in enumerate(routed):
             m._attnpatch = handle
             li = getattr(m, "layer_idx", None)
-            m._attnpatch_layer = int(li) if isinstance(li, int) else i  # encoders often carry no layer_idx
-            if handle.kind == "vision":  # token features for landmark selection and sink detection
+            # encoders often carry no layer_idx; with several towers, number the routed modules in order
+            m._attnpatch_layer = int(li) if isinstance(li, int) and not multi else i
+            if kinds.get(tower) == "vision":  # token features for landmark selection and sink detection
                 hooks.append(m.register_forward_pre_hook(_attn_input_hook(handle), with_kwargs=True))
                 block = _block_of(model, name)
                 if block is not None:
                     hooks.append(block.register_forward_pre_hook(_block_input_hook(handle), with_kwargs=True))
-        model.set_attn_implementation(ATTN_NAME)
-        if model.config._attn_implementation != ATTN_NAME:
+        model.set_attn_implementation(request)
+        if whole:
+            switched = model.config._attn_implementation == ATTN_NAME
+        else:
+            switched = all(getattr(m, "config", model.config)._attn_implementation == ATTN_NAME for _, m in mods)
+        others_kept = whole or all(
+            getattr(m, "config", model.config)._attn_implementation != ATTN_NAME for _, m in all_mods if not hasattr(m, "_attnpatch")
+        )
+        if not switched or not others_kept:
             for _, m in mods:
                 del m._attnpatch, m._attnpatch_layer
             for h in hooks:
                 h.remove()
+            try:
+                model.set_attn_implementation(original)
+            except Exception:  # noqa: BLE001  # pragma: no cover - best effort before raising
+                pass
             raise UnsupportedModelError(
-                f"{type(model).__name__} refused set_attn_implementation({ATTN_NAME!r}); it does not dispatch "
+                f"{type(model).__name__} refused set_attn_implementation({request!r}); it does not dispatch "
                 "attention through transformers.AttentionInterface"
+                + ("" if whole else f", or its towers {handle.towers} cannot be switched apart from the others")
             )
         return original, mods, hooks
 
     @staticmethod
     def restore(handle: PatchHandle, undo: Any) -> None:
-        """Switch back to the original attention implementation and unbind the modules."""
+        """Switch back to the original attention implementation(s) and unbind the modules."""
         original, mods, hooks = undo
         for h in hooks:
             h.remove()
@@ -231,4 +359,3 @@ class HFAdapter:
         for _, m in mods:
             for attr in ("_attnpatch", "_attnpatch_layer"):
                 m.__dict__.pop(attr, None)
-

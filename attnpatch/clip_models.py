@@ -1,0 +1,652 @@
+"""CLIP-style dual encoders (open_clip and Hugging Face) behind one interface: :func:`load_clip` -> :class:`ClipBundle`.
+
+Model names :func:`load_clip` accepts
+--------------------------------------
+* ``ARCH:TAG`` -- an open_clip architecture and pretrained tag, e.g. ``ViT-B-32:openai``,
+  ``ViT-L-14:openai``, ``ViT-B-32:laion2b_s34b_b79k`` (``open_clip.list_pretrained()`` lists
+  them). A tag whose weights were trained with QuickGELU (the OpenAI ones) builds the model with
+  QuickGELU, as the weights need. Weights already in the local cache (Hugging Face hub cache, or
+  ``~/.cache/clip`` for URL downloads) are loaded from there without touching the network;
+  otherwise the download endpoint is probed first (TCP, 5 s), so an offline machine gets an
+  error at once instead of a hang.
+* ``ARCH:random`` -- the open_clip architecture with random weights (``torch.manual_seed(0)``
+  inside a forked RNG, so it is the same model every time) and no download at all: what runs
+  offline (tests, smoke runs, timing). Its numbers are chance level by construction.
+* ``hf-hub:ORG/REPO`` -- an open_clip model published on the Hugging Face hub (config and
+  weights from the repo; loaded from the local hub cache when both are there).
+* ``ORG/NAME`` -- a Hugging Face ``transformers`` model id (``CLIPModel``, ``SiglipModel``, or any
+  model with ``get_image_features`` / ``get_text_features``), e.g. ``openai/clip-vit-base-patch32``.
+* a local directory -- either a saved ``transformers`` model with its processor
+  (``config.json`` + weights + ``preprocessor_config.json`` + tokenizer files, as written by
+  ``model.save_pretrained(d); processor.save_pretrained(d)``), or an open_clip directory
+  (``open_clip_config.json`` + weights).
+
+:func:`open_clip_to_hf` converts an open_clip ``CLIP`` into a Hugging Face ``CLIPModel`` with the
+same weights (and a ``CLIPProcessor`` whose tokenizer is built from open_clip's own BPE vocabulary),
+so the two implementations -- and the two adapters -- can be compared on one model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import ModelNotFoundError, OptionError, UnsupportedModelError
+from .fetch import _stderr
+
+__all__ = ["ClipBundle", "load_clip", "open_clip_to_hf", "hf_clip_tokenizer_from_open_clip", "RANDOM_TAG"]
+
+Log = Callable[[str], None]
+
+RANDOM_TAG = "random"
+RANDOM_SEED = 0
+_HF_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+@dataclass
+class ClipBundle:
+    """A dual encoder with its preprocessing, ready for zero-shot classification and retrieval.
+
+    Attributes:
+        model: the ``torch.nn.Module`` (open_clip ``CLIP`` / ``CustomTextCLIP`` or a Hugging Face
+            ``CLIPModel`` / ``SiglipModel``), in eval mode; patch it with ``attnpatch.patch``.
+        preprocess: ``list[PIL.Image] -> [B, 3, R, R]`` float32 (the model's own evaluation
+            transform: resize, center crop, normalise), an :class:`attnpatch.evals.images.Preprocess`.
+        tokenizer: ``list[str] -> token ids``: an ``[T, L]`` int64 tensor (open_clip, ``L`` = 77)
+            or a dict with ``input_ids`` / ``attention_mask`` ``[T, L]`` (Hugging Face, padded to
+            the model's maximum length).
+        kind: ``"open_clip"`` or ``"hf"``.
+        name: the name it was loaded by.
+        resolution: input side ``R`` in pixels.
+        embed_dim: dimension ``D`` of the joint embedding.
+        random_init: whether the weights are random (``ARCH:random``).
+    """
+
+    model: torch.nn.Module
+    preprocess: Callable
+    tokenizer: Callable
+    kind: str
+    name: str
+    resolution: int
+    embed_dim: int
+    random_init: bool = False
+    _interpolate: bool = field(default=False, repr=False)
+
+    @property
+    def device(self) -> torch.device:
+        """Device of the model's weights."""
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Dtype of the model's floating-point weights."""
+        return next(p for p in self.model.parameters() if p.is_floating_point()).dtype
+
+    @torch.no_grad()
+    def encode_image(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """L2-normalised image embeddings.
+
+        Args:
+            pixel_values: ``[B, 3, R, R]`` float, as :attr:`preprocess` returns.
+
+        Returns:
+            ``[B, D]`` float32 on CPU, unit L2 norm per row.
+
+        Raises:
+            OptionError: ``pixel_values`` is not a ``[B, 3, H, W]`` tensor.
+        """
+        if not isinstance(pixel_values, torch.Tensor) or pixel_values.dim() != 4 or pixel_values.shape[1] != 3:
+            shape = tuple(pixel_values.shape) if isinstance(pixel_values, torch.Tensor) else type(pixel_values).__name__
+            raise OptionError(f"pixel_values: expected a [B, 3, H, W] tensor, got {shape}")
+        x = pixel_values.to(self.device, self.dtype)
+        if self.kind == "open_clip":
+            feats = self.model.encode_image(x)
+        else:
+            kw = {"interpolate_pos_encoding": True} if self._interpolate else {}
+            feats = _pooled(self.model.get_image_features(pixel_values=x, **kw))
+        return torch.nn.functional.normalize(feats.float(), dim=-1).cpu()
+
+    @torch.no_grad()
+    def encode_text(self, texts: Sequence[str], batch_size: int = 256) -> torch.Tensor:
+        """L2-normalised text embeddings, ``batch_size`` texts per forward call.
+
+        Args:
+            texts: the strings (tokenised with :attr:`tokenizer`; CLIP truncates at 77 tokens).
+            batch_size: texts per forward call (positive int).
+
+        Returns:
+            ``[T, D]`` float32 on CPU, unit L2 norm per row.
+
+        Raises:
+            OptionError: ``texts`` is empty or holds a non-string; ``batch_size`` not a positive int.
+        """
+        if isinstance(texts, str):
+            texts = [texts]
+        texts = list(texts)
+        if not texts:
+            raise OptionError("texts: empty list; pass at least one string")
+        bad = [type(t).__name__ for t in texts if not isinstance(t, str)]
+        if bad:
+            raise OptionError(f"texts: expected strings, got {bad[0]}")
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise OptionError(f"batch_size={batch_size!r}: must be a positive int (texts per forward call)")
+        out = []
+        for s in range(0, len(texts), batch_size):
+            tok = self.tokenizer(texts[s : s + batch_size])
+            if self.kind == "open_clip":
+                feats = self.model.encode_text(tok.to(self.device))
+            else:
+                feats = _pooled(self.model.get_text_features(**{k: v.to(self.device) for k, v in tok.items()}))
+            out.append(torch.nn.functional.normalize(feats.float(), dim=-1).cpu())
+        return torch.cat(out)
+
+    def vision_tokens(self) -> int:
+        """Tokens ``N`` of the image tower at :attr:`resolution` (patches + class token, if any)."""
+        if self.kind == "open_clip":
+            p = self.model.visual.patch_size
+            p = p[0] if isinstance(p, (tuple, list)) else p
+            return (self.resolution // int(p)) ** 2 + 1
+        vcfg = getattr(self.model.config, "vision_config", None) or self.model.config
+        p = int(vcfg.patch_size)
+        cls = 0 if "siglip" in str(getattr(vcfg, "model_type", "")) else 1
+        return (self.resolution // p) ** 2 + cls
+
+
+def _pooled(out) -> torch.Tensor:
+    """The projected embedding from ``get_*_features`` (a tensor, or an output whose ``pooler_output`` holds it)."""
+    if isinstance(out, torch.Tensor):
+        return out
+    for key in ("pooler_output", "image_embeds", "text_embeds"):
+        val = getattr(out, key, None)
+        if isinstance(val, torch.Tensor):
+            return val
+    raise UnsupportedModelError(f"cannot find the embedding in a {type(out).__name__} (no pooler_output)")
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def _hub_reachable(timeout: float = 5.0) -> bool:
+    from .evals.images import _hub_reachable as probe
+
+    return probe(timeout)
+
+
+def _host_reachable(url: str, timeout: float = 5.0) -> bool:
+    import socket
+    from urllib.parse import urlparse
+
+    u = urlparse(url)
+    try:
+        with socket.create_connection((u.hostname, u.port or (443 if u.scheme == "https" else 80)), timeout=timeout):
+            return True
+    except (OSError, TypeError):
+        return False
+
+
+def _offline() -> bool:
+    from .checkpoints import _env_true
+
+    return _env_true("HF_HUB_OFFLINE") or _env_true("TRANSFORMERS_OFFLINE")
+
+
+def _cached_hub_file(repo: str, filenames: Sequence[str]) -> str | None:
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:  # pragma: no cover
+        return None
+    for f in filenames:
+        hit = try_to_load_from_cache(repo, f)
+        if isinstance(hit, str):
+            return hit
+    return None
+
+
+_OFFLINE_HINT = (
+    "Offline alternatives: an open_clip architecture with random weights ('ViT-B-32:random', no download), "
+    "or a local directory holding a saved model (transformers: config.json + weights + processor files; "
+    "open_clip: open_clip_config.json + weights)"
+)
+
+
+@contextlib.contextmanager
+def _quiet_open_clip():
+    """Drop open_clip's root-logger warning about random init (we log it ourselves), without
+    letting ``logging.warning`` configure the root logger as a side effect."""
+
+    class _Drop(logging.Filter):
+        def filter(self, record):
+            return "No pretrained weights loaded" not in record.getMessage()
+
+    root = logging.getLogger()
+    f = _Drop()
+    null = logging.NullHandler() if not root.handlers else None
+    if null is not None:
+        root.addHandler(null)
+    root.addFilter(f)
+    try:
+        yield
+    finally:
+        root.removeFilter(f)
+        if null is not None:
+            root.removeHandler(null)
+
+
+def _split_open_clip_name(name: str) -> tuple[str, str] | None:
+    """``(arch, tag)`` if ``name`` is ``ARCH:TAG`` with ``ARCH`` an open_clip architecture, else ``None``."""
+    if ":" not in name or name.startswith(("hf-hub:", "local-dir:")):
+        return None
+    arch, tag = name.rsplit(":", 1)
+    import open_clip
+
+    if arch not in open_clip.list_models():
+        return None
+    return arch, tag
+
+
+def _open_clip_weights(arch: str, tag: str) -> tuple[str, dict]:
+    """``(pretrained argument for open_clip, the tag's config)``: a cached file path, or the tag when downloadable.
+
+    Raises:
+        ModelNotFoundError: unknown tag (the message lists the architecture's tags), or weights
+            neither cached nor downloadable (endpoint unreachable or offline mode).
+    """
+    from open_clip import pretrained as ocp
+
+    cfg = ocp.get_pretrained_cfg(arch, tag)
+    if not cfg:
+        tags = ocp.list_pretrained_tags_by_model(arch)
+        raise ModelNotFoundError(
+            f"{arch}:{tag}: {tag!r} is not a pretrained tag of open_clip's {arch}; known tags: "
+            f"{', '.join(tags) if tags else '(none)'}, or {RANDOM_TAG!r} for random weights"
+        )
+    hub = cfg.get("hf_hub", "")
+    url = cfg.get("url", "")
+    if hub:
+        repo, filename = os.path.split(hub)  # "org/repo/" -> ("org/repo", ""): open_clip's default file names
+        if filename:
+            names = [*ocp._get_safe_alternatives(filename), filename]
+        else:
+            names = ["open_clip_model.safetensors", "open_clip_pytorch_model.bin"]
+        hit = _cached_hub_file(repo, names)
+        if hit:
+            return hit, cfg
+        if not _offline() and _hub_reachable():
+            return tag, cfg
+        where = f"the Hugging Face hub repo {repo!r}"
+    else:
+        local = Path(os.path.expanduser("~/.cache/clip")) / os.path.basename(url)
+        if local.is_file():
+            return str(local), cfg
+        if url and _host_reachable(url):
+            return tag, cfg
+        where = url or "(no download location)"
+    why = "offline mode is on (HF_HUB_OFFLINE=1)" if _offline() else "the download endpoint cannot be reached"
+    raise ModelNotFoundError(
+        f"{arch}:{tag}: the weights are not in the local cache and {why} ({where}). {_OFFLINE_HINT}"
+    )
+
+
+def _wrap_open_clip_transform(tf, resolution: int, cfg: dict):
+    from .evals.images import Preprocess
+
+    def fn(images):
+        return torch.stack([tf(im) for im in images])
+
+    return Preprocess(
+        kind="open_clip", resolution=resolution, resize={"shortest_edge": resolution, "mode": cfg.get("resize_mode", "shortest")},
+        mean=tuple(float(v) for v in cfg.get("mean", ())), std=tuple(float(v) for v in cfg.get("std", ())), _fn=fn,
+    )
+
+
+def _load_open_clip(spec: str, pretrained: str | None, cfg: dict, *, device, dtype, resolution, random_init: bool, log: Log, name: str):
+    import open_clip
+
+    kw: dict[str, Any] = {}
+    if cfg.get("quick_gelu"):
+        kw["force_quick_gelu"] = True
+    for key, arg in (("mean", "image_mean"), ("std", "image_std"), ("interpolation", "image_interpolation"), ("resize_mode", "image_resize_mode")):
+        if key in cfg:
+            kw[arg] = cfg[key]
+    if resolution is not None:
+        kw["force_image_size"] = resolution
+    with _quiet_open_clip():
+        if random_init:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(RANDOM_SEED)
+                model, _, tf = open_clip.create_model_and_transforms(spec, pretrained=None, **kw)
+        else:
+            model, _, tf = open_clip.create_model_and_transforms(spec, pretrained=pretrained, **kw)
+    model = model.to(device=device, dtype=dtype).eval()
+    tokenizer = open_clip.get_tokenizer(spec)
+    visual = model.visual
+    size = getattr(visual, "image_size", None) or visual.preprocess_cfg.get("size")
+    res = int(size[0] if isinstance(size, (tuple, list)) else size)
+    pcfg = dict(getattr(visual, "preprocess_cfg", {}) or {})
+    embed = int(getattr(visual, "output_dim", 0) or model.text_projection.shape[-1])
+    return ClipBundle(
+        model=model, preprocess=_wrap_open_clip_transform(tf, res, pcfg), tokenizer=tokenizer, kind="open_clip",
+        name=name, resolution=res, embed_dim=embed, random_init=random_init,
+    )
+
+
+def _load_hf(source: str | Path, *, device, dtype, resolution, log: Log, name: str, local_files_only: bool):
+    from transformers import AutoModel, AutoProcessor
+
+    from .evals.images import make_preprocess
+
+    try:
+        processor = AutoProcessor.from_pretrained(source, local_files_only=local_files_only)
+        model = AutoModel.from_pretrained(source, dtype=dtype, local_files_only=local_files_only)
+    except OSError as err:
+        if isinstance(source, Path):
+            raise ModelNotFoundError(
+                f"{source}: could not load a transformers model and its processor ({type(err).__name__}: "
+                f"{str(err).strip().splitlines()[0] if str(err).strip() else ''}); expected config.json + weights + "
+                f"preprocessor_config.json + tokenizer files (model.save_pretrained(d); processor.save_pretrained(d))"
+            ) from err
+        raise ModelNotFoundError(
+            f"could not load {name!r} from the Hugging Face hub ({type(err).__name__}: "
+            f"{str(err).strip().splitlines()[0] if str(err).strip() else ''}). {_OFFLINE_HINT}"
+        ) from err
+    if not (hasattr(model, "get_image_features") and hasattr(model, "get_text_features")):
+        raise UnsupportedModelError(
+            f"{name!r} loads as {type(model).__name__}, which has no get_image_features / get_text_features; "
+            "expected a dual encoder such as CLIPModel or SiglipModel"
+        )
+    image_processor = getattr(processor, "image_processor", None)
+    tok = getattr(processor, "tokenizer", None)
+    if image_processor is None or tok is None:
+        raise ModelNotFoundError(f"{name!r}: the processor ({type(processor).__name__}) lacks an image processor or a tokenizer")
+    model = model.to(device).eval()
+    vcfg = model.config.vision_config
+    tcfg = model.config.text_config
+    native = int(vcfg.image_size)
+    preprocess = make_preprocess(image_processor, resolution)
+    res = int(resolution or native)
+    max_len = int(min(getattr(tok, "model_max_length", 10**9) or 10**9, getattr(tcfg, "max_position_embeddings", 77)))
+
+    def tokenizer(texts):
+        return tok(list(texts), padding="max_length", truncation=True, max_length=max_len, return_tensors="pt")
+
+    embed = int(getattr(model.config, "projection_dim", 0) or getattr(tcfg, "hidden_size"))
+    return ClipBundle(
+        model=model, preprocess=preprocess, tokenizer=tokenizer, kind="hf", name=name, resolution=res, embed_dim=embed,
+        _interpolate=res != native,
+    )
+
+
+def load_clip(
+    name: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+    resolution: int | None = None, log: Log = _stderr,
+) -> ClipBundle:
+    """Load a CLIP-style dual encoder, its image preprocessing and its tokenizer.
+
+    Args:
+        name: ``ARCH:TAG`` (open_clip pretrained), ``ARCH:random`` (open_clip architecture, random
+            weights, seed 0, no download), ``hf-hub:ORG/REPO`` (open_clip on the hub), a Hugging
+            Face model id ``ORG/NAME``, or a local directory (saved transformers model + processor,
+            or an open_clip ``open_clip_config.json`` + weights); see the module docstring.
+        device: where to put the model.
+        dtype: weight dtype; ``None`` means ``torch.float32``.
+        resolution: input side in pixels; ``None`` keeps the model's. open_clip builds the tower at
+            that size (pretrained position embeddings are resampled by open_clip on load);
+            Hugging Face models interpolate their position embeddings
+            (``interpolate_pos_encoding=True``). The preprocessing follows.
+        log: receives one line per step (defaults to stderr).
+
+    Returns:
+        :class:`ClipBundle`.
+
+    Raises:
+        ModelNotFoundError: an unknown name; an open_clip tag the architecture does not have (the
+            message lists its tags); weights that are neither cached nor reachable (hub or download
+            host unreachable -- probed with a 5 s TCP connect, so this fails fast -- or offline
+            mode); a directory without a loadable model.
+        UnsupportedModelError: a transformers model that is not a dual encoder.
+        OptionError: ``resolution`` not a positive int.
+    """
+    import time
+
+    if resolution is not None and (isinstance(resolution, bool) or not isinstance(resolution, int) or resolution < 1):
+        raise OptionError(f"resolution={resolution!r}: must be a positive int (square side in pixels) or None")
+    dtype = torch.float32 if dtype is None else dtype
+    raw = os.fspath(name)
+    t0 = time.perf_counter()
+    path = Path(raw).expanduser()
+    common = dict(device=device, dtype=dtype, resolution=resolution, log=log, name=raw)
+    if path.is_dir():
+        if (path / "open_clip_config.json").is_file():
+            log(f"loading open_clip directory {path} ...")
+            bundle = _load_open_clip(f"local-dir:{path}", None, {}, random_init=False, **common)
+        elif (path / "config.json").is_file():
+            log(f"loading transformers directory {path} ...")
+            bundle = _load_hf(path, local_files_only=True, **common)
+        else:
+            raise ModelNotFoundError(
+                f"{path.resolve()} holds neither config.json (a saved transformers model) nor open_clip_config.json "
+                f"(an open_clip model directory)"
+            )
+    elif raw.startswith("hf-hub:"):
+        repo = raw[len("hf-hub:"):]
+        cfg_file = _cached_hub_file(repo, ["open_clip_config.json"])
+        weights = _cached_hub_file(repo, ["open_clip_model.safetensors", "open_clip_pytorch_model.bin"])
+        if cfg_file and weights and Path(cfg_file).parent == Path(weights).parent:
+            log(f"loading open_clip {raw} from the local hub cache ...")
+            bundle = _load_open_clip(f"local-dir:{Path(cfg_file).parent}", None, {}, random_init=False, **common)
+        elif not _offline() and _hub_reachable():
+            log(f"loading open_clip {raw} ...")
+            bundle = _load_open_clip(raw, None, {}, random_init=False, **common)
+        else:
+            why = "offline mode is on (HF_HUB_OFFLINE=1)" if _offline() else "the Hugging Face hub cannot be reached"
+            raise ModelNotFoundError(f"{raw}: not in the local hub cache and {why}. {_OFFLINE_HINT}")
+    elif (split := _split_open_clip_name(raw)) is not None:
+        arch, tag = split
+        if tag == RANDOM_TAG:
+            log(f"building open_clip {arch} with random weights (seed {RANDOM_SEED}; no download) ...")
+            bundle = _load_open_clip(arch, None, {}, random_init=True, **common)
+        else:
+            pretrained, cfg = _open_clip_weights(arch, tag)
+            log(f"loading open_clip {arch} with weights {tag!r}" + (f" from {pretrained}" if pretrained != tag else "") + " ...")
+            bundle = _load_open_clip(arch, pretrained, cfg, random_init=False, **common)
+    elif _HF_ID.match(raw) and not raw.startswith((".", "~")):
+        cached = _cached_hub_file(raw, ["config.json"]) is not None
+        if not cached and (_offline() or not _hub_reachable()):
+            why = "offline mode is on (HF_HUB_OFFLINE=1)" if _offline() else "the Hugging Face hub cannot be reached"
+            raise ModelNotFoundError(
+                f"{raw!r} is not a local directory or an open_clip name, and as a Hugging Face model id it is not in the "
+                f"local cache while {why}. {_OFFLINE_HINT}"
+            )
+        log(f"loading transformers model {raw} ...")
+        bundle = _load_hf(raw, local_files_only=cached and (_offline() or not _hub_reachable()), **common)
+    else:
+        import open_clip
+
+        arch = raw.split(":", 1)[0]
+        if arch in open_clip.list_models():
+            tags = open_clip.list_pretrained_tags_by_model(arch)
+            raise ModelNotFoundError(
+                f"{raw!r}: name the weights as ARCH:TAG, e.g. {arch}:{tags[0] if tags else RANDOM_TAG}; tags of {arch}: "
+                f"{', '.join(tags) if tags else '(none)'}, or {arch}:{RANDOM_TAG} for random weights"
+            )
+        raise ModelNotFoundError(
+            f"{raw!r} is not a local directory, an open_clip name (ARCH:TAG, e.g. ViT-B-32:openai; ARCH:random; "
+            f"hf-hub:ORG/REPO) or a Hugging Face model id (ORG/NAME)"
+            + (f": {path.resolve()} does not exist" if raw.startswith((".", "/", "~")) else "")
+        )
+    log(f"loaded {type(bundle.model).__name__} ({bundle.kind}, {bundle.resolution} px) in {time.perf_counter() - t0:.2f} s")
+    return bundle
+
+
+# --------------------------------------------------------------------------- open_clip -> Hugging Face
+
+
+def hf_clip_tokenizer_from_open_clip(context_length: int = 77):
+    """A Hugging Face ``CLIPTokenizer`` built from open_clip's bundled BPE vocabulary (no download).
+
+    The vocabulary and merges are open_clip's ``bpe_simple_vocab_16e6.txt.gz`` (the OpenAI CLIP
+    BPE), with the special tokens spelled as Hugging Face spells them (``<|startoftext|>`` = 49406,
+    ``<|endoftext|>`` = 49407). Token ids equal open_clip's ``SimpleTokenizer`` ids for ordinary
+    text (both lower-case and split with the same pattern; open_clip additionally runs ``ftfy``).
+
+    Args:
+        context_length: ``model_max_length`` of the tokenizer (tokens).
+
+    Returns:
+        ``transformers.CLIPTokenizer``.
+    """
+    from open_clip.tokenizer import SimpleTokenizer
+    from transformers import CLIPTokenizer
+
+    st = SimpleTokenizer()
+    rename = {"<start_of_text>": "<|startoftext|>", "<end_of_text>": "<|endoftext|>"}
+    vocab = {rename.get(k, k): v for k, v in st.encoder.items()}
+    merges = [p for p, _ in sorted(st.bpe_ranks.items(), key=lambda kv: kv[1])]
+    return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=context_length)
+
+
+def _act_name(mod: torch.nn.Module) -> str:
+    from open_clip.transformer import QuickGELU
+
+    if isinstance(mod, QuickGELU):
+        return "quick_gelu"
+    if isinstance(mod, torch.nn.GELU) and getattr(mod, "approximate", "none") == "none":
+        return "gelu"
+    raise UnsupportedModelError(f"activation {type(mod).__name__}: only QuickGELU and exact GELU have a Hugging Face CLIP equivalent")
+
+
+def open_clip_to_hf(model: torch.nn.Module):
+    """Copy an open_clip ``CLIP`` (ViT image tower, standard text transformer) into a Hugging Face ``CLIPModel``.
+
+    The mapping: ``visual.conv1`` -> ``vision_model.embeddings.patch_embedding``,
+    ``class_embedding`` / ``positional_embedding`` -> the vision embeddings, ``ln_pre`` ->
+    ``pre_layrnorm``, each ``resblocks[i]`` -> ``encoder.layers[i]`` (``attn.in_proj_*`` split into
+    ``q/k/v_proj``, ``out_proj``, ``ln_1/ln_2`` -> ``layer_norm1/2``, ``mlp.c_fc/c_proj`` ->
+    ``mlp.fc1/fc2``), ``ln_post`` -> ``post_layernorm``, ``proj`` -> ``visual_projection.weight``
+    (transposed); the text tower likewise (``token_embedding``, ``positional_embedding``,
+    ``ln_final`` -> ``final_layer_norm``, ``text_projection`` transposed); ``logit_scale``. The
+    activation (QuickGELU or GELU) and the widths, depths and heads are read from the model.
+
+    Args:
+        model: an open_clip ``CLIP`` or ``CustomTextCLIP`` whose image tower is a plain
+            ``VisionTransformer`` (class-token pooling, LayerNorm before the blocks, no attentional
+            pooler) and whose text tower is open_clip's causal ``TextTransformer`` with argmax
+            (end-of-text) pooling.
+
+    Returns:
+        ``(CLIPModel, CLIPProcessor)`` in eval mode, float32; the processor's tokenizer comes from
+        :func:`hf_clip_tokenizer_from_open_clip` and its image processor mirrors open_clip's
+        evaluation transform (shortest side to ``R`` bicubic, center crop ``R``, the model's mean/std).
+
+    Raises:
+        UnsupportedModelError: a tower that has no Hugging Face CLIP equivalent (the message says which part).
+    """
+    from open_clip import transformer as oct
+    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
+
+    visual = getattr(model, "visual", None)
+    if not isinstance(visual, oct.VisionTransformer):
+        raise UnsupportedModelError(f"open_clip_to_hf: the image tower is a {type(visual).__name__}, not a VisionTransformer")
+    if visual.attn_pool is not None or visual.pool_type != "tok" or visual.final_ln_after_pool or isinstance(visual.ln_pre, torch.nn.Identity):
+        raise UnsupportedModelError("open_clip_to_hf: the image tower pools differently from HF CLIP (attentional pool, avg pool, or no ln_pre)")
+    text = getattr(model, "text", None) or model
+    if isinstance(text, oct.TextTransformer):
+        if text.cls_emb is not None or text.pool_type != "argmax":
+            raise UnsupportedModelError("open_clip_to_hf: the text tower pools differently from HF CLIP (class token or non-argmax pooling)")
+        tr, tok_emb, pos_emb, ln_final, tproj = text.transformer, text.token_embedding, text.positional_embedding, text.ln_final, text.text_projection
+    elif hasattr(model, "token_embedding"):
+        if getattr(model, "text_pool_type", "argmax") != "argmax":
+            raise UnsupportedModelError("open_clip_to_hf: the text tower does not pool at the end-of-text token")
+        tr, tok_emb, pos_emb, ln_final, tproj = model.transformer, model.token_embedding, model.positional_embedding, model.ln_final, model.text_projection
+    else:
+        raise UnsupportedModelError(f"open_clip_to_hf: the text tower is a {type(text).__name__}, not open_clip's TextTransformer")
+    vblocks, tblocks = list(visual.transformer.resblocks), list(tr.resblocks)
+    for blocks in (vblocks, tblocks):
+        if not all(isinstance(b, oct.ResidualAttentionBlock) and isinstance(b.ls_1, torch.nn.Identity) for b in blocks):
+            raise UnsupportedModelError("open_clip_to_hf: only plain ResidualAttentionBlocks (no LayerScale, no custom attention) map to HF CLIP")
+    vw, tw = visual.transformer.width, tr.width
+    patch = visual.patch_size[0] if isinstance(visual.patch_size, (tuple, list)) else visual.patch_size
+    image_size = visual.image_size[0] if isinstance(visual.image_size, (tuple, list)) else visual.image_size
+    if isinstance(tproj, torch.nn.Linear):
+        if tproj.bias is not None:
+            raise UnsupportedModelError("open_clip_to_hf: a text projection with bias has no HF CLIP equivalent")
+        tproj_w = tproj.weight.detach()
+    else:
+        tproj_w = tproj.detach().t()
+    vact, tact = _act_name(vblocks[0].mlp.gelu), _act_name(tblocks[0].mlp.gelu)
+    if vact != tact:
+        raise UnsupportedModelError(f"open_clip_to_hf: the towers use different activations ({vact}, {tact}); HF CLIP configs share one kind per tower")
+    eps = float(vblocks[0].ln_1.eps)
+    cfg = CLIPConfig(
+        text_config=dict(
+            vocab_size=tok_emb.num_embeddings, hidden_size=tw, intermediate_size=tblocks[0].mlp.c_fc.out_features,
+            num_hidden_layers=len(tblocks), num_attention_heads=tblocks[0].attn.num_heads,
+            max_position_embeddings=pos_emb.shape[0], hidden_act=tact, layer_norm_eps=eps,
+            bos_token_id=49406, eos_token_id=49407, pad_token_id=49407,
+        ),
+        vision_config=dict(
+            hidden_size=vw, intermediate_size=vblocks[0].mlp.c_fc.out_features, num_hidden_layers=len(vblocks),
+            num_attention_heads=vblocks[0].attn.num_heads, image_size=int(image_size), patch_size=int(patch),
+            hidden_act=vact, layer_norm_eps=eps,
+        ),
+        projection_dim=int(tproj_w.shape[0]),
+        logit_scale_init_value=float(model.logit_scale.detach().reshape(-1)[0]) if hasattr(model, "logit_scale") else 2.6592,
+    )
+    from transformers.initialization import no_init_weights
+
+    with no_init_weights():  # every weight is overwritten below
+        hf = CLIPModel(cfg).eval()
+    sd: dict[str, torch.Tensor] = {}
+
+    def blocks_to(prefix: str, blocks) -> None:
+        for i, b in enumerate(blocks):
+            p = f"{prefix}.encoder.layers.{i}"
+            wq, wk, wv = b.attn.in_proj_weight.detach().chunk(3)
+            bq, bk, bv = b.attn.in_proj_bias.detach().chunk(3)
+            sd.update({
+                f"{p}.self_attn.q_proj.weight": wq, f"{p}.self_attn.k_proj.weight": wk, f"{p}.self_attn.v_proj.weight": wv,
+                f"{p}.self_attn.q_proj.bias": bq, f"{p}.self_attn.k_proj.bias": bk, f"{p}.self_attn.v_proj.bias": bv,
+                f"{p}.self_attn.out_proj.weight": b.attn.out_proj.weight.detach(), f"{p}.self_attn.out_proj.bias": b.attn.out_proj.bias.detach(),
+                f"{p}.layer_norm1.weight": b.ln_1.weight.detach(), f"{p}.layer_norm1.bias": b.ln_1.bias.detach(),
+                f"{p}.layer_norm2.weight": b.ln_2.weight.detach(), f"{p}.layer_norm2.bias": b.ln_2.bias.detach(),
+                f"{p}.mlp.fc1.weight": b.mlp.c_fc.weight.detach(), f"{p}.mlp.fc1.bias": b.mlp.c_fc.bias.detach(),
+                f"{p}.mlp.fc2.weight": b.mlp.c_proj.weight.detach(), f"{p}.mlp.fc2.bias": b.mlp.c_proj.bias.detach(),
+            })
+
+    sd.update({
+        "vision_model.embeddings.patch_embedding.weight": visual.conv1.weight.detach(),
+        "vision_model.embeddings.class_embedding": visual.class_embedding.detach(),
+        "vision_model.embeddings.position_embedding.weight": visual.positional_embedding.detach(),
+        "vision_model.pre_layrnorm.weight": visual.ln_pre.weight.detach(), "vision_model.pre_layrnorm.bias": visual.ln_pre.bias.detach(),
+        "vision_model.post_layernorm.weight": visual.ln_post.weight.detach(), "vision_model.post_layernorm.bias": visual.ln_post.bias.detach(),
+        "visual_projection.weight": visual.proj.detach().t(),
+        "text_model.embeddings.token_embedding.weight": tok_emb.weight.detach(),
+        "text_model.embeddings.position_embedding.weight": pos_emb.detach(),
+        "text_model.final_layer_norm.weight": ln_final.weight.detach(), "text_model.final_layer_norm.bias": ln_final.bias.detach(),
+        "text_projection.weight": tproj_w,
+    })
+    if hasattr(model, "logit_scale"):
+        sd["logit_scale"] = model.logit_scale.detach().reshape(())
+    blocks_to("vision_model", vblocks)
+    blocks_to("text_model", tblocks)
+    missing, unexpected = hf.load_state_dict({k: v.float().clone() for k, v in sd.items()}, strict=False)
+    missing = [k for k in missing if not k.endswith("position_ids")]
+    if missing or unexpected:  # pragma: no cover - a mapping bug
+        raise UnsupportedModelError(f"open_clip_to_hf: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    pcfg = dict(getattr(visual, "preprocess_cfg", {}) or {})
+    from open_clip.constants import OPENAI_DATASET_MEAN, OPENAI_DATASET_STD
+
+    ip = CLIPImageProcessor(
+        size={"shortest_edge": int(image_size)}, crop_size={"height": int(image_size), "width": int(image_size)},
+        image_mean=list(pcfg.get("mean", OPENAI_DATASET_MEAN)), image_std=list(pcfg.get("std", OPENAI_DATASET_STD)),
+    )
+    processor = CLIPProcessor(image_processor=ip, tokenizer=hf_clip_tokenizer_from_open_clip(pos_emb.shape[0]))
+    return hf, processor
