@@ -576,9 +576,9 @@ def test_caption_set_several_captions_per_image(tmp_path):
         ce.load_caption_set(tmp_path / "missing", **QUIET)
 
 
-def test_cli_clip_bad_input(tiny_dirs, capsys):
+def test_cli_clip_bad_input(tiny_dirs, capsys, tmp_path):
     hf_dir, _ = tiny_dirs
-    data = str(TUXPAINT) if TUXPAINT.is_dir() else str(hf_dir)
+    data = str(_caption_folder(tmp_path / "caps", ["a red square.", "a blue square."]))
     assert main(["eval", "clip-retrieval", "--model", str(hf_dir), "--data", data, "--method", "fna", "--towers", "text"]) == 2
     assert "'text' tower" in capsys.readouterr().err
     assert main(["eval", "clip-retrieval", "--model", str(hf_dir), "--data", data, "--towers", "audio"]) == 2
