@@ -200,10 +200,18 @@ def cmd_metrics(args) -> int:
 
         pre = f"L{args.layer}_" if args.layer is not None else ""
         dk, dm = metrics(np.concatenate([p[pre + "dense"] for p in parts]))
+        extra_dense = {}
+        for li in args.also_layers:
+            extra_dense[li] = metrics(np.concatenate([p[f"L{li}_dense"] for p in parts]))
+            dm.update({f"{k}@L{li}": v for k, v in extra_dense[li][1].items() if k in ("knn_top1", "linear_probe", "map_at_r")})
         dsec = sum(m["dense"]["seconds"] for m in metas)
         rows = [{"setting": "dense", **dm, "images_per_s": n / dsec}]
         for i, run in enumerate(metas[0]["runs"]):
             pk, pm = metrics(np.concatenate([p[f"{pre}run{i}"] for p in parts]))
+            for li in args.also_layers:
+                lk, lm = metrics(np.concatenate([p[f"L{li}_run{i}"] for p in parts]))
+                pm.update({f"{k}@L{li}": v for k, v in lm.items() if k in ("knn_top1", "linear_probe", "map_at_r")})
+                pm[f"knn_agreement@L{li}"] = float(np.mean(lk["predictions"] == extra_dense[li][0]["predictions"]))
             rs = [m["runs"][i] for m in metas]
             ns = [m["n_images"] for m in metas]
             sec = sum(x["seconds"] for x in rs)
@@ -225,14 +233,16 @@ def cmd_metrics(args) -> int:
         head = (f"#### {which} — {metas[0]['model']} at {r} px (N = {metas[0]['tokens']} tokens), {n} images of "
                 f"{len(set(labels.tolist()))} classes; {metas[0].get('gpu') or metas[0]['device']}, {metas[0]['dtype']}, "
                 f"torch {metas[0]['torch']}, {metas[0]['date']}")
-        cols = ["setting", "knn_top1", "linear_probe", "map_at_r", "recall_at_1", "knn_agreement", "cls_cosine", "cls_cosine_min",
-                "patch_cosine", "mean_layer_error_teacher", "mean_layer_error_free", "images_per_s", "speedup"]
+        cols = ["setting", "knn_top1", "linear_probe", "map_at_r", "recall_at_1", "knn_agreement"]
+        for li in args.also_layers:
+            cols += [f"knn_top1@L{li}", f"linear_probe@L{li}", f"map_at_r@L{li}", f"knn_agreement@L{li}"]
+        cols += ["cls_cosine", "cls_cosine_min", "patch_cosine", "mean_layer_error_teacher", "mean_layer_error_free", "images_per_s", "speedup"]
         lines = [head, "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
         for row in rows:
             cells = []
             for c in cols:
                 v = row.get(c)
-                cells.append("-" if v is None else v if isinstance(v, str) else f"{100 * v:.1f}%" if c in (
+                cells.append("-" if v is None else v if isinstance(v, str) else f"{100 * v:.1f}%" if c.split("@")[0] in (
                     "knn_top1", "linear_probe", "recall_at_1", "knn_agreement") else f"{v:.2f}" if c in ("images_per_s", "speedup") else f"{v:.4f}")
             lines.append("| " + " | ".join(cells) + " |")
         md.append("\n".join(lines))
@@ -273,6 +283,7 @@ def main(argv=None) -> int:
     m.add_argument("--folds", type=int, default=5)
     m.add_argument("--markdown")
     m.add_argument("--layer", type=int, help="metrics on this block's CLS features (saved with --feature-layers)")
+    m.add_argument("--also-layers", nargs="*", type=int, default=[], help="add accuracy columns for these blocks' CLS features")
     m.set_defaults(func=cmd_metrics)
     f.add_argument("--threads", type=int)
     args = ap.parse_args(argv)
