@@ -43,7 +43,7 @@ from .errors import (
     OptionError,
     UnsupportedModelError,
 )
-from .fetch import _stderr, cache_dir, fetch_package_dir
+from .fetch import _stderr, cache_dir, fetch_package_dir, hub_reachable
 
 Log = Callable[[str], None]
 
@@ -481,13 +481,7 @@ def prepare(name: str, log: Log = _stderr) -> Path:
             "dtype": "float32",
             "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         }
-        (tmp / SOURCE_FILE).write_text(json.dumps(source, indent=2) + "\n")
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if not _is_complete(final):  # not a concurrent run that finished first
-                raise
-            log(f"{final} was completed meanwhile by another process; keeping that one")
+        _publish(tmp, final, source, log)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -560,23 +554,14 @@ def _hub_error(name: str, err: BaseException, kind: str = "causal_lm") -> ModelN
 
 def _hub_cached_or_reachable(repo_id: str, timeout: float = 5.0) -> bool:
     """Whether ``repo_id``'s config is in the local hub cache, or the hub endpoint accepts a TCP connection within ``timeout`` seconds."""
-    import socket
-    from urllib.parse import urlparse
-
     try:
-        from huggingface_hub import constants, try_to_load_from_cache
+        from huggingface_hub import try_to_load_from_cache
 
         if isinstance(try_to_load_from_cache(repo_id, "config.json"), str):
             return True
-        endpoint = constants.ENDPOINT
     except Exception:  # noqa: BLE001  # pragma: no cover - very old huggingface_hub
-        endpoint = "https://huggingface.co"
-    url = urlparse(endpoint)
-    try:
-        with socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout=timeout):
-            return True
-    except OSError:
-        return False
+        pass
+    return hub_reachable(timeout)
 
 
 def load_causal_lm(name_or_path: str | os.PathLike, dtype=None, device="cpu", log: Log = _stderr):
@@ -950,6 +935,18 @@ def dinov2_image_processor():
     return BitImageProcessor(**DINOV2_IMAGE_PROCESSOR)
 
 
+def _publish(tmp: Path, final: Path, source: dict, log: Log) -> None:
+    """Write the provenance file into the finished ``tmp`` folder and rename it to ``final`` atomically
+    (a concurrent preparation that finished first wins; its folder is kept)."""
+    (tmp / SOURCE_FILE).write_text(json.dumps(source, indent=2) + "\n")
+    try:
+        os.rename(tmp, final)
+    except OSError:
+        if not _is_complete(final):  # not a concurrent run that finished first
+            raise
+        log(f"{final} was completed meanwhile by another process; keeping that one")
+
+
 def _prepare_vision(entry: CatalogueEntry, final: Path, log: Log) -> Path:
     import onnx
     import torch
@@ -1030,13 +1027,7 @@ def _prepare_vision(entry: CatalogueEntry, final: Path, log: Log) -> Path:
             "dtype": "float32",
             "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         }
-        (tmp / SOURCE_FILE).write_text(json.dumps(source, indent=2) + "\n")
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if not _is_complete(final):
-                raise
-            log(f"{final} was completed meanwhile by another process; keeping that one")
+        _publish(tmp, final, source, log)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     log(f"prepared {entry.name} in {time.perf_counter() - t0:.1f} s: {final} (kept {src} as the reference)")

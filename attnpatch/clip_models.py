@@ -175,21 +175,15 @@ def _pooled(out) -> torch.Tensor:
 
 
 def _hub_reachable(timeout: float = 5.0) -> bool:
-    from .evals.images import _hub_reachable as probe
+    from .fetch import hub_reachable
 
-    return probe(timeout)
+    return hub_reachable(timeout)
 
 
 def _host_reachable(url: str, timeout: float = 5.0) -> bool:
-    import socket
-    from urllib.parse import urlparse
+    from .fetch import host_reachable
 
-    u = urlparse(url)
-    try:
-        with socket.create_connection((u.hostname, u.port or (443 if u.scheme == "https" else 80)), timeout=timeout):
-            return True
-    except (OSError, TypeError):
-        return False
+    return host_reachable(url, timeout)
 
 
 def _offline() -> bool:

@@ -90,3 +90,27 @@ def fetch_package_dir(requirement: str, module: str, log: Callable[[str], None] 
         w.unlink()
     (dest / ".complete").touch()
     return target
+
+
+def host_reachable(url: str, timeout: float = 5.0) -> bool:
+    """Whether ``url``'s host accepts a TCP connection within ``timeout`` seconds (a fast offline check)."""
+    import socket
+    from urllib.parse import urlparse
+
+    u = urlparse(url)
+    try:
+        with socket.create_connection((u.hostname, u.port or (443 if u.scheme == "https" else 80)), timeout=timeout):
+            return True
+    except (OSError, TypeError):
+        return False
+
+
+def hub_reachable(timeout: float = 5.0) -> bool:
+    """Whether the Hugging Face hub endpoint (``huggingface_hub.constants.ENDPOINT``) accepts a TCP connection within ``timeout`` seconds."""
+    try:
+        from huggingface_hub import constants
+
+        endpoint = constants.ENDPOINT
+    except (ImportError, AttributeError):  # pragma: no cover
+        endpoint = "https://huggingface.co"
+    return host_reachable(endpoint, timeout)

@@ -49,6 +49,7 @@ import torch
 
 from ..errors import DataError, OptionError
 from ..fetch import _stderr
+from .vision import count_sampled_at
 
 __all__ = [
     "TEMPLATE_SETS", "CLASSNAME_SETS", "CaptionSet", "imagenet_classnames", "resolve_templates", "resolve_classnames",
@@ -585,15 +586,7 @@ def _image_pass(bundle, images, settings, towers, batch_size: int, warmup: bool,
                 r["t"] += time.perf_counter() - t0
             lay = rec.forwards[0] if rec.forwards else {}
             tokens = next((lr.queries for lr in lay.values()), tokens)
-            first: dict[int, int] = {}
-            for li in sorted(lay):
-                lm = lay[li].landmarks
-                if lm is not None:
-                    for bi in range(lm.shape[0]):
-                        if bi not in first and int(lm[bi, 0]) >= 0:
-                            first[bi] = li
-            for li in first.values():
-                r["sampled_at"][li] = r["sampled_at"].get(li, 0) + 1
+            count_sampled_at(lay, r["sampled_at"])
         done += x.shape[0]
         if progress:
             progress(done, n)

@@ -316,21 +316,9 @@ def _stratified_first(labels: np.ndarray, limit: int) -> np.ndarray:
 
 
 def _hub_reachable(timeout: float = 5.0) -> bool:
-    import socket
-    from urllib.parse import urlparse
+    from ..fetch import hub_reachable
 
-    try:
-        from huggingface_hub import constants
-
-        endpoint = constants.ENDPOINT
-    except (ImportError, AttributeError):  # pragma: no cover
-        endpoint = "https://huggingface.co"
-    url = urlparse(endpoint)
-    try:
-        with socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout=timeout):
-            return True
-    except OSError:
-        return False
+    return hub_reachable(timeout)
 
 
 def _env_true(var: str) -> bool:

@@ -111,6 +111,20 @@ def token_count(model: torch.nn.Module, resolution: int) -> int:
     return (resolution // patch) ** 2 + _prefix_tokens(model)
 
 
+def count_sampled_at(layers: dict, counts: dict[int, int]) -> dict[int, int]:
+    """Add, per image of one forward call's layer records, the first layer that used FNA landmarks to ``counts`` (layer -> images)."""
+    first: dict[int, int] = {}
+    for li in sorted(layers):
+        lm = layers[li].landmarks
+        if lm is not None:
+            for bi in range(lm.shape[0]):
+                if bi not in first and int(lm[bi, 0]) >= 0:
+                    first[bi] = li
+    for li in first.values():
+        counts[li] = counts.get(li, 0) + 1
+    return counts
+
+
 def _cos(a: torch.Tensor, b: torch.Tensor) -> np.ndarray:
     return torch.nn.functional.cosine_similarity(a, b, dim=-1).numpy()
 
@@ -247,15 +261,7 @@ def run_feature_eval(
                 r["lay"][li].append(lay_p[li])
             lay = rec.forwards[0] if rec.forwards else {}
             tokens = next((rr.queries for rr in lay.values()), tokens)
-            first = {}
-            for li in sorted(lay):
-                lm = lay[li].landmarks
-                if lm is not None:
-                    for bi in range(lm.shape[0]):
-                        if bi not in first and int(lm[bi, 0]) >= 0:
-                            first[bi] = li
-            for li in first.values():
-                r["sampled_at"][li] = r["sampled_at"].get(li, 0) + 1
+            count_sampled_at(lay, r["sampled_at"])
             if need_layers:
                 with patched(model, m, **o), record_stats(model, teacher_forced=True) as rec_t:
                     encode(model, x)
