@@ -314,3 +314,15 @@ def test_bad_options_and_misfits():
     lm = tiny_causal_lm("llama")
     with pytest.raises(UnsupportedModelError, match="'vision'"):
         patch(lm, "fna")
+
+
+def test_padding_mask_is_refused_not_ignored():
+    from attnpatch.patchers.state import LayerContext
+    from attnpatch.patchers.vision_methods import FNAConfig, fna_forward
+
+    q, k, v = _qkv(b=1, h=2, n=12, d=4, dtype=torch.float32)
+    valid = torch.ones(1, 12, dtype=torch.bool)
+    valid[0, -2:] = False
+    ctx = LayerContext(layer=0, num_layers=2, scale=0.5, key_valid=valid, causal=False, prefix_tokens=1)
+    with pytest.raises(UnsupportedModelError, match="attention mask that hides some keys"):
+        fna_forward(FNAConfig(s=4, sample_layer=0), q, k, v, ctx)

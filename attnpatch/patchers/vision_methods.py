@@ -208,6 +208,13 @@ def _check_fna_sink(cfg: FNASinkConfig, num_layers: int) -> None:
 def _require_bidirectional(ctx: LayerContext, method: str) -> None:
     if ctx.causal:
         raise OptionError(f"method {method!r} is for bidirectional (vision) attention; layer {ctx.layer} is causal")
+    if ctx.key_valid is not None and not bool(ctx.key_valid.all()):
+        from ..errors import UnsupportedModelError
+
+        raise UnsupportedModelError(
+            f"method {method!r} got an attention mask that hides some keys (padding) in layer {ctx.layer}; "
+            "it supports unmasked bidirectional attention only"
+        )
 
 
 def _repeat_kv(k: torch.Tensor, heads: int) -> torch.Tensor:
