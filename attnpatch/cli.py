@@ -153,6 +153,13 @@ def _cmd_eval_ruler(args) -> int:
     return 0
 
 
+def _method_spec(spec: str, common: Sequence[str]) -> tuple[str, dict[str, Any]]:
+    """``"fna:s=32,sample_layer=0"`` -> ``("fna", {"s": "32", "sample_layer": "0"})``; ``-o`` options apply to every method."""
+    name, _, rest = spec.partition(":")
+    own = [p for p in rest.split(",") if p.strip()] if rest else []
+    return name, {**_parse_options(common), **_parse_options(own)}
+
+
 def _load_images_and_model(args):
     from .checkpoints import load_vision_model
     from .evals.images import load_image_set, make_preprocess
@@ -175,8 +182,8 @@ def _cmd_eval_vision(args) -> int:
     task = VISION_EVALS[args.eval]
     tasks = ["fidelity", "knn"] if task == "fidelity" else [task]
     settings = []
-    for method in args.method:
-        opts = _parse_options(args.option)
+    for spec in args.method:
+        method, opts = _method_spec(spec, args.option)
         validate_options(get_method(method), opts)  # fail before loading anything
         settings.append((method, opts))
     images, model, preprocess = _load_images_and_model(args)
@@ -371,7 +378,11 @@ def build_parser() -> argparse.ArgumentParser:
     for name, task in VISION_EVALS.items():
         pv = esub.add_parser(name, help=f"{task.replace('_', ' ')} on frozen ViT features, dense vs patched")
         vision_common(pv)
-        pv.add_argument("--method", nargs="+", default=["fna"], help="registered method(s); each is compared with dense in the same run")
+        pv.add_argument(
+            "--method", nargs="+", default=["fna"], metavar="METHOD[:NAME=VALUE,...]",
+            help="registered method(s), each compared with dense in the same run; options per method after a colon "
+            "(e.g. fna:s=32 fna:s=128,sample_layer=0 sink_mask); -o options apply to every method",
+        )
         pv.add_argument("-o", "--option", action="append", default=[], metavar="NAME=VALUE", help="method option, repeatable (e.g. -o s=64)")
         pv.add_argument("--batch-size", type=_positive_int, default=16)
         pv.add_argument("--layer-error-images", type=int, default=32, help="images on which per-layer errors are measured (fidelity)")

@@ -97,3 +97,18 @@ def test_sinks_cli(tiny_vit_dir, tiny_images, tmp_path, capsys):
     assert rep["tokens"] == 26 and len(rep["layers"]) == 4
     assert all(len(e["massive"]) == 3 and len(e["sinks"]) == 3 for e in rep["layers"])
     assert "first layer with a massive token" in capsys.readouterr().out
+
+
+def test_per_method_options_and_exact_rows_are_labelled(tiny_vit_dir, tiny_images, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    rc = main(["eval", "fidelity", "--model", str(tiny_vit_dir), "--data", str(tiny_images), "--resolution", "70", "--k", "3",
+               "--method", "fna:s=9", "fna:s=12,sample_layer=0", "sink_mask", "fna:s=40", "--json", str(out)])
+    assert rc == 0
+    runs = json.loads(out.read_text())["runs"]
+    assert [(r["method"], r["shown_options"]) for r in runs] == [
+        ("fna", {"s": "9"}), ("fna", {"s": "12", "sample_layer": "0"}), ("sink_mask", {}), ("fna", {"s": "40"})]
+    assert runs[1]["options"]["sample_layer"] == 0 and runs[1]["approximated_layers"] == [0, 1, 2, 3]
+    assert runs[3].get("note") == "exact attention: s >= N tokens" and "note" not in runs[0]
+    capsys.readouterr()
+    assert main(["eval", "knn", "--model", str(tiny_vit_dir), "--data", str(tiny_images), "--method", "sink_mask:s=9"]) == 2
+    assert "unknown option(s) s for method 'sink_mask'" in capsys.readouterr().err

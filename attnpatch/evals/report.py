@@ -80,7 +80,8 @@ def vision_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
     rows = [{"setting": "dense", **base, **result["dense"]}]
     for r in result["runs"]:
         opts = ", ".join(f"{k}={v}" for k, v in r.get("shown_options", r["options"]).items())
-        rows.append({"setting": f"{r['method']}" + (f" ({opts})" if opts else ""), **base, **r})
+        label = f"{r['method']}" + (f" ({opts})" if opts else "") + (f" [{r['note']}]" if r.get("note") else "")
+        rows.append({**base, **r, "setting": label})
     return rows
 
 

@@ -262,6 +262,7 @@ def run_feature_eval(
             lay = rec.forwards[0] if rec.forwards else {}
             tokens = next((rr.queries for rr in lay.values()), tokens)
             count_sampled_at(lay, r["sampled_at"])
+            r.setdefault("modes", set()).update(rr.mode for rr in lay.values())
             if need_layers:
                 with patched(model, m, **o), record_stats(model, teacher_forced=True) as rec_t:
                     encode(model, x)
@@ -312,6 +313,8 @@ def run_feature_eval(
                 mean_layer_error_free=float(np.mean([fe[i] for i in approx])) if approx else 0.0,
             )
         row["sampled_at"] = {str(k): v for k, v in sorted(r["sampled_at"].items())}
+        if r.get("modes") == {"dense:s>=N"}:
+            row["note"] = "exact attention: s >= N tokens"
         result["runs"].append(row)
     if return_features:
         result["features"] = {
