@@ -153,6 +153,22 @@ def _cmd_eval_ruler(args) -> int:
     return 0
 
 
+def _report(args, title: str, rows, columns, result: dict[str, Any]) -> int:
+    """Print the table, write the JSON (``--json``, default ``<eval>_<model>_<methods>.json``) and the optional Markdown."""
+    from .evals.report import print_table, rows_to_markdown, write_json
+
+    print_table(rows, columns, title=title)
+    path = args.json or f"{_slug(args.eval)}_{_slug(args.model)}_{_slug('+'.join(args.method))}.json"
+    write_json(path, result)
+    print(f"wrote {path}")
+    if args.markdown:
+        from pathlib import Path
+
+        Path(args.markdown).write_text(f"### {title}\n\n" + rows_to_markdown(rows, columns) + "\n")
+        print(f"wrote {args.markdown}")
+    return 0
+
+
 def _method_spec(spec: str, common: Sequence[str]) -> tuple[str, dict[str, Any]]:
     """``"fna:s=32,sample_layer=0"`` -> ``("fna", {"s": "32", "sample_layer": "0"})``; ``-o`` options apply to every method."""
     name, _, rest = spec.partition(":")
@@ -173,7 +189,7 @@ def _cmd_eval_vision(args) -> int:
     import torch
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from .evals.report import VISION_COLUMNS, machine_info, print_table, rows_to_markdown, vision_rows, write_json
+    from .evals.report import VISION_COLUMNS, machine_info, vision_rows
     from .evals.vision import run_feature_eval
     from .patchers.registry import get_method, validate_options
 
@@ -202,16 +218,7 @@ def _cmd_eval_vision(args) -> int:
     result.update(model=args.model, backend=args.backend, data=args.data or "default", eval=args.eval, machine=machine_info())
     rows = vision_rows(result)
     title = f"{args.eval} — {args.model} ({args.backend}) — {images.name}, {len(images)} images, {result['resolution']} px"
-    print_table(rows, VISION_COLUMNS, title=title)
-    path = args.json or f"{_slug(args.eval)}_{_slug(args.model)}_{_slug('+'.join(args.method))}.json"
-    write_json(path, result)
-    print(f"wrote {path}")
-    if args.markdown:
-        from pathlib import Path
-
-        Path(args.markdown).write_text(f"### {title}\n\n" + rows_to_markdown(rows, VISION_COLUMNS) + "\n")
-        print(f"wrote {args.markdown}")
-    return 0
+    return _report(args, title, rows, VISION_COLUMNS, result)
 
 
 def _cmd_sinks(args) -> int:
@@ -260,7 +267,7 @@ def _cmd_eval_clip(args) -> int:
 
     from .clip_models import load_clip
     from .evals import clip as clip_eval
-    from .evals.report import CLIP_RETRIEVAL_COLUMNS, ZEROSHOT_COLUMNS, clip_rows, machine_info, print_table, rows_to_markdown, write_json
+    from .evals.report import CLIP_RETRIEVAL_COLUMNS, ZEROSHOT_COLUMNS, clip_rows, machine_info
     from .patchers.registry import get_method, validate_options
 
     if args.threads:
@@ -317,16 +324,7 @@ def _cmd_eval_clip(args) -> int:
         if zeroshot else f"{result['n_images']} images, {result['n_texts']} captions"
     )
     title = f"{args.eval} — {args.model}{' (random weights)' if bundle.random_init else ''} — {getattr(data, 'name', args.data)}, {what}, {result['resolution']} px"
-    print_table(rows, columns, title=title)
-    path = args.json or f"{_slug(args.eval)}_{_slug(args.model)}_{_slug('+'.join(args.method))}.json"
-    write_json(path, result)
-    print(f"wrote {path}")
-    if args.markdown:
-        from pathlib import Path
-
-        Path(args.markdown).write_text(f"### {title}\n\n" + rows_to_markdown(rows, columns) + "\n")
-        print(f"wrote {args.markdown}")
-    return 0
+    return _report(args, title, rows, columns, result)
 
 
 def _fmt_opts(opts: dict[str, Any]) -> str:

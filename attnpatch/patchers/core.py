@@ -213,6 +213,25 @@ def set_layer_inputs(handle: "PatchHandle", hidden: torch.Tensor | None = None, 
         state.shared["_residual"] = residual
 
 
+def input_hook(handle: "PatchHandle", which: str, names: tuple[str, ...], batch_first: bool = True):
+    """A forward pre-hook (``with_kwargs=True``) that hands a module's first input to the method as the
+    layer's ``which`` (``"hidden"``: the attention input, ``"residual"``: the block input), ``[B, N, C]``.
+
+    Args:
+        handle: the model's patch.
+        which: ``"hidden"`` or ``"residual"``.
+        names: keyword names the input may be passed under when it is not positional.
+        batch_first: ``False`` for sequence-first inputs ``[N, B, C]`` (transposed, no copy).
+    """
+
+    def hook(module, args, kwargs):
+        x = args[0] if args else next((kwargs[k] for k in names if k in kwargs), None)
+        if isinstance(x, torch.Tensor):
+            set_layer_inputs(handle, **{which: x if batch_first else x.transpose(0, 1)})
+
+    return hook
+
+
 def _find_adapter(model: torch.nn.Module):
     from . import hf, open_clip_adapter, timm_adapter
 

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from ..errors import UnsupportedModelError
-from .core import PatchHandle, run_layer, set_layer_inputs
+from .core import PatchHandle, input_hook, run_layer
 
 ATTN_NAME = "attnpatch"
 _DISPATCH_CLASSES: dict[type, bool] = {}
@@ -174,25 +174,6 @@ def _prefix_tokens(model: torch.nn.Module, kind: str) -> int:
     return 1 + registers
 
 
-def _first_tensor(args, kwargs, name: str) -> torch.Tensor | None:
-    x = args[0] if args else kwargs.get(name)
-    return x if isinstance(x, torch.Tensor) else None
-
-
-def _attn_input_hook(handle: PatchHandle):
-    def hook(module, args, kwargs):
-        set_layer_inputs(handle, hidden=_first_tensor(args, kwargs, "hidden_states"))
-
-    return hook
-
-
-def _block_input_hook(handle: PatchHandle):
-    def hook(module, args, kwargs):
-        set_layer_inputs(handle, residual=_first_tensor(args, kwargs, "hidden_states"))
-
-    return hook
-
-
 class HFAdapter:
     """Adapter for Hugging Face ``PreTrainedModel`` subclasses that dispatch attention through AttentionInterface."""
 
@@ -321,10 +302,10 @@ class HFAdapter:
             # encoders often carry no layer_idx; with several towers, number the routed modules in order
             m._attnpatch_layer = int(li) if isinstance(li, int) and not multi else i
             if kinds.get(tower) == "vision":  # token features for landmark selection and sink detection
-                hooks.append(m.register_forward_pre_hook(_attn_input_hook(handle), with_kwargs=True))
+                hooks.append(m.register_forward_pre_hook(input_hook(handle, "hidden", ("hidden_states",)), with_kwargs=True))
                 block = _block_of(model, name)
                 if block is not None:
-                    hooks.append(block.register_forward_pre_hook(_block_input_hook(handle), with_kwargs=True))
+                    hooks.append(block.register_forward_pre_hook(input_hook(handle, "residual", ("hidden_states",)), with_kwargs=True))
         model.set_attn_implementation(request)
         if whole:
             switched = model.config._attn_implementation == ATTN_NAME

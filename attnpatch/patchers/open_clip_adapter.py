@@ -35,11 +35,12 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import UnsupportedModelError
-from .core import PatchHandle, run_layer, set_layer_inputs
+from .core import PatchHandle, input_hook, run_layer
 
 __all__ = ["OpenClipAdapter", "tower_modules"]
 
 _PATCHED_CLASSES: dict[type, type] = {}
+_INPUT_NAMES = ("q_x", "x", "query")  # how open_clip blocks / attentions name their input
 
 
 def _oc():
@@ -202,17 +203,6 @@ def _patched_class(cls: type) -> type:
     return _PATCHED_CLASSES[cls]
 
 
-def _input_hook(handle: PatchHandle, which: str, batch_first: bool):
-    """Pre-hook giving the method a block's input (``residual``) or its attention input (``hidden``), ``[B, N, C]``."""
-
-    def hook(module, args, kwargs):
-        x = args[0] if args else next((kwargs[k] for k in ("q_x", "x", "query") if k in kwargs), None)
-        if isinstance(x, torch.Tensor):
-            set_layer_inputs(handle, **{which: x if batch_first else x.transpose(0, 1)})
-
-    return hook
-
-
 # --------------------------------------------------------------------------- adapter
 
 
@@ -313,8 +303,8 @@ class OpenClipAdapter:
                     swapped.append((attn, original))
                     if tower == "vision":  # token features for landmark selection and sink detection
                         bf = bool(getattr(attn, "batch_first", True))
-                        hooks.append(attn.register_forward_pre_hook(_input_hook(handle, "hidden", bf), with_kwargs=True))
-                        hooks.append(block.register_forward_pre_hook(_input_hook(handle, "residual", bf), with_kwargs=True))
+                        hooks.append(attn.register_forward_pre_hook(input_hook(handle, "hidden", _INPUT_NAMES, bf), with_kwargs=True))
+                        hooks.append(block.register_forward_pre_hook(input_hook(handle, "residual", _INPUT_NAMES, bf), with_kwargs=True))
                     i += 1
         except Exception:
             OpenClipAdapter.restore(handle, (swapped, hooks))

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import UnsupportedModelError
-from .core import PatchHandle, run_layer, set_layer_inputs
+from .core import PatchHandle, input_hook, run_layer
 
 __all__ = ["TimmAdapter", "attention_modules"]
 
@@ -131,10 +131,10 @@ class TimmAdapter:
             m._attnpatch_layer = i
             m.__class__ = _patched_class(original)
             swapped.append((m, original))
-            hooks.append(m.register_forward_pre_hook(_input_hook(handle, "hidden"), with_kwargs=True))
+            hooks.append(m.register_forward_pre_hook(input_hook(handle, "hidden", ("x",)), with_kwargs=True))
             block = _block_of(model, name)
             if block is not None:
-                hooks.append(block.register_forward_pre_hook(_input_hook(handle, "residual"), with_kwargs=True))
+                hooks.append(block.register_forward_pre_hook(input_hook(handle, "residual", ("x",)), with_kwargs=True))
         return swapped, hooks
 
     @staticmethod
@@ -147,12 +147,3 @@ class TimmAdapter:
             m.__class__ = original
             for attr in ("_attnpatch", "_attnpatch_layer"):
                 m.__dict__.pop(attr, None)
-
-
-def _input_hook(handle: PatchHandle, which: str):
-    def hook(module, args, kwargs):
-        x = args[0] if args else kwargs.get("x")
-        if isinstance(x, torch.Tensor):
-            set_layer_inputs(handle, **{which: x})
-
-    return hook
