@@ -1,5 +1,5 @@
 """Command line: ``attnpatch methods``, ``models``, ``eval ruler``, ``eval {fidelity,knn,linear-probe,retrieval}``,
-``eval {zeroshot,clip-retrieval}`` (CLIP), ``sinks``.
+``eval {zeroshot,clip-retrieval}`` (CLIP), ``sinks``, ``bench {attention,capture,model}``.
 
 Thin by design: it parses, calls the library, prints.
 """
@@ -327,6 +327,136 @@ def _cmd_eval_clip(args) -> int:
     return _report(args, title, rows, columns, result)
 
 
+def _bench_out(args, title: str, rows, columns, result: dict[str, Any]) -> None:
+    """Print a bench table and write ``--json`` / ``--markdown`` when asked."""
+    from .evals.report import print_table, rows_to_markdown, write_json
+
+    print_table(rows, columns, title=title)
+    if args.json:
+        write_json(args.json, result)
+        print(f"wrote {args.json}")
+    if args.markdown:
+        from pathlib import Path
+
+        Path(args.markdown).write_text(f"### {title}\n\n" + rows_to_markdown(rows, columns) + "\n")
+        print(f"wrote {args.markdown}")
+
+
+def _progress_line(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16"}
+
+
+def _cmd_bench_attention(args) -> int:
+    import torch
+
+    from .evals.bench import bench_attention, load_qkv, plot_attention
+    from .evals.report import BENCH_ATTENTION_COLUMNS, machine_info
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    causal = args.mode == "causal"
+    specs = args.method or (["anchor_attention"] if causal else ["fna"])
+    methods = [_method_spec(m, args.option) for m in specs]
+    qkv, layer = (None, None)
+    if args.qkv:
+        qkv, layer = load_qkv(args.qkv, args.layer)
+    elif args.layer is not None:
+        raise AttnpatchError("--layer needs --qkv (captured inputs)")
+    result = bench_attention(
+        methods, lengths=args.lengths, causal=causal, batch=args.batch, heads=args.heads, kv_heads=args.kv_heads,
+        head_dim=args.head_dim, dtype=getattr(torch, _DTYPES[args.dtype]), device=args.device, repeats=args.repeats,
+        warmup=args.warmup, reuse_layers=args.reuse_layers, qkv=qkv, memory=not args.no_memory, progress=_progress_line,
+    )
+    result["machine"] = machine_info()
+    if args.qkv:
+        result["config"].update(qkv=args.qkv, layer=layer)
+    cfg = result["config"]
+    src = f"captured {args.qkv} layer {layer}" if args.qkv else "random q/k/v"
+    title = (f"bench attention — {cfg['mode']}, B={cfg['batch']} H={cfg['heads']} Hkv={cfg['kv_heads']} D={cfg['head_dim']}, "
+             f"{cfg['dtype']} on {cfg['device']}, {src}, median of {cfg['repeats']}")
+    _bench_out(args, title, result["rows"], BENCH_ATTENTION_COLUMNS, result)
+    print("scaling exponents (time ~ N^slope): " + ", ".join(f"{k}: {v:.2f}" for k, v in result["exponents"].items() if v is not None))
+    if args.plot:
+        for p in plot_attention(result, args.plot, title=f"{cfg['mode']} attention, {src}"):
+            print(f"wrote {p}")
+    return 0
+
+
+def _cmd_bench_capture(args) -> int:
+    import torch
+
+    from .checkpoints import load_causal_lm
+    from .evals.bench import capture_qkv, prefill_ids
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, tok = load_causal_lm(args.model)
+    ids = prefill_ids(tok, args.length)
+    got = capture_qkv(model, ids, args.layers)
+    torch.save(got, args.output)
+    for layer, e in sorted(got.items()):
+        print(f"layer {layer}: q {tuple(e['q'].shape)}, k {tuple(e['k'].shape)}, scale {e['scale']:.4f}")
+    print(f"wrote {args.output}")
+    return 0
+
+
+def _cmd_bench_model(args) -> int:
+    import torch
+
+    from .checkpoints import _entry, load_causal_lm, load_vision_model
+    from .evals.bench import bench_causal_lm, bench_vision_model
+    from .evals.report import BENCH_LM_COLUMNS, BENCH_VISION_COLUMNS, machine_info
+    from .patchers.registry import get_method, validate_options
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    settings = [_method_spec(m, args.option) for m in (args.method or [])]
+    for name, opts in settings:
+        validate_options(get_method(name), opts)  # fail before loading anything
+    kind = args.kind
+    if kind == "auto":
+        from pathlib import Path
+
+        try:
+            kind = _entry(args.model).kind
+        except AttnpatchError:
+            if not Path(args.model).is_dir():
+                raise AttnpatchError(f"--model {args.model!r} is not in the catalogue; say --kind vision or --kind causal_lm") from None
+            kind = "vision" if (Path(args.model) / "preprocessor_config.json").is_file() else "causal_lm"
+    if kind == "vision":
+        if not settings:
+            settings = [("fna", {})]
+        images = None
+        if args.data:
+            from .evals.images import load_image_set
+
+            data = load_image_set(args.data, limit=args.batch)
+            images = [data[i][0] for i in range(len(data))]
+        model, processor = load_vision_model(args.model, backend=args.backend)
+        result = bench_vision_model(
+            model, processor, settings, resolutions=args.resolutions or [224, 448, 896], batch=args.batch,
+            repeats=args.repeats, warmup=args.warmup, device=args.device, images=images, progress=_progress_line,
+        )
+        columns, what = BENCH_VISION_COLUMNS, f"batch {args.batch}"
+    else:
+        if not settings:
+            settings = [("anchor_attention", {})]
+        model, tok = load_causal_lm(args.model, device=args.device)
+        result = bench_causal_lm(
+            model, tok, settings, lengths=args.lengths or [1024, 2048, 4096, 8192], repeats=args.repeats,
+            warmup=args.warmup, device=args.device, progress=_progress_line,
+        )
+        columns, what = BENCH_LM_COLUMNS, "prefill, batch 1"
+    result.update(model=args.model, kind=kind, machine=machine_info())
+    m = result["machine"]
+    title = f"bench model — {args.model} ({what}) on {args.device}: {m['cpu']}, {m['torch_threads']} threads, median of {args.repeats}"
+    _bench_out(args, title, result["rows"], columns, result)
+    return 0
+
+
 def _fmt_opts(opts: dict[str, Any]) -> str:
     return ", ".join(f"{k}={v}" for k, v in opts.items()) if opts else ""
 
@@ -438,6 +568,57 @@ def build_parser() -> argparse.ArgumentParser:
     pt.add_argument("--caption-column", help="caption column (default: the first of caption, captions, sentences, txt, text, raw)")
     pt.add_argument("--ks", nargs="+", type=_positive_int, default=[1, 5, 10], help="recall cut-offs (default: 1 5 10)")
     pt.set_defaults(func=_cmd_eval_clip)
+
+    pb = sub.add_parser("bench", help="speed and memory benchmarks, patched vs exact, measured side by side")
+    bsub = pb.add_subparsers(dest="bench", required=True)
+    ba = bsub.add_parser("attention", help="one attention layer: time, peak memory and ratio to SDPA per method and N")
+    ba.add_argument("--mode", choices=["noncausal", "causal"], default="noncausal", help="ViT (noncausal, fna) or LLM prefill (causal, anchor_attention)")
+    ba.add_argument("--method", nargs="+", metavar="METHOD[:NAME=VALUE,...]", help="fna and/or anchor_attention with options (default: fna / anchor_attention)")
+    ba.add_argument("-o", "--option", action="append", default=[], metavar="NAME=VALUE", help="option applied to every method, repeatable")
+    ba.add_argument("--lengths", nargs="+", type=_positive_int, default=[256, 512, 1024, 2048, 4096, 8192, 16384], help="sequence lengths N in tokens")
+    ba.add_argument("--batch", type=_positive_int, default=1)
+    ba.add_argument("--heads", type=_positive_int, default=6, help="query heads (default: %(default)s, DINOv2-S)")
+    ba.add_argument("--kv-heads", type=_positive_int, help="key/value heads (GQA; default: = heads)")
+    ba.add_argument("--head-dim", type=_positive_int, default=64)
+    ba.add_argument("--dtype", choices=sorted(_DTYPES), default="float32")
+    ba.add_argument("--device", default="cpu")
+    ba.add_argument("--repeats", type=_positive_int, default=5, help="timed calls per cell; the median is reported")
+    ba.add_argument("--warmup", type=int, default=1, help="untimed calls before them")
+    ba.add_argument("--reuse-layers", type=_positive_int, default=6, help="layers sharing one FPS sampling, for FNA's amortised time")
+    ba.add_argument("--qkv", help="captured q/k/v file (attnpatch bench capture) instead of random inputs")
+    ba.add_argument("--layer", type=int, help="which captured layer (default: the first in the file)")
+    ba.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
+    ba.add_argument("--threads", type=_positive_int, help="torch CPU threads")
+    ba.add_argument("--json", help="write the result here")
+    ba.add_argument("--markdown", help="write the table as Markdown here")
+    ba.add_argument("--plot", metavar="PATH.png", help="write <PATH>_time.png (log-log) and <PATH>_speedup.png")
+    ba.set_defaults(func=_cmd_bench_attention)
+
+    bc = bsub.add_parser("capture", help="save a causal LM's q/k/v at some layers on a natural-prose prompt (input of bench attention --qkv)")
+    bc.add_argument("--model", default=DEFAULT_MODEL, help="catalogue name, local directory or hub id (default: %(default)s)")
+    bc.add_argument("--length", type=_positive_int, default=8192, help="prompt length in tokens (default: %(default)s)")
+    bc.add_argument("--layers", nargs="+", type=int, required=True, help="attention-layer indices")
+    bc.add_argument("--output", "-O", required=True, help="file to write (torch.save)")
+    bc.add_argument("--threads", type=_positive_int, help="torch CPU threads")
+    bc.set_defaults(func=_cmd_bench_capture)
+
+    bm = bsub.add_parser("model", help="end to end: ViT images/s vs resolution or LLM prefill latency vs length, unpatched vs patched")
+    bm.add_argument("--model", default=DEFAULT_VISION_MODEL, help="catalogue name, local directory or hub id (default: %(default)s)")
+    bm.add_argument("--kind", choices=["auto", "vision", "causal_lm"], default="auto", help="auto: from the catalogue")
+    bm.add_argument("--backend", choices=["hf", "timm"], default="hf", help="ViT implementation (default: %(default)s)")
+    bm.add_argument("--method", nargs="+", metavar="METHOD[:NAME=VALUE,...]", help="settings (default: fna for a ViT, anchor_attention for an LLM)")
+    bm.add_argument("-o", "--option", action="append", default=[], metavar="NAME=VALUE", help="option applied to every method, repeatable")
+    bm.add_argument("--resolutions", nargs="+", type=_positive_int, help="ViT input sizes in pixels (default: 224 448 896)")
+    bm.add_argument("--lengths", nargs="+", type=_positive_int, help="LLM prompt lengths in tokens (default: 1024 2048 4096 8192)")
+    bm.add_argument("--batch", type=_positive_int, default=1, help="images per forward (ViT)")
+    bm.add_argument("--data", help="imagefolder or hub dataset the ViT batch is drawn from (default: the embedded image set)")
+    bm.add_argument("--repeats", type=_positive_int, default=3, help="timed forwards per cell; the median is reported")
+    bm.add_argument("--warmup", type=int, default=1, help="untimed forwards before them")
+    bm.add_argument("--device", default="cpu")
+    bm.add_argument("--threads", type=_positive_int, help="torch CPU threads")
+    bm.add_argument("--json", help="write the result here")
+    bm.add_argument("--markdown", help="write the table as Markdown here")
+    bm.set_defaults(func=_cmd_bench_model)
 
     ps = sub.add_parser("sinks", help="massive-token and attention-sink diagnostic of a ViT, per layer")
     vision_common(ps)

@@ -160,3 +160,22 @@ def test_right_padding_matches_reference_and_sequence_alone():
     assert torch.allclose(out[:, :, :30], ref[:, :, :30], atol=1e-5)
     assert torch.allclose(out[1, :, :30], alone[0], atol=1e-6)
     assert float(st.causal_pairs[1, 0]) == 30 * 31 / 2
+
+
+@pytest.mark.parametrize("lq,lk,hkv,dtype", [(40, 40, 2, torch.float32), (37, 45, 2, torch.float32), (64, 64, 4, torch.float64), (50, 50, 1, torch.bfloat16)])
+def test_both_attend_paths_agree(lq, lk, hkv, dtype):
+    """The CPU two-part path (diagonal + gathered keys merged by log-sum-exp) and the one-call masked path
+    (used on other devices and with inner padding) give the same output."""
+    from attnpatch.attention.anchor import _geometry, _select, _sparse_attend
+
+    q, k, v, _ = _inputs(2, 4, hkv, lq, lk, 8, seed=11)
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    cfg = AnchorConfig(theta=1.0, block_size=8, init_block=4, local_window=8, min_len=0, dense_last=0, pool_stride=None)
+    geo = _geometry(q, k, cfg, lk - lq, None)
+    keep = _select(q, k, cfg, 8**-0.5, geo)
+    assert 0.1 < keep.float().mean() < 0.9  # a real mix of kept and skipped stripes
+    merged = _sparse_attend(q, k, v, keep, geo, cfg, 8**-0.5, merge=True)
+    masked = _sparse_attend(q, k, v, keep, geo, cfg, 8**-0.5, merge=False)
+    tol = {torch.float32: 1e-5, torch.float64: 1e-10, torch.bfloat16: 2e-2}[dtype]
+    assert merged.dtype == dtype and merged.shape == (2, 4, lq, 8)
+    assert (merged.double() - masked.double()).abs().max() < tol

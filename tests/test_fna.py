@@ -72,7 +72,15 @@ def test_pinv_modes():
     torch.testing.assert_close(landmark_pinv(a, "exact"), exact)
     assert (landmark_pinv(a, "newton", iters=30).double() - exact).abs().max() < 1e-4 * exact.abs().max()  # float32
     # rtol truncation: A pinv(A) A == A on the kept subspace, and rtol -> tiny gives the exact pinv back
-    torch.testing.assert_close(landmark_pinv(a, "rtol", rtol=1e-12), exact)
+    torch.testing.assert_close(landmark_pinv(a, "rtol", rtol=1e-12), exact)  # float64 input: float64 work
+    # float32 input (what models give): agrees with the float64 truncated SVD pseudo-inverse
+    ill = (torch.randn(3, 2, 48, 48, generator=torch.Generator().manual_seed(1), dtype=torch.float64) * 4).softmax(-1)
+    for rtol, tol in ((1e-1, 1e-4), (1e-2, 2e-3), (1e-3, 1e-8)):  # float32 work from 1e-2 up, float64 below
+        ref = torch.linalg.pinv(ill, rtol=rtol)
+        got = landmark_pinv(ill.float(), "rtol", rtol=rtol)
+        assert got.dtype == torch.float32
+        assert ((got.double() - ref).norm(dim=(-1, -2)) / ref.norm(dim=(-1, -2))).max() < max(tol, 1e-6)
+    assert landmark_pinv(ill.bfloat16(), "rtol").dtype == torch.bfloat16
     with pytest.raises(OptionError, match="pinv='svd'"):
         landmark_pinv(a, "svd")
 

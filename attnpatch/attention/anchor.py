@@ -361,6 +361,8 @@ def dense_causal_attention(
     b, h, lq, _ = q.shape
     lk = k.shape[2]
     hkv = k.shape[1]
+    if q_offset == 0 and lq == lk and (key_valid is None or bool(key_valid.all())):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=h != hkv)
     i = q_offset + torch.arange(lq, device=q.device)
     j = torch.arange(lk, device=q.device)
     mask = (j[None, :] <= i[:, None])[None, None]
@@ -397,21 +399,49 @@ def _pair_counts(keep: torch.Tensor | None, geo: _Geometry, cfg: AnchorConfig, d
     return causal, kept
 
 
-def _sparse_attend(q, k, v, keep, geo: _Geometry, cfg: AnchorConfig, scale: float) -> torch.Tensor:
+_FLASH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _lse_path_ok(q: torch.Tensor, geo: _Geometry) -> bool:
+    """Whether the two-part (diagonal + off-diagonal, log-sum-exp merged) path applies.
+
+    It needs PyTorch's CPU flash-attention kernel, which also returns each row's log-sum-exp;
+    other devices and sequences with padding inside the keys take the one-call masked path.
+    """
+    return (
+        _FLASH_LSE is not None
+        and q.device.type == "cpu"
+        and q.dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+        and bool(geo.key_valid.all())
+    )
+
+
+def _sparse_attend(q, k, v, keep, geo: _Geometry, cfg: AnchorConfig, scale: float, *, merge: bool | None = None) -> torch.Tensor:
     """Exact attention of each query block over its kept keys.
 
     Every (batch, head, query block) is one group.  A group's keys are its kept keys before
     the block (gathered, no causal constraint) followed by the block's own ``block_size``
     diagonal keys (always kept, causal).  Groups are sorted by kept count and processed in
-    buckets padded only to the bucket's largest count, each bucket being one call of the
-    fused ``scaled_dot_product_attention`` with an additive mask; no Python loop over
-    queries, heads or blocks.
+    buckets padded only to the bucket's largest count; no Python loop over queries, heads
+    or blocks.
+
+    Two ways to run a bucket, with the same result up to float rounding:
+
+    * ``merge=True`` (default on CPU without inner padding): the diagonal blocks of all groups
+      are one causal flash-attention call, each bucket's gathered keys one more call with a
+      per-group padding mask broadcast over the queries, and the two parts are combined with
+      their log-sum-exps (the flash-attention merge, Dao et al. 2022, Sec. 3.1).  Nothing of
+      size ``queries x kept keys`` is materialised besides the kernel's own tiles.
+    * ``merge=False`` (other devices, padding inside the keys): one fused
+      ``scaled_dot_product_attention`` call per bucket with an additive ``[n, bq, mk + bq]`` mask.
     """
     b, h, lq, d = q.shape
     hkv, lk = k.shape[1], geo.lk
     g = h // hkv
     bq, nb = cfg.block_size, geo.nb
     dev = q.device
+    if merge is None:
+        merge = _lse_path_ok(q, geo)
     n_groups = b * h * nb
     p0 = geo.q_offset + torch.arange(nb, device=dev) * bq  # first query position of each block
     j = torch.arange(lk, device=dev)
@@ -422,6 +452,55 @@ def _sparse_attend(q, k, v, keep, geo: _Geometry, cfg: AnchorConfig, scale: floa
     g_b, g_h, g_blk = grp // (h * nb), (grp // nb) % h, grp % nb
     kv_base = (g_b * hkv + g_h // g) * lk  # flat row of key 0 of the group's key/value head
     kflat, vflat = k.reshape(-1, d), v.reshape(-1, d)
+    sorted_counts, perm = counts.sort()
+    budget = _CHUNK_ELEMENTS // 2
+
+    def buckets():
+        i = int((sorted_counts == 0).sum()) if merge else 0
+        while i < n_groups:
+            width = int(sorted_counts[i]) + (0 if merge else bq)
+            i2 = min(n_groups, i + max(1, budget // (bq * max(width, 1))))
+            while i2 > i + 1 and (i2 - i) * bq * (int(sorted_counts[i2 - 1]) + bq) > 2 * budget:
+                i2 = i + (i2 - i) // 2
+            idx = perm[i:i2]
+            mk = int(sorted_counts[i2 - 1])
+            if mk:
+                order = torch.argsort((~off[idx]).to(torch.int8), dim=-1, stable=True)[:, :mk]  # ascending kept keys
+            else:
+                order = torch.zeros(idx.numel(), 0, dtype=torch.long, device=dev)
+            yield i2, idx, mk, order
+            i = i2
+
+    if merge:
+        # diagonal blocks: keys at the block's own positions, causal; padded rows/keys only meet each other
+        kd = F.pad(k[:, :, geo.q_offset : geo.q_offset + lq], (0, 0, 0, nb * bq - lq)).reshape(b, hkv, 1, nb, bq, d)
+        vd = F.pad(v[:, :, geo.q_offset : geo.q_offset + lq], (0, 0, 0, nb * bq - lq)).reshape(b, hkv, 1, nb, bq, d)
+        kd = kd.expand(b, hkv, g, nb, bq, d).reshape(n_groups, 1, bq, d)
+        vd = vd.expand(b, hkv, g, nb, bq, d).reshape(n_groups, 1, bq, d)
+        out, lse = _FLASH_LSE(qg[:, None], kd, vd, 0.0, True, scale=scale)
+        out, lse = out[:, 0], lse[:, 0]
+        del kd, vd
+        for _, idx, mk, order in buckets():
+            n = idx.numel()
+            rows = (kv_base[idx, None] + order).reshape(-1)
+            kk = kflat.index_select(0, rows).reshape(n, 1, mk, d)
+            vv = vflat.index_select(0, rows).reshape(n, 1, mk, d)
+            c = counts[idx]
+            mask = None
+            if bool((c < mk).any()):
+                pad = torch.zeros(n, 1, 1, mk, dtype=q.dtype, device=dev)
+                pad.masked_fill_((torch.arange(mk, device=dev) >= c[:, None])[:, None, None, :], -math.inf)
+                mask = pad.expand(n, 1, bq, mk)
+            o2, l2 = _FLASH_LSE(qg.index_select(0, idx)[:, None], kk, vv, 0.0, False, attn_mask=mask, scale=scale)
+            l1 = lse.index_select(0, idx)
+            m = torch.maximum(l1, l2[:, 0])
+            w1 = torch.exp(l1 - m)[..., None]
+            w2 = torch.exp(l2[:, 0] - m)[..., None]
+            acc = torch.promote_types(out.dtype, torch.float32)
+            o1 = out.index_select(0, idx).to(acc)
+            out[idx] = ((o1 * w1 + o2[:, 0].to(acc) * w2) / (w1 + w2)).to(out.dtype)
+        return out.reshape(b, h, nb * bq, d)[:, :, :lq]
+
     diag = p0[:, None] + torch.arange(bq, device=dev)  # [nb, bq]; slot-causal masking handles overrun
     diag_ok = diag < lk
     diag = diag.clamp(max=lk - 1)
@@ -429,22 +508,9 @@ def _sparse_attend(q, k, v, keep, geo: _Geometry, cfg: AnchorConfig, scale: floa
         torch.ones(bq, bq, dtype=torch.bool, device=dev).triu(1), -math.inf
     )
     out = torch.empty(n_groups, bq, d, dtype=q.dtype, device=dev)
-    sorted_counts, perm = counts.sort()
     inner_padding = not bool(geo.key_valid.all())
-    budget = _CHUNK_ELEMENTS // 2
-    i = 0
-    while i < n_groups:
-        width = int(sorted_counts[i]) + bq
-        i2 = min(n_groups, i + max(1, budget // (bq * width)))
-        while i2 > i + 1 and (i2 - i) * bq * (int(sorted_counts[i2 - 1]) + bq) > 2 * budget:
-            i2 = i + (i2 - i) // 2
-        idx = perm[i:i2]
+    for _, idx, mk, order in buckets():
         n = idx.numel()
-        mk = int(sorted_counts[i2 - 1])
-        if mk:
-            order = torch.argsort((~off[idx]).to(torch.int8), dim=-1, stable=True)[:, :mk]  # ascending kept keys
-        else:
-            order = torch.zeros(n, 0, dtype=torch.long, device=dev)
         slots = torch.cat([order, diag[g_blk[idx]]], 1)  # [n, mk + bq]
         rows = (kv_base[idx, None] + slots).reshape(-1)
         kk = kflat.index_select(0, rows).reshape(n, mk + bq, d)
@@ -453,14 +519,13 @@ def _sparse_attend(q, k, v, keep, geo: _Geometry, cfg: AnchorConfig, scale: floa
         d_ok = diag_ok[g_blk[idx]]
         if inner_padding:
             d_ok = d_ok & geo.key_valid[g_b[idx, None], diag[g_blk[idx]]]
-        bias = torch.empty(n, bq, mk + bq, dtype=q.dtype if q.dtype in (torch.float16, torch.bfloat16) else torch.float32, device=dev)
+        bias = torch.empty(n, bq, mk + bq, dtype=q.dtype, device=dev)
         bias[:, :, :mk] = torch.where(pad_ok, 0.0, -math.inf)[:, None, :]
         bias[:, :, mk:] = causal_bias
         bias[:, :, mk:].masked_fill_(~d_ok[:, None, :], -math.inf)
         qq = qg.index_select(0, idx)
         o = F.scaled_dot_product_attention(qq[:, None], kk[:, None], vv[:, None], attn_mask=bias[:, None], scale=scale)[:, 0]
         out[idx] = o.nan_to_num(0.0) if inner_padding else o
-        i = i2
     return out.reshape(b, h, nb * bq, d)[:, :, :lq]
 
 

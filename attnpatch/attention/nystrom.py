@@ -14,8 +14,9 @@ Landmark selection (:func:`select_landmarks`): ``fps`` (default), ``random`` (se
 ``strided`` (evenly spaced) and ``kmeans`` (faiss k-means, nearest token to each centroid).
 The ``prefix`` tokens (CLS and register tokens) are always landmarks.
 
-Pseudo-inverse of the ``s x s`` landmark kernel (:func:`landmark_pinv`): ``"rtol"`` (SVD
-pseudo-inverse with singular values below ``rtol x`` the largest dropped, computed in float64),
+Pseudo-inverse of the ``s x s`` landmark kernel (:func:`landmark_pinv`): ``"rtol"`` (truncated
+pseudo-inverse with singular values below ``rtol x`` the largest dropped, computed in float32 from
+the eigendecomposition of ``A^T A``),
 ``"newton"`` (the Newton-Schulz iteration of Nyströmformer, their Eq. 15-16, float32), and
 ``"exact"`` (float64 SVD pseudo-inverse with the default machine-precision cut-off).  The
 landmark kernel of a pretrained ViT is badly conditioned (condition numbers of 1e4-1e6 on
@@ -73,23 +74,26 @@ def farthest_point_sampling(x: torch.Tensor, s: int, prefix: int = 1) -> torch.T
         raise OptionError(f"s={s}: farthest-point sampling needs {max(prefix, 1)} <= s <= N={n} tokens")
     x = x.float()
     sq = (x * x).sum(-1)  # [B, N]
-    idx = torch.empty(b, s, dtype=torch.long, device=x.device)
-    first = max(prefix, 1)
-    idx[:, :first] = torch.arange(first, device=x.device)
+    xt = x.transpose(1, 2)  # [B, D, N] (a view; bmm reads it strided)
     dist = torch.full((b, n), float("inf"), device=x.device)
-    rows = torch.arange(b, device=x.device)
+    first = max(prefix, 1)
+    picks = [torch.arange(first, device=x.device).expand(b, first)]
+    # d(i, c) = |x_i|^2 + |x_c|^2 - 2 x_i.x_c, one fused baddbmm per new centre (few small ops per step:
+    # at small N the loop is bound by operator overhead, at large N by reading x once per step)
     for j in range(first):
-        c = x[:, j]  # [B, D]
-        d = sq + sq[:, j : j + 1] - 2.0 * torch.einsum("bnd,bd->bn", x, c)
-        dist = torch.minimum(dist, d)
+        c = x[:, j : j + 1]  # [B, 1, D]
+        d = torch.baddbmm((sq + sq[:, j : j + 1])[:, None, :], c, xt, alpha=-2.0)[:, 0]
+        torch.minimum(dist, d, out=dist)
     dist[:, :first] = -1.0
-    for j in range(first, s):
-        nxt = dist.argmax(-1)  # [B]
-        idx[:, j] = nxt
-        c = x[rows, nxt]  # [B, D]
-        d = sq + sq[rows, nxt][:, None] - 2.0 * torch.einsum("bnd,bd->bn", x, c)
-        dist = torch.minimum(dist, d)
-        dist[rows, nxt] = -1.0
+    d_ = x.shape[2]
+    for _ in range(first, s):
+        nxt = dist.argmax(-1, keepdim=True)  # [B, 1]
+        picks.append(nxt)
+        c = x.gather(1, nxt[:, :, None].expand(b, 1, d_))  # [B, 1, D]
+        d = torch.baddbmm((sq + sq.gather(1, nxt))[:, None, :], c, xt, alpha=-2.0)[:, 0]
+        torch.minimum(dist, d, out=dist)
+        dist.scatter_(1, nxt, -1.0)
+    idx = torch.cat(picks, 1)
     return idx
 
 
@@ -187,8 +191,13 @@ def landmark_pinv(a: torch.Tensor, mode: str = "rtol", *, rtol: float = 1e-2, it
 
     Args:
         a: ``[..., s, s]`` row-stochastic matrices ``softmax(Q~ K~^T c)``.
-        mode: ``"rtol"`` — SVD pseudo-inverse in float64 dropping singular values below
-            ``rtol x sigma_max`` (regularised); ``"newton"`` — ``iters`` Newton-Schulz steps in float32
+        mode: ``"rtol"`` — truncated pseudo-inverse dropping singular values below
+            ``rtol x sigma_max`` (regularised), ``V diag(1/sigma^2) V^T A^T`` from the symmetric
+            eigendecomposition ``A^T A = V diag(sigma^2) V^T``, in float32 whatever ``a``'s dtype
+            when ``rtol >= 1e-2`` (the cut-off ``rtol^2`` on ``sigma^2`` is then far above float32's
+            resolution: 5e-4 relative difference from a float64 truncated SVD at ``rtol=1e-2``,
+            1e-2 at ``rtol=1e-3``), in float64 for smaller ``rtol`` or float64 input; a batched
+            ``eigh`` is 3-4x faster than a batched SVD on the CPU; ``"newton"`` — ``iters`` Newton-Schulz steps in float32
             from Nyströmformer's start ``Z0 = A^T / (max_j sum_i |a_ij| . max_i sum_j |a_ij|)``
             (Xiong et al. 2021, Eq. 15-16; the scaling is per matrix here, so items do not
             influence each other); ``"exact"`` — float64 SVD pseudo-inverse, default cut-off.
@@ -202,7 +211,12 @@ def landmark_pinv(a: torch.Tensor, mode: str = "rtol", *, rtol: float = 1e-2, it
         OptionError: unknown mode.
     """
     if mode == "rtol":
-        return torch.linalg.pinv(a.double(), rtol=rtol).to(a.dtype)
+        work = torch.float64 if a.dtype == torch.float64 or rtol < 1e-2 else torch.float32
+        x = a.to(work)
+        xt = x.transpose(-1, -2)
+        lam, vec = torch.linalg.eigh(xt @ x)  # squared singular values of A (ascending) and right singular vectors
+        inv = torch.where(lam > (rtol * rtol) * lam[..., -1:], 1.0 / lam.clamp(min=torch.finfo(work).tiny), 0.0)
+        return ((vec * inv[..., None, :]) @ (vec.transpose(-1, -2) @ xt)).to(a.dtype)
     if mode == "exact":
         return torch.linalg.pinv(a.double()).to(a.dtype)
     if mode == "newton":
@@ -258,11 +272,11 @@ def nystrom_attention(
     Returns:
         ``[B, H, N, D]`` in ``q``'s dtype.  Peak extra memory ``O(B H s N)`` elements.
     """
-    q_l = _gather_tokens(q, landmarks)
+    q_l = _gather_tokens(q, landmarks) * scale  # the scale folded into the s landmark rows, not the N x s scores
     k_l = _gather_tokens(k, landmarks)
-    f = torch.softmax((q @ k_l.transpose(-1, -2)) * scale, dim=-1)  # [B,H,N,s]
-    a = torch.softmax((q_l @ k_l.transpose(-1, -2)) * scale, dim=-1)  # [B,H,s,s]
-    bm = torch.softmax((q_l @ k.transpose(-1, -2)) * scale, dim=-1)  # [B,H,s,N]
+    f = torch.softmax(q @ (k_l * scale).transpose(-1, -2), dim=-1)  # [B,H,N,s]
+    a = torch.softmax(q_l @ k_l.transpose(-1, -2), dim=-1)  # [B,H,s,s]
+    bm = torch.softmax(q_l @ k.transpose(-1, -2), dim=-1)  # [B,H,s,N]
     if key_keep is not None:
         bm = bm * key_keep[:, None, None, :].to(bm.dtype)
     z = landmark_pinv(a, pinv, rtol=rtol, iters=iters)

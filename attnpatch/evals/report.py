@@ -12,13 +12,14 @@ from typing import Any, Sequence
 import torch
 
 __all__ = [
-    "Column", "RULER_COLUMNS", "VISION_COLUMNS", "ZEROSHOT_COLUMNS", "CLIP_RETRIEVAL_COLUMNS", "vision_rows", "clip_rows",
+    "Column", "RULER_COLUMNS", "BENCH_ATTENTION_COLUMNS", "BENCH_VISION_COLUMNS", "BENCH_LM_COLUMNS", "VISION_COLUMNS", "ZEROSHOT_COLUMNS", "CLIP_RETRIEVAL_COLUMNS", "vision_rows", "clip_rows",
     "rows_to_markdown", "print_table", "write_json", "machine_info",
 ]
 
 
 class Column:
-    """One table column: ``key`` in the row dict, ``title``, and a format (``"pct"``, ``"f3"``, ``"s"``, ``"x"``, ``"int"``, ``"str"``)."""
+    """One table column: ``key`` in the row dict, ``title``, and a format (``"pct"``, ``"f3"``, ``"f2"``, ``"s"``,
+    ``"ms"`` (seconds shown in ms), ``"mib"`` (bytes shown in MiB), ``"x"``, ``"int"``, ``"str"``)."""
 
     def __init__(self, key: str, title: str, fmt: str = "str"):
         self.key, self.title, self.fmt = key, title, fmt
@@ -38,6 +39,10 @@ class Column:
             return f"{value:.2f}x"
         if self.fmt == "int":
             return f"{int(round(value))}"
+        if self.fmt == "ms":
+            return f"{1e3 * value:.1f}ms"
+        if self.fmt == "mib":
+            return f"{value / 2**20:.1f}MiB"
         return str(value)
 
 
@@ -84,6 +89,42 @@ def vision_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
         rows.append({**base, **r, "setting": label})
     return rows
 
+
+BENCH_ATTENTION_COLUMNS = [
+    Column("N", "N", "int"),
+    Column("method", "method"),
+    Column("seconds", "time", "ms"),
+    Column("speedup", "vs SDPA", "x"),
+    Column("fps_seconds", "FPS", "ms"),
+    Column("nystrom_seconds", "Nyström", "ms"),
+    Column("speedup_incl", "vs SDPA (1 FPS/layer)", "x"),
+    Column("speedup_nystrom", "vs SDPA (Nyström only)", "x"),
+    Column("select_seconds", "selection", "ms"),
+    Column("sparsity", "sparsity", "pct"),
+    Column("recall", "recall mean", "f3"),
+    Column("peak_bytes", "peak extra mem", "mib"),
+    Column("nxn_bytes", "N×N scores", "mib"),
+]
+
+BENCH_VISION_COLUMNS = [
+    Column("resolution", "res", "int"),
+    Column("tokens", "N", "int"),
+    Column("setting", "setting"),
+    Column("seconds", "s/forward", "s"),
+    Column("images_per_s", "img/s", "f2"),
+    Column("speedup", "vs unpatched", "x"),
+    Column("attention_share", "attention share", "pct"),
+]
+
+BENCH_LM_COLUMNS = [
+    Column("length", "tokens", "int"),
+    Column("setting", "setting"),
+    Column("seconds", "prefill", "s"),
+    Column("tokens_per_s", "tok/s", "f2"),
+    Column("speedup", "vs unpatched", "x"),
+    Column("attention_share", "attention share", "pct"),
+    Column("sparsity", "sparsity", "pct"),
+]
 
 ZEROSHOT_COLUMNS = [
     Column("setting", "setting"),

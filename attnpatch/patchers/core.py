@@ -9,6 +9,7 @@ batch to the next.
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -29,6 +30,7 @@ __all__ = [
     "patch_info",
     "record_stats",
     "run_layer",
+    "time_attention",
 ]
 
 _HANDLE_ATTR = "_attnpatch_handle"
@@ -40,8 +42,11 @@ class _Recorder:
     teacher_forced: bool = False
     capture: bool = False
     probe: Any = None
+    stats: bool = True
+    timing: bool = False
     forwards: list[dict[int, LayerRecord]] = field(default_factory=list)
     outputs: list[dict[int, torch.Tensor]] = field(default_factory=list)
+    attention_seconds: list[float] = field(default_factory=list)
 
 
 class PatchHandle:
@@ -90,7 +95,8 @@ class PatchHandle:
         rs = self.recorders
         probes = [r.probe for r in rs if r.probe is not None]
         self.state = ForwardState(
-            record=bool(rs),
+            record=any(r.stats for r in rs),
+            timing=any(r.timing for r in rs),
             recall=any(r.recall for r in rs),
             teacher_forced=any(r.teacher_forced for r in rs),
             capture=any(r.capture for r in rs),
@@ -103,11 +109,14 @@ class PatchHandle:
         if self._depth > 0:
             return None
         state, self.state = self.state, None
-        if state is not None and state.record:
+        if state is not None:
             for r in self.recorders:
-                r.forwards.append(state.layers)
+                if r.stats and state.record:
+                    r.forwards.append(state.layers)
                 if r.capture:
                     r.outputs.append(state.outputs)
+                if r.timing:
+                    r.attention_seconds.append(state.attention_seconds)
         return None
 
     def install(self) -> None:
@@ -180,6 +189,10 @@ def run_layer(
     )
     if state is not None and state.probe is not None:
         state.probe(ctx, q, k, v)
+    timing = state is not None and state.timing
+    if timing:
+        _sync(q.device)
+        t0 = time.perf_counter()
     out, rec = handle.method_forward(handle.config, q, k, v, ctx)
     if state is not None and state.teacher_forced:
         ref = exact()
@@ -191,6 +204,9 @@ def run_layer(
         out = ref
     elif out is None:
         out = exact()
+    if timing:
+        _sync(q.device)
+        state.attention_seconds += time.perf_counter() - t0
     if record and rec is not None:
         if rec.causal_pairs is None:
             b, h, lq, _ = q.shape
@@ -200,6 +216,11 @@ def run_layer(
     if state is not None and state.capture:
         state.outputs[layer] = out.detach()
     return out
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def set_layer_inputs(handle: "PatchHandle", hidden: torch.Tensor | None = None, residual: torch.Tensor | None = None) -> None:
@@ -465,6 +486,30 @@ def record_stats(
     """
     handle = handle_of(model)
     rec = _Recorder(recall=recall, teacher_forced=teacher_forced, capture=capture, probe=probe)
+    handle.recorders.append(rec)
+    try:
+        yield rec
+    finally:
+        handle.recorders.remove(rec)
+
+
+@contextlib.contextmanager
+def time_attention(model: torch.nn.Module) -> Iterator[_Recorder]:
+    """Measure the wall time spent in the patched attention calls of every forward made inside the block.
+
+    Times the method's forward plus the model's own exact attention wherever the method
+    declines (decode steps, layers before FNA's sample layer, ...), i.e. everything that
+    replaces the model's attention function, with a CUDA synchronisation before and after
+    each call on GPU.  No per-layer statistics are recorded.
+
+    Yields:
+        A recorder whose ``attention_seconds`` list gets one float (seconds) per top-level forward call.
+
+    Raises:
+        PatchStateError: ``model`` is not patched.
+    """
+    handle = handle_of(model)
+    rec = _Recorder(recall=False, stats=False, timing=True)
     handle.recorders.append(rec)
     try:
         yield rec

@@ -8,6 +8,8 @@ entry with :func:`register_method`.
 
 from __future__ import annotations
 
+import math
+
 import dataclasses
 import numbers
 from dataclasses import dataclass
@@ -261,6 +263,8 @@ def anchor_forward(
         return None, LayerRecord(layer, "dense:short", lq, lk)
     if layer in cfg.dense_layers:
         return None, LayerRecord(layer, "dense:layer", lq, lk)
+    if cfg.theta == math.inf:  # every causal key kept: the model's own attention, at no extra cost
+        return None, LayerRecord(layer, "dense:theta=inf", lq, lk)
     heads = [hd for (li, hd) in cfg.dense_heads if li == layer]
     recall = bool(state is not None and state.recall)
     out, st = anchor_attention(

@@ -17,7 +17,7 @@ class LayerRecord:
     Attributes:
         layer: layer index.
         mode: ``"sparse"``, or why it ran dense: ``"dense:decode"`` (one query),
-            ``"dense:short"`` (prompt shorter than ``min_len``), ``"dense:layer"`` (in
+            ``"dense:short"`` (prompt shorter than ``min_len``), ``"dense:theta=inf"`` (every key kept), ``"dense:layer"`` (in
             ``dense_layers``), ``"dense"`` (the dense method).
         queries: query tokens in this call.
         keys: key tokens in this call.
@@ -64,6 +64,8 @@ class ForwardState:
             (so each layer's error is measured in isolation).
         capture: store every layer's attention output (``[B, H, N, D]``, detached) in ``outputs``.
         probe: called as ``probe(ctx, q, k, v)`` at every routed layer (diagnostics), or ``None``.
+        timing: accumulate the wall time of the patched attention calls in ``attention_seconds``.
+        attention_seconds: seconds spent in the patched attention calls of this forward so far.
         layers: the records, by layer index.
         outputs: captured attention outputs, by layer index.
         shared: free slot for state one layer computes and later layers reuse (landmark
@@ -75,6 +77,8 @@ class ForwardState:
     teacher_forced: bool = False
     capture: bool = False
     probe: Any = None
+    timing: bool = False
+    attention_seconds: float = 0.0
     layers: dict[int, LayerRecord] = field(default_factory=dict)
     outputs: dict[int, torch.Tensor] = field(default_factory=dict)
     shared: dict[str, Any] = field(default_factory=dict)

@@ -1,0 +1,197 @@
+"""Benchmarks: the measuring code (smoke runs at small sizes), its errors, the memory bound of FNA at large N,
+the attention timer, and the no-op cost of settings that approximate nothing.  Speed targets are not asserted
+here: they live in BENCHMARKS.md, measured side by side by ``benchmarks/make_benchmarks.py``."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from attnpatch import OptionError, patch, patched, time_attention, unpatch
+from attnpatch.attention.nystrom import farthest_point_sampling, nystrom_attention
+from attnpatch.cli import main
+from attnpatch.evals.bench import (
+    bench_attention, bench_causal_lm, capture_qkv, load_qkv, peak_extra_bytes, scaling_exponent,
+)
+
+from conftest import tiny_causal_lm
+from test_cli import tiny_dir  # noqa: F401  (fixture)
+from test_vision_eval import tiny_images, tiny_vit_dir  # noqa: F401  (fixtures)
+
+
+def test_scaling_exponent_recovers_power_laws():
+    ns = [256, 512, 1024, 2048]
+    assert scaling_exponent(ns, [1e-6 * n for n in ns]) == pytest.approx(1.0)
+    assert scaling_exponent(ns, [3e-9 * n**2 for n in ns]) == pytest.approx(2.0)
+    assert scaling_exponent([256], [1.0]) is None
+
+
+def test_peak_extra_bytes_sees_the_score_matrix():
+    n = 1024
+    q = torch.randn(1, 2, n, 32)
+    naive = peak_extra_bytes(lambda: torch.softmax(q @ q.transpose(-1, -2), -1) @ q)
+    assert naive >= 2 * n * n * 4  # the scores and their softmax are alive together
+    fused = peak_extra_bytes(lambda: torch.nn.functional.scaled_dot_product_attention(q, q, q))
+    assert fused < naive / 10
+
+
+def test_fna_memory_is_o_s_n_at_large_n():
+    """No N x N buffer anywhere in FNA: at N = 16384 the peak extra memory of FPS + Nyström stays within a
+    small multiple of s*N per head, far below one N x N score matrix."""
+    b, h, n, d, s = 1, 2, 16384, 32, 64
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(b, h, n, d, generator=g) for _ in range(3))
+    feats = k.transpose(1, 2).reshape(b, n, h * d)
+
+    def fna():
+        lm = farthest_point_sampling(feats, s, 1)
+        return nystrom_attention(q, k, v, lm, scale=d**-0.5)
+
+    peak = peak_extra_bytes(fna)
+    nxn = b * h * n * n * 4
+    o_sn = b * h * s * n * 4
+    assert peak < 8 * o_sn, (peak, o_sn)
+    assert peak < nxn / 50, (peak, nxn)
+
+
+def test_bench_attention_noncausal_rows():
+    res = bench_attention([("fna", {"s": 16})], lengths=[64, 128], repeats=1, warmup=0, heads=2, head_dim=16)
+    rows = res["rows"]
+    assert [(r["N"], r["method"]) for r in rows] == [(64, "sdpa"), (64, "fna (s=16)"), (128, "sdpa"), (128, "fna (s=16)")]
+    for r in rows:
+        assert r["seconds"] > 0 and r["speedup"] > 0 and r["peak_bytes"] >= 0
+        assert r["nxn_bytes"] == 2 * r["N"] ** 2 * 4
+    fna = rows[1]
+    assert fna["fps_seconds"] > 0 and fna["nystrom_seconds"] > 0
+    assert fna["seconds"] == pytest.approx(fna["nystrom_seconds"] + fna["fps_seconds"] / 6)
+    assert fna["fna_incl_seconds"] == pytest.approx(fna["nystrom_seconds"] + fna["fps_seconds"])
+    assert set(res["exponents"]) == {"sdpa", "fna (s=16)", "fna (s=16) [fps]", "fna (s=16) [nystrom]"}
+
+
+def test_bench_attention_causal_gqa_and_bf16():
+    res = bench_attention(
+        [("anchor_attention", {"theta": 2.0, "block_size": 16, "init_block": 8, "local_window": 16, "min_len": 0})],
+        lengths=[96], causal=True, heads=4, kv_heads=2, head_dim=16, repeats=1, warmup=0, dtype=torch.bfloat16, memory=False,
+    )
+    row = res["rows"][1]
+    assert row["select_seconds"] > 0 and 0 <= row["sparsity"] < 1 and 0 < row["recall"] <= 1
+    assert res["config"]["dtype"] == "bfloat16" and res["rows"][0]["peak_bytes"] is None
+
+
+def test_theta_inf_costs_nothing_and_is_the_model_s_own_attention():
+    """theta = inf approximates nothing: every layer hands back to the model's own attention (bit-identical logits)."""
+    model = tiny_causal_lm("qwen2")
+    ids = torch.randint(0, 128, (1, 300), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = model(ids).logits
+        with patched(model, "anchor_attention", theta=math.inf, min_len=0):
+            from attnpatch import record_stats
+
+            with record_stats(model) as rec:
+                out = model(ids).logits
+    assert torch.equal(out, ref)
+    assert {r.mode for r in rec.forwards[0].values()} == {"dense:theta=inf"}
+
+
+def test_time_attention_measures_each_forward():
+    model = tiny_causal_lm("llama")
+    ids = torch.randint(0, 128, (1, 200), generator=torch.Generator().manual_seed(0))
+    patch(model, "anchor_attention", theta=1.0, min_len=0, block_size=16, init_block=8, local_window=16)
+    try:
+        with torch.no_grad(), time_attention(model) as rec:
+            model(ids)
+            model(ids)
+    finally:
+        unpatch(model)
+    assert len(rec.attention_seconds) == 2 and all(t > 0 for t in rec.attention_seconds)
+
+
+def test_bench_causal_lm_rows(monkeypatch):
+    from attnpatch.evals import bench
+
+    monkeypatch.setattr(bench, "prefill_ids", lambda tok, n: torch.randint(0, 128, (1, n), generator=torch.Generator().manual_seed(n)))
+    model = tiny_causal_lm("llama")
+    res = bench_causal_lm(model, None, [("anchor_attention", {"theta": 1.0, "min_len": 0, "block_size": 16, "init_block": 8, "local_window": 16})],
+                          lengths=[160], repeats=1)
+    assert [r["setting"] for r in res["rows"]] == ["unpatched", "dense", "anchor_attention (theta=1.0, min_len=0, block_size=16, init_block=8, local_window=16)"]
+    dense, anchor = res["rows"][1], res["rows"][2]
+    assert 0 < dense["attention_share"] < 1 and dense["sparsity"] is None
+    assert 0 < anchor["sparsity"] < 1 and anchor["speedup"] > 0
+
+
+def test_capture_and_bench_on_captured_inputs(tmp_path):
+    model = tiny_causal_lm("qwen2", layers=3)
+    ids = torch.randint(0, 128, (1, 128), generator=torch.Generator().manual_seed(0))
+    got = capture_qkv(model, ids, [1, 2])
+    assert sorted(got) == [1, 2] and got[1]["q"].shape == (1, 4, 128, 16) and got[1]["k"].shape == (1, 2, 128, 16)
+    assert not hasattr(model, "_attnpatch_handle") or model._attnpatch_handle is None  # unpatched again
+    path = tmp_path / "qkv.pt"
+    torch.save(got, path)
+    entry, layer = load_qkv(path, 2)
+    assert layer == 2
+    res = bench_attention([("anchor_attention", {"theta": 2.0, "block_size": 16, "init_block": 8, "local_window": 16, "min_len": 0})],
+                          lengths=[64, 128], causal=True, qkv=entry, repeats=1, warmup=0, memory=False)
+    assert res["config"]["inputs"] == "captured" and res["config"]["kv_heads"] == 2
+    with pytest.raises(OptionError, match=r"lengths \[256\]: the captured inputs have 128 tokens"):
+        bench_attention([("anchor_attention", {})], lengths=[256], causal=True, qkv=entry)
+    with pytest.raises(OptionError, match="layers=\\[7\\]"):
+        capture_qkv(model, ids, [7])
+
+
+@pytest.mark.parametrize("methods,causal,match", [
+    ([("fna", {})], True, "'fna' is non-causal"),
+    ([("anchor_attention", {})], False, "'anchor_attention' is a causal prefill method"),
+    ([("sink_mask", {})], False, "bench attention measures fna, anchor_attention"),
+    ([("fna", {"sample_layer": 3})], False, r"fna options \['sample_layer'\] act across layers"),
+    ([("fna", {"s": 64})], False, "every length must exceed s"),
+    ([("anchor_attention", {"dense_layers": [1]})], True, "name model layers"),
+    ([("fna", {"s": "x"})], False, "s="),
+])
+def test_bench_attention_errors(methods, causal, match):
+    with pytest.raises(OptionError, match=match):
+        bench_attention(methods, lengths=[64], causal=causal, repeats=1)
+
+
+def test_bench_cli_attention_plots_and_json(tmp_path, capsys):
+    out, png = tmp_path / "a.json", tmp_path / "plots" / "a.png"
+    assert main(["bench", "attention", "--lengths", "64", "128", "--heads", "2", "--head-dim", "16", "--repeats", "1",
+                 "--method", "fna:s=16", "--json", str(out), "--plot", str(png)]) == 0
+    res = json.loads(out.read_text())
+    assert res["config"]["mode"] == "noncausal" and res["machine"]["torch"] == torch.__version__
+    assert (tmp_path / "plots" / "a_time.png").stat().st_size > 1000 and (tmp_path / "plots" / "a_speedup.png").is_file()
+    printed = capsys.readouterr().out
+    assert "vs SDPA" in printed and "scaling exponents" in printed
+    assert main(["bench", "attention", "--mode", "causal", "--method", "fna"]) == 2
+    assert main(["bench", "attention", "--layer", "3"]) == 2
+
+
+def test_bench_cli_capture_then_causal_bench(tiny_dir, tmp_path, monkeypatch):  # noqa: F811
+    from attnpatch.evals import bench
+
+    monkeypatch.setattr(bench, "prefill_ids", lambda tok, n: torch.randint(0, 100, (1, n), generator=torch.Generator().manual_seed(1)))
+    qkv = tmp_path / "q.pt"
+    assert main(["bench", "capture", "--model", str(tiny_dir), "--length", "256", "--layers", "1", "-O", str(qkv)]) == 0
+    assert main(["bench", "attention", "--mode", "causal", "--qkv", str(qkv), "--lengths", "128", "256", "--repeats", "1",
+                 "--method", "anchor_attention:theta=2,min_len=0,block_size=32,init_block=16,local_window=32", "--no-memory"]) == 0
+    assert main(["bench", "attention", "--mode", "causal", "--qkv", str(qkv), "--layer", "0"]) == 2
+    out = tmp_path / "m.json"
+    assert main(["bench", "model", "--model", str(tiny_dir), "--lengths", "200", "--repeats", "1", "--warmup", "0",
+                 "--method", "anchor_attention:theta=2,min_len=0,block_size=32,init_block=16,local_window=32", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["setting"] for r in rows][:2] == ["unpatched", "dense"] and rows[2]["sparsity"] > 0
+
+
+def test_bench_cli_vision_model(tiny_vit_dir, tiny_images, tmp_path):  # noqa: F811
+    out = tmp_path / "v.json"
+    assert main(["bench", "model", "--model", str(tiny_vit_dir), "--data", str(tiny_images), "--resolutions", "70", "140",
+                 "--batch", "2", "--repeats", "1", "--warmup", "0", "--method", "fna:s=9", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["resolution"], r["tokens"], r["setting"]) for r in rows] == [
+        (70, 26, "unpatched"), (70, 26, "dense"), (70, 26, "fna (s=9)"),
+        (140, 101, "unpatched"), (140, 101, "dense"), (140, 101, "fna (s=9)"),
+    ]
+    assert all(r["images_per_s"] > 0 for r in rows)
+    assert rows[0]["attention_share"] is None and 0 < rows[1]["attention_share"] < 1
