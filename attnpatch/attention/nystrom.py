@@ -272,14 +272,20 @@ def nystrom_attention(
     Returns:
         ``[B, H, N, D]`` in ``q``'s dtype.  Peak extra memory ``O(B H s N)`` elements.
     """
-    q_l = _gather_tokens(q, landmarks) * scale  # the scale folded into the s landmark rows, not the N x s scores
+    q_l = _gather_tokens(q, landmarks)
     k_l = _gather_tokens(k, landmarks)
+    a = torch.softmax((q_l * scale) @ k_l.transpose(-1, -2), dim=-1)  # [B,H,s,s]
+    z = landmark_pinv(a, pinv, rtol=rtol, iters=iters)
+    if key_keep is None:
+        # B V = softmax(Q~ K^T c) V and F W = softmax(Q K~^T c) W are attention calls themselves
+        # (s queries over N keys; N queries over s keys): two fused kernels, no [N, s] buffer.
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        w = z @ sdpa(q_l, k, v, scale=scale)  # [B,H,s,D]
+        return sdpa(q, k_l, w.to(q.dtype), scale=scale)
     f = torch.softmax(q @ (k_l * scale).transpose(-1, -2), dim=-1)  # [B,H,N,s]
-    a = torch.softmax(q_l @ k_l.transpose(-1, -2), dim=-1)  # [B,H,s,s]
-    bm = torch.softmax(q_l @ k.transpose(-1, -2), dim=-1)  # [B,H,s,N]
+    bm = torch.softmax((q_l * scale) @ k.transpose(-1, -2), dim=-1)  # [B,H,s,N]
     if key_keep is not None:
         bm = bm * key_keep[:, None, None, :].to(bm.dtype)
-    z = landmark_pinv(a, pinv, rtol=rtol, iters=iters)
     w = z @ (bm @ v)  # [B,H,s,D]
     out = f @ w
     if key_keep is not None and renormalize:

@@ -404,7 +404,6 @@ def bench_attention(
             if progress is not None:
                 r = rows[-1]
                 progress(f"N={n} {r['method']}: {r['seconds'] * 1e3:.1f} ms, {r['speedup']:.2f}x SDPA ({t_ref * 1e3:.1f} ms)")
-        del q, k, v
     exps: dict[str, float | None] = {}
     for label in dict.fromkeys(r["method"] for r in rows):
         sel = [r for r in rows if r["method"] == label]
@@ -542,6 +541,8 @@ def bench_causal_lm(
     repeats: int = 1,
     warmup: int = 0,
     device: str = "cpu",
+    include_dense: bool = True,
+    stats: bool = True,
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Prefill latency of a causal LM, unpatched vs each setting, at several prompt lengths, in one run.
@@ -555,6 +556,9 @@ def bench_causal_lm(
         lengths: prompt lengths in tokens.
         repeats, warmup: timed and untimed prefills per cell.
         device: where the model runs.
+        include_dense: also time ``dense`` routed through the patch (the machinery's own cost and
+            the share of time in attention); off saves one prefill per length at long lengths.
+        stats: run one more (untimed) prefill per patched setting to measure its sparsity.
         progress: called with a line of text per finished cell.
 
     Returns:
@@ -579,14 +583,14 @@ def bench_causal_lm(
 
         t_ref = statistics.median(time_call(fwd, repeats=repeats, warmup=warmup, device=dev))
         rows.append({"length": n, "setting": "unpatched", "seconds": t_ref, "tokens_per_s": n / t_ref, "speedup": 1.0})
-        for name, opts in [("dense", {})] + list(settings):
+        for name, opts in ([("dense", {})] if include_dense else []) + list(settings):
             patch(model, name, **opts)
             try:
                 with time_attention(model) as rec:
                     ts = time_call(fwd, repeats=repeats, warmup=warmup, device=dev)
                 att = rec.attention_seconds[warmup:]
                 sparsity = None
-                if name != "dense":
+                if name != "dense" and stats:
                     with record_stats(model) as st:
                         fwd()
                     recs = [r for r in st.forwards[0].values() if r.causal_pairs is not None]
