@@ -156,6 +156,10 @@ def render(folder_names: list[str]) -> str:
         "`attnpatch bench model`.",
         "",
     ]
+    if "cuda" not in folder_names:
+        out += ["No GPU numbers yet: no GPU machine was available when these were measured.  On one, "
+                "`python benchmarks/make_benchmarks.py run --device cuda --long` writes `benchmarks/results/cuda/` "
+                "(FNA up to N = 65536; the captured AnchorAttention inputs up to 32k) and `render` adds its tables here.", ""]
     for name in folder_names:
         data = _load(RESULTS / name)
         if not data:
