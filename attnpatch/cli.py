@@ -361,13 +361,17 @@ def _cmd_bench_attention(args) -> int:
     specs = args.method or (["anchor_attention"] if causal else ["fna"])
     methods = [_method_spec(m, args.option) for m in specs]
     qkv, layer = (None, None)
+    shape = {"--batch": args.batch, "--heads": args.heads, "--kv-heads": args.kv_heads, "--head-dim": args.head_dim}
     if args.qkv:
+        given = [k for k, v in shape.items() if v is not None]
+        if given:
+            raise AttnpatchError(f"{', '.join(given)}: the shape comes from the captured inputs (--qkv); drop them")
         qkv, layer = load_qkv(args.qkv, args.layer)
     elif args.layer is not None:
         raise AttnpatchError("--layer needs --qkv (captured inputs)")
     result = bench_attention(
-        methods, lengths=args.lengths, causal=causal, batch=args.batch, heads=args.heads, kv_heads=args.kv_heads,
-        head_dim=args.head_dim, dtype=getattr(torch, _DTYPES[args.dtype]), device=args.device, repeats=args.repeats,
+        methods, lengths=args.lengths, causal=causal, batch=args.batch or 1, heads=args.heads or 6, kv_heads=args.kv_heads,
+        head_dim=args.head_dim or 64, dtype=getattr(torch, _DTYPES[args.dtype]), device=args.device, repeats=args.repeats,
         warmup=args.warmup, reuse_layers=args.reuse_layers, qkv=qkv, memory=not args.no_memory, progress=_progress_line,
     )
     result["machine"] = machine_info()
@@ -576,10 +580,10 @@ def build_parser() -> argparse.ArgumentParser:
     ba.add_argument("--method", nargs="+", metavar="METHOD[:NAME=VALUE,...]", help="fna and/or anchor_attention with options (default: fna / anchor_attention)")
     ba.add_argument("-o", "--option", action="append", default=[], metavar="NAME=VALUE", help="option applied to every method, repeatable")
     ba.add_argument("--lengths", nargs="+", type=_positive_int, default=[256, 512, 1024, 2048, 4096, 8192, 16384], help="sequence lengths N in tokens")
-    ba.add_argument("--batch", type=_positive_int, default=1)
-    ba.add_argument("--heads", type=_positive_int, default=6, help="query heads (default: %(default)s, DINOv2-S)")
-    ba.add_argument("--kv-heads", type=_positive_int, help="key/value heads (GQA; default: = heads)")
-    ba.add_argument("--head-dim", type=_positive_int, default=64)
+    ba.add_argument("--batch", type=_positive_int, help="random inputs: batch size (default: 1)")
+    ba.add_argument("--heads", type=_positive_int, help="random inputs: query heads (default: 6, DINOv2-S)")
+    ba.add_argument("--kv-heads", type=_positive_int, help="random inputs: key/value heads (GQA; default: = heads)")
+    ba.add_argument("--head-dim", type=_positive_int, help="random inputs: head dimension (default: 64)")
     ba.add_argument("--dtype", choices=sorted(_DTYPES), default="float32")
     ba.add_argument("--device", default="cpu")
     ba.add_argument("--repeats", type=_positive_int, default=5, help="timed calls per cell; the median is reported")

@@ -426,10 +426,6 @@ def bench_attention(
 # whole models
 
 
-def _setting_label(method: str, options: dict[str, Any]) -> str:
-    return _label(method, options)
-
-
 def bench_vision_model(
     model,
     processor,
@@ -499,7 +495,7 @@ def bench_vision_model(
                 unpatch(model)
             t = statistics.median(ts)
             share = statistics.median(a / b for a, b in zip(att, ts)) if att else None
-            rows.append({"resolution": res, "tokens": tokens, "setting": _setting_label(name, opts), "seconds": t,
+            rows.append({"resolution": res, "tokens": tokens, "setting": _label(name, opts), "seconds": t,
                          "images_per_s": batch / t, "speedup": t_ref / t, "attention_share": share})
             if progress is not None:
                 progress(f"{res} px (N={tokens}) {rows[-1]['setting']}: {batch / t:.2f} img/s, {t_ref / t:.2f}x")
@@ -600,7 +596,7 @@ def bench_causal_lm(
             finally:
                 unpatch(model)
             t = statistics.median(ts)
-            rows.append({"length": n, "setting": _setting_label(name, opts), "seconds": t, "tokens_per_s": n / t,
+            rows.append({"length": n, "setting": _label(name, opts), "seconds": t, "tokens_per_s": n / t,
                          "speedup": t_ref / t, "attention_share": statistics.median(a / b for a, b in zip(att, ts)),
                          "sparsity": sparsity})
             if progress is not None:
@@ -627,7 +623,20 @@ def plot_attention(result: dict[str, Any], path: str | Path, title: str = "") ->
     rows = result["rows"]
     labels = list(dict.fromkeys(r["method"] for r in rows))
     exps = result.get("exponents", {})
-    out = []
+
+    def save(fig, ax, ylabel: str, default_title: str, suffix: str) -> Path:
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("N (tokens)")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title or default_title)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        p = path.with_name(path.stem + suffix)
+        fig.savefig(p, dpi=110)
+        plt.close(fig)
+        return p
+
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
     for lab in labels:
         sel = [r for r in rows if r["method"] == lab]
@@ -636,34 +645,13 @@ def plot_attention(result: dict[str, Any], path: str | Path, title: str = "") ->
         if lab.startswith("fna"):
             e2 = exps.get(lab + " [fps]")
             ax.plot([r["N"] for r in sel], [r["fps_seconds"] for r in sel], "x--", label=f"FPS alone (slope {e2:.2f})" if e2 else "FPS alone")
-    ax.set_xscale("log", base=2)
     ax.set_yscale("log")
-    ax.set_xlabel("N (tokens)")
-    ax.set_ylabel("seconds (median)")
-    ax.set_title(title or "attention time vs N")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    p1 = path.with_name(path.stem + "_time.png")
-    fig.savefig(p1, dpi=110)
-    plt.close(fig)
-    out.append(p1)
+    out = [save(fig, ax, "seconds (median)", "attention time vs N", "_time.png")]
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
     for lab in labels:
-        if lab == "sdpa":
-            continue
-        sel = [r for r in rows if r["method"] == lab]
-        ax.plot([r["N"] for r in sel], [r["speedup"] for r in sel], "o-", label=lab)
+        if lab != "sdpa":
+            sel = [r for r in rows if r["method"] == lab]
+            ax.plot([r["N"] for r in sel], [r["speedup"] for r in sel], "o-", label=lab)
     ax.axhline(1.0, color="k", lw=0.8)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("N (tokens)")
-    ax.set_ylabel("speed-up over SDPA (x)")
-    ax.set_title(title or "speed-up vs N")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    p2 = path.with_name(path.stem + "_speedup.png")
-    fig.savefig(p2, dpi=110)
-    plt.close(fig)
-    out.append(p2)
+    out.append(save(fig, ax, "speed-up over SDPA (x)", "speed-up vs N", "_speedup.png"))
     return out
