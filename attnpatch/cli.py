@@ -25,7 +25,7 @@ def _parse_options(pairs: Sequence[str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for p in pairs:
         if "=" not in p:
-            raise AttnpatchError(f"--option {p!r}: expected NAME=VALUE, e.g. -o theta=12")
+            raise AttnpatchError(f"option {p!r}: expected NAME=VALUE (e.g. -o theta=12, or METHOD:s=32)")
         k, v = p.split("=", 1)
         out[k.strip().replace("-", "_")] = v.strip()
     return out
@@ -85,6 +85,16 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
     return value
+
+
+def _nonnegative_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"{v} must be >= 0")
+    return v
 
 
 def _fraction(text: str) -> float:
@@ -327,23 +337,69 @@ def _cmd_eval_clip(args) -> int:
     return _report(args, title, rows, columns, result)
 
 
-def _bench_out(args, title: str, rows, columns, result: dict[str, Any]) -> None:
-    """Print a bench table and write ``--json`` / ``--markdown`` when asked."""
+def _bench_out(args, title: str, rows, columns, result: dict[str, Any], footer: str = "") -> None:
+    """Print a bench table (and ``footer``) and write ``--json`` / ``--markdown`` when asked."""
     from .evals.report import print_table, rows_to_markdown, write_json
 
     print_table(rows, columns, title=title)
+    if footer:
+        print(footer)
     if args.json:
         write_json(args.json, result)
         print(f"wrote {args.json}")
     if args.markdown:
         from pathlib import Path
 
-        Path(args.markdown).write_text(f"### {title}\n\n" + rows_to_markdown(rows, columns) + "\n")
+        Path(args.markdown).write_text(f"### {title}\n\n" + rows_to_markdown(rows, columns) + "\n" + (f"\n{footer}\n" if footer else ""))
         print(f"wrote {args.markdown}")
+
+
+def _check_out_paths(**paths: str | None) -> None:
+    """Fail before any work when an output path cannot be written (a directory, or under a file)."""
+    from pathlib import Path
+
+    for flag, path in paths.items():
+        if not path:
+            continue
+        p = Path(path)
+        if p.is_dir():
+            raise AttnpatchError(f"--{flag.replace('_', '-')} {path}: is a directory; give a file path")
+        parent = next((x for x in p.parents if x.exists()), None)
+        if parent is not None and not parent.is_dir():
+            raise AttnpatchError(f"--{flag.replace('_', '-')} {path}: {parent} is a file, not a folder")
+
+
+def _check_device(device: str) -> None:
+    """A clear error for a device this machine cannot use (``cpu``, ``cuda``, ``cuda:N``)."""
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise AttnpatchError(f"--device {device!r}: not a device name (allowed: cpu, cuda, cuda:N)") from None
+    if dev.type == "cpu":
+        return
+    if dev.type != "cuda":
+        raise AttnpatchError(f"--device {device!r}: only cpu and cuda are supported")
+    if not torch.cuda.is_available():
+        raise AttnpatchError(f"--device {device!r}: CUDA is not available on this machine (allowed here: cpu)")
+    if dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise AttnpatchError(f"--device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
 
 
 def _progress_line(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
+
+
+def _unique_settings(specs: Sequence[str], common: Sequence[str]) -> list[tuple[str, dict[str, Any]]]:
+    out = [_method_spec(m, common) for m in specs]
+    seen = set()
+    for m, o in out:
+        key = (m, tuple(sorted(o.items())))
+        if key in seen:
+            raise AttnpatchError(f"--method {m} with options {o or '{}'} is given twice")
+        seen.add(key)
+    return out
 
 
 _DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16"}
@@ -352,27 +408,37 @@ _DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf1
 def _cmd_bench_attention(args) -> int:
     import torch
 
-    from .evals.bench import bench_attention, load_qkv, plot_attention
+    from .evals.bench import DEFAULT_LENGTHS, bench_attention, load_qkv, plot_attention
     from .evals.report import BENCH_ATTENTION_COLUMNS, machine_info
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    _check_device(args.device)
+    _check_out_paths(json=args.json, markdown=args.markdown, plot=args.plot)
+    if args.plot and not args.plot.lower().endswith(".png"):
+        raise AttnpatchError(f"--plot {args.plot}: give a .png path (it writes <stem>_time.png and <stem>_speedup.png)")
     causal = args.mode == "causal"
-    specs = args.method or (["anchor_attention"] if causal else ["fna"])
-    methods = [_method_spec(m, args.option) for m in specs]
+    if causal and args.reuse_layers is not None:
+        raise AttnpatchError("--reuse-layers: only FNA (--mode noncausal) amortises a landmark sampling over layers")
+    methods = _unique_settings(args.method or (["anchor_attention"] if causal else ["fna"]), args.option)
     qkv, layer = (None, None)
     shape = {"--batch": args.batch, "--heads": args.heads, "--kv-heads": args.kv_heads, "--head-dim": args.head_dim}
+    lengths = args.lengths
     if args.qkv:
         given = [k for k, v in shape.items() if v is not None]
         if given:
             raise AttnpatchError(f"{', '.join(given)}: the shape comes from the captured inputs (--qkv); drop them")
         qkv, layer = load_qkv(args.qkv, args.layer)
+        if lengths is None:  # the default lengths, up to the capture's length
+            cap = qkv["q"].shape[2]
+            lengths = [n for n in DEFAULT_LENGTHS if n < cap] + [cap]
     elif args.layer is not None:
         raise AttnpatchError("--layer needs --qkv (captured inputs)")
     result = bench_attention(
-        methods, lengths=args.lengths, causal=causal, batch=args.batch or 1, heads=args.heads or 6, kv_heads=args.kv_heads,
-        head_dim=args.head_dim or 64, dtype=getattr(torch, _DTYPES[args.dtype]), device=args.device, repeats=args.repeats,
-        warmup=args.warmup, reuse_layers=args.reuse_layers, qkv=qkv, memory=not args.no_memory, progress=_progress_line,
+        methods, lengths=lengths or DEFAULT_LENGTHS, causal=causal, batch=args.batch or 1, heads=args.heads or 6,
+        kv_heads=args.kv_heads, head_dim=args.head_dim or 64, dtype=getattr(torch, _DTYPES[args.dtype]), device=args.device,
+        repeats=args.repeats, warmup=args.warmup, reuse_layers=args.reuse_layers or 6, qkv=qkv, memory=not args.no_memory,
+        progress=_progress_line,
     )
     result["machine"] = machine_info()
     if args.qkv:
@@ -381,8 +447,14 @@ def _cmd_bench_attention(args) -> int:
     src = f"captured {args.qkv} layer {layer}" if args.qkv else "random q/k/v"
     title = (f"bench attention — {cfg['mode']}, B={cfg['batch']} H={cfg['heads']} Hkv={cfg['kv_heads']} D={cfg['head_dim']}, "
              f"{cfg['dtype']} on {cfg['device']}, {src}, median of {cfg['repeats']}")
-    _bench_out(args, title, result["rows"], BENCH_ATTENTION_COLUMNS, result)
-    print("scaling exponents (time ~ N^slope): " + ", ".join(f"{k}: {v:.2f}" for k, v in result["exponents"].items() if v is not None))
+    notes = []
+    if not causal:
+        notes.append(f"FNA time = Nyström + FPS / {cfg['reuse_layers']} (one sampling reused by {cfg['reuse_layers']} layers; "
+                     "--reuse-layers); 'vs SDPA (1 FPS/layer)' counts a whole FPS.")
+    exps = [f"{k}: {v:.2f}" for k, v in result["exponents"].items() if v is not None]
+    if exps:
+        notes.append("Scaling exponents (time ~ N^slope): " + ", ".join(exps))
+    _bench_out(args, title, result["rows"], BENCH_ATTENTION_COLUMNS, result, footer="\n".join(notes))
     if args.plot:
         for p in plot_attention(result, args.plot, title=f"{cfg['mode']} attention, {src}"):
             print(f"wrote {p}")
@@ -397,14 +469,25 @@ def _cmd_bench_capture(args) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    model, tok = load_causal_lm(args.model)
-    ids = prefill_ids(tok, args.length)
+    _check_device(args.device)
+    _check_out_paths(output=args.output)
+    model, tok = load_causal_lm(args.model, device=args.device)
+    _check_max_positions(model, [args.length], "--length")
+    ids = prefill_ids(tok, args.length).to(args.device)
     got = capture_qkv(model, ids, args.layers)
+    got = {layer: {x: (e[x].cpu() if x != "scale" else e[x]) for x in e} for layer, e in got.items()}
     torch.save(got, args.output)
     for layer, e in sorted(got.items()):
-        print(f"layer {layer}: q {tuple(e['q'].shape)}, k {tuple(e['k'].shape)}, scale {e['scale']:.4f}")
+        print(f"layer {layer}: q {tuple(e['q'].shape)}, k {tuple(e['k'].shape)}, v {tuple(e['v'].shape)}, scale {e['scale']:.4f}")
     print(f"wrote {args.output}")
     return 0
+
+
+def _check_max_positions(model, lengths: Sequence[int], flag: str) -> None:
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    too_long = [n for n in lengths if limit and n > limit]
+    if too_long:
+        raise AttnpatchError(f"{flag} {too_long}: the model's max_position_embeddings is {limit} tokens")
 
 
 def _cmd_bench_model(args) -> int:
@@ -417,9 +500,8 @@ def _cmd_bench_model(args) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    settings = [_method_spec(m, args.option) for m in (args.method or [])]
-    for name, opts in settings:
-        validate_options(get_method(name), opts)  # fail before loading anything
+    _check_device(args.device)
+    _check_out_paths(json=args.json, markdown=args.markdown)
     kind = args.kind
     if kind == "auto":
         from pathlib import Path
@@ -430,33 +512,46 @@ def _cmd_bench_model(args) -> int:
             if not Path(args.model).is_dir():
                 raise AttnpatchError(f"--model {args.model!r} is not in the catalogue; say --kind vision or --kind causal_lm") from None
             kind = "vision" if (Path(args.model) / "preprocessor_config.json").is_file() else "causal_lm"
-    if kind == "vision":
-        if not settings:
-            settings = [("fna", {})]
+    vision = kind == "vision"
+    if vision and args.lengths:
+        raise AttnpatchError("--lengths: a ViT is measured at --resolutions")
+    if not vision:
+        given = [f for f, v in (("--resolutions", args.resolutions), ("--data", args.data), ("--batch", args.batch)) if v]
+        given += ["--backend"] if args.backend != "hf" else []
+        if given:
+            raise AttnpatchError(f"{', '.join(given)}: apply to ViTs only; an LLM is measured at --lengths, batch 1")
+    settings = _unique_settings(args.method or (["fna"] if vision else ["anchor_attention"]), args.option)
+    for name, opts in settings:
+        method = get_method(name)
+        if kind not in method.model_kinds:
+            raise AttnpatchError(f"method {name!r} does not fit a {kind.replace('_', ' ')} model (it fits: {', '.join(sorted(method.model_kinds))})")
+        validate_options(method, opts)  # fail before loading anything
+    if vision:
         images = None
         if args.data:
             from .evals.images import load_image_set
 
-            data = load_image_set(args.data, limit=args.batch)
+            data = load_image_set(args.data, limit=args.batch or 1)
             images = [data[i][0] for i in range(len(data))]
-        model, processor = load_vision_model(args.model, backend=args.backend)
+        model, processor = load_vision_model(args.model, backend=args.backend, device=args.device)
         result = bench_vision_model(
-            model, processor, settings, resolutions=args.resolutions or [224, 448, 896], batch=args.batch,
+            model, processor, settings, resolutions=args.resolutions or [224, 448, 896], batch=args.batch or 1,
             repeats=args.repeats, warmup=args.warmup, device=args.device, images=images, progress=_progress_line,
         )
-        columns, what = BENCH_VISION_COLUMNS, f"batch {args.batch}"
+        columns, what = BENCH_VISION_COLUMNS, f"batch {args.batch or 1}"
     else:
-        if not settings:
-            settings = [("anchor_attention", {})]
         model, tok = load_causal_lm(args.model, device=args.device)
+        lengths = args.lengths or [1024, 2048, 4096, 8192]
+        _check_max_positions(model, lengths, "--lengths")
         result = bench_causal_lm(
-            model, tok, settings, lengths=args.lengths or [1024, 2048, 4096, 8192], repeats=args.repeats,
-            warmup=args.warmup, device=args.device, progress=_progress_line,
+            model, tok, settings, lengths=lengths, repeats=args.repeats, warmup=args.warmup, device=args.device,
+            progress=_progress_line,
         )
         columns, what = BENCH_LM_COLUMNS, "prefill, batch 1"
     result.update(model=args.model, kind=kind, machine=machine_info())
     m = result["machine"]
-    title = f"bench model — {args.model} ({what}) on {args.device}: {m['cpu']}, {m['torch_threads']} threads, median of {args.repeats}"
+    where = m["cuda"] if str(args.device).startswith("cuda") else f"{m['cpu']}, {m['torch_threads']} torch threads"
+    title = f"bench model — {args.model} ({what}) on {where}, median of {args.repeats}"
     _bench_out(args, title, result["rows"], columns, result)
     return 0
 
@@ -576,19 +671,19 @@ def build_parser() -> argparse.ArgumentParser:
     pb = sub.add_parser("bench", help="speed and memory benchmarks, patched vs exact, measured side by side")
     bsub = pb.add_subparsers(dest="bench", required=True)
     ba = bsub.add_parser("attention", help="one attention layer: time, peak memory and ratio to SDPA per method and N")
-    ba.add_argument("--mode", choices=["noncausal", "causal"], default="noncausal", help="ViT (noncausal, fna) or LLM prefill (causal, anchor_attention)")
+    ba.add_argument("--mode", choices=["noncausal", "causal"], default="noncausal", help="ViT (noncausal, fna) or LLM prefill (causal, anchor_attention) (default: %(default)s)")
     ba.add_argument("--method", nargs="+", metavar="METHOD[:NAME=VALUE,...]", help="fna and/or anchor_attention with options (default: fna / anchor_attention)")
     ba.add_argument("-o", "--option", action="append", default=[], metavar="NAME=VALUE", help="option applied to every method, repeatable")
-    ba.add_argument("--lengths", nargs="+", type=_positive_int, default=[256, 512, 1024, 2048, 4096, 8192, 16384], help="sequence lengths N in tokens")
+    ba.add_argument("--lengths", nargs="+", type=_positive_int, help="sequence lengths N in tokens (default: 256 512 ... 16384; with --qkv, up to the captured length)")
     ba.add_argument("--batch", type=_positive_int, help="random inputs: batch size (default: 1)")
     ba.add_argument("--heads", type=_positive_int, help="random inputs: query heads (default: 6, DINOv2-S)")
     ba.add_argument("--kv-heads", type=_positive_int, help="random inputs: key/value heads (GQA; default: = heads)")
     ba.add_argument("--head-dim", type=_positive_int, help="random inputs: head dimension (default: 64)")
-    ba.add_argument("--dtype", choices=sorted(_DTYPES), default="float32")
-    ba.add_argument("--device", default="cpu")
-    ba.add_argument("--repeats", type=_positive_int, default=5, help="timed calls per cell; the median is reported")
-    ba.add_argument("--warmup", type=int, default=1, help="untimed calls before them")
-    ba.add_argument("--reuse-layers", type=_positive_int, default=6, help="layers sharing one FPS sampling, for FNA's amortised time")
+    ba.add_argument("--dtype", choices=sorted(_DTYPES), default="float32", help="dtype of q/k/v (default: %(default)s)")
+    ba.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: %(default)s)")
+    ba.add_argument("--repeats", type=_positive_int, default=5, help="timed calls per cell; the median is reported (default: %(default)s)")
+    ba.add_argument("--warmup", type=_nonnegative_int, default=1, help="untimed calls before them (default: %(default)s)")
+    ba.add_argument("--reuse-layers", type=_positive_int, help="FNA: layers sharing one FPS sampling, for the amortised time (default: 6, DINOv2-S)")
     ba.add_argument("--qkv", help="captured q/k/v file (attnpatch bench capture) instead of random inputs")
     ba.add_argument("--layer", type=int, help="which captured layer (default: the first in the file)")
     ba.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
@@ -601,8 +696,9 @@ def build_parser() -> argparse.ArgumentParser:
     bc = bsub.add_parser("capture", help="save a causal LM's q/k/v at some layers on a natural-prose prompt (input of bench attention --qkv)")
     bc.add_argument("--model", default=DEFAULT_MODEL, help="catalogue name, local directory or hub id (default: %(default)s)")
     bc.add_argument("--length", type=_positive_int, default=8192, help="prompt length in tokens (default: %(default)s)")
-    bc.add_argument("--layers", nargs="+", type=int, required=True, help="attention-layer indices")
+    bc.add_argument("--layers", nargs="+", type=int, required=True, help="attention-layer indices, 0-based")
     bc.add_argument("--output", "-O", required=True, help="file to write (torch.save)")
+    bc.add_argument("--device", default="cpu", help="where the model runs: cpu, cuda or cuda:N (default: %(default)s)")
     bc.add_argument("--threads", type=_positive_int, help="torch CPU threads")
     bc.set_defaults(func=_cmd_bench_capture)
 
@@ -614,11 +710,11 @@ def build_parser() -> argparse.ArgumentParser:
     bm.add_argument("-o", "--option", action="append", default=[], metavar="NAME=VALUE", help="option applied to every method, repeatable")
     bm.add_argument("--resolutions", nargs="+", type=_positive_int, help="ViT input sizes in pixels (default: 224 448 896)")
     bm.add_argument("--lengths", nargs="+", type=_positive_int, help="LLM prompt lengths in tokens (default: 1024 2048 4096 8192)")
-    bm.add_argument("--batch", type=_positive_int, default=1, help="images per forward (ViT)")
+    bm.add_argument("--batch", type=_positive_int, help="ViT: images per forward (default: 1)")
     bm.add_argument("--data", help="imagefolder or hub dataset the ViT batch is drawn from (default: the embedded image set)")
-    bm.add_argument("--repeats", type=_positive_int, default=3, help="timed forwards per cell; the median is reported")
-    bm.add_argument("--warmup", type=int, default=1, help="untimed forwards before them")
-    bm.add_argument("--device", default="cpu")
+    bm.add_argument("--repeats", type=_positive_int, default=3, help="timed forwards per cell; the median is reported (default: %(default)s)")
+    bm.add_argument("--warmup", type=_nonnegative_int, default=1, help="untimed forwards before them (default: %(default)s)")
+    bm.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: %(default)s)")
     bm.add_argument("--threads", type=_positive_int, help="torch CPU threads")
     bm.add_argument("--json", help="write the result here")
     bm.add_argument("--markdown", help="write the table as Markdown here")

@@ -186,7 +186,10 @@ def render(folder_names: list[str]) -> str:
                         "the first N tokens of the capture are exactly the N-token prefill.  `defaults` = theta 12, "
                         "pool_stride 8, dense_last 64; `paper` = theta 12, one pool per 128-query block, no dense tail.  "
                         "`selection` is the stripe selection alone; sparsity and recall (exact softmax mass on the kept keys, "
-                        "mean over heads and queries) are measured on the same inputs.", "",
+                        "mean over heads and queries) are measured on the same inputs.  AnchorAttention's peak extra memory is "
+                        "its stripe mask (one bool per head, query block and key: H·N²/128 bytes) plus work buffers bounded "
+                        "by a fixed chunk size (about 100 MiB), so at small N it exceeds one N×N score matrix and at 32k it "
+                        "is 1/70 of one.", "",
                         rows_to_markdown(rows, BENCH_ATTENTION_COLUMNS), "",
                         f"![time](benchmarks/results/{name}/{key}_time.png) ![speed-up](benchmarks/results/{name}/{key}_speedup.png)", ""]
         if "vit" in data:

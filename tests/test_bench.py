@@ -163,9 +163,40 @@ def test_bench_cli_attention_plots_and_json(tmp_path, capsys):
     assert res["config"]["mode"] == "noncausal" and res["machine"]["torch"] == torch.__version__
     assert (tmp_path / "plots" / "a_time.png").stat().st_size > 1000 and (tmp_path / "plots" / "a_speedup.png").is_file()
     printed = capsys.readouterr().out
-    assert "vs SDPA" in printed and "scaling exponents" in printed
+    assert "vs SDPA" in printed and "Scaling exponents" in printed and "FNA time = Nyström + FPS / 6" in printed
     assert main(["bench", "attention", "--mode", "causal", "--method", "fna"]) == 2
     assert main(["bench", "attention", "--layer", "3"]) == 2
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["bench", "attention", "--device", "foo"], "--device 'foo'"),
+    (["bench", "attention", "--json", "."], "is a directory"),
+    (["bench", "attention", "--plot", "x.jpg"], "give a .png path"),
+    (["bench", "attention", "--mode", "causal", "--reuse-layers", "3"], "--reuse-layers"),
+    (["bench", "attention", "--method", "fna", "fna"], "given twice"),
+    (["bench", "attention", "--method", "fna:bogus=1"], "unknown option"),
+    (["bench", "attention", "--method", "fna:s"], "expected NAME=VALUE"),
+    (["bench", "model", "--model", "dinov2-small", "--method", "anchor_attention"], "does not fit a vision model"),
+    (["bench", "model", "--model", "smollm2-135m-instruct", "--resolutions", "224"], "apply to ViTs only"),
+    (["bench", "model", "--model", "dinov2-small", "--lengths", "1024"], "--lengths"),
+    (["bench", "model", "--model", "smollm2-135m-instruct", "-o", "theta=abc"], "theta"),
+])
+def test_bench_cli_errors_before_any_work(argv, match, capsys, tmp_path):
+    """Bad input is refused with one line naming it, before a model loads or a timing starts."""
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert match in err and "Traceback" not in err
+
+
+def test_load_qkv_refuses_foreign_files(tmp_path):
+    from attnpatch import AttnpatchError
+
+    (tmp_path / "x.json").write_text("{}")
+    torch.save(torch.zeros(3), tmp_path / "t.pt")
+    torch.save({0: {"q": torch.zeros(1, 1, 4, 2)}}, tmp_path / "d.pt")
+    for name in ("x.json", "t.pt", "d.pt"):
+        with pytest.raises(AttnpatchError, match="not a file written by `attnpatch bench capture`"):
+            load_qkv(tmp_path / name)
 
 
 def test_bench_cli_capture_then_causal_bench(tiny_dir, tmp_path, monkeypatch):  # noqa: F811

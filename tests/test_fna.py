@@ -334,3 +334,18 @@ def test_padding_mask_is_refused_not_ignored():
     ctx = LayerContext(layer=0, num_layers=2, scale=0.5, key_valid=valid, causal=False, prefix_tokens=1)
     with pytest.raises(UnsupportedModelError, match="attention mask that hides some keys"):
         fna_forward(FNAConfig(s=4, sample_layer=0), q, k, v, ctx)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_nystrom_same_code_path(dtype):
+    """bf16 / fp16 inputs (what GPU users run) go through the same code: output in the input dtype,
+    pseudo-inverse in float32, close to the float32 result."""
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(2, 3, 300, 32, generator=g) for _ in range(3))
+    feats = k.transpose(1, 2).reshape(2, 300, 96)
+    lm = farthest_point_sampling(feats.to(dtype), 40, 1)
+    assert torch.equal(lm, farthest_point_sampling(feats.to(dtype).float(), 40, 1))
+    ref = nystrom_attention(q, k, v, lm, scale=32**-0.5)
+    out = nystrom_attention(q.to(dtype), k.to(dtype), v.to(dtype), lm, scale=32**-0.5)
+    assert out.dtype == dtype and out.shape == ref.shape
+    assert ((out.float() - ref).norm() / ref.norm()) < 0.05

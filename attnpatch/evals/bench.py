@@ -213,9 +213,22 @@ def load_qkv(path: str | Path, layer: int | None = None) -> tuple[dict[str, Any]
         AttnpatchError: missing file or layer.
     """
     p = Path(path)
+    if p.is_dir():
+        raise AttnpatchError(f"--qkv {path}: is a directory; give the file `attnpatch bench capture` wrote")
     if not p.is_file():
         raise AttnpatchError(f"--qkv {path}: no such file (write one with `attnpatch bench capture`)")
-    data = torch.load(p, map_location="cpu")
+    bad = AttnpatchError(f"--qkv {path}: not a file written by `attnpatch bench capture` (expected {{layer: {{'q', 'k', 'v', 'scale'}}}})")
+    try:
+        data = torch.load(p, map_location="cpu")
+    except Exception:
+        raise bad from None
+    ok = isinstance(data, dict) and data and all(
+        isinstance(lk, int) and isinstance(e, dict) and {"q", "k", "v", "scale"} <= set(e)
+        and all(isinstance(e[x], torch.Tensor) and e[x].dim() == 4 for x in "qkv")
+        for lk, e in data.items()
+    )
+    if not ok:
+        raise bad
     if layer is None:
         layer = min(data)
     if layer not in data:
@@ -231,6 +244,9 @@ def _split_fna_options(options: dict[str, Any]):
     from ..patchers.registry import get_method, validate_options
 
     method = get_method("fna")
+    unknown = sorted(set(options) - set(method.options))
+    if unknown:
+        raise OptionError(f"fna: unknown option(s) {unknown}; bench attention takes {', '.join(_FNA_BENCH_OPTIONS)}")
     extra = sorted(set(options) - set(_FNA_BENCH_OPTIONS))
     if extra:
         raise OptionError(
@@ -392,9 +408,12 @@ def bench_attention(
                     return select_stripes(q, k, cfg, scale=scale)
 
                 t_a = statistics.median(time_call(anchor, repeats=repeats, warmup=warmup, device=dev))
-                t_s = statistics.median(time_call(select, repeats=1, warmup=0, device=dev))
+                dense_run = n < cfg.min_len or cfg.theta == math.inf
+                t_s = None if dense_run else statistics.median(time_call(select, repeats=repeats, warmup=warmup, device=dev))
                 row = {**base, "method": label, "seconds": t_a, "speedup": t_ref / t_a, "select_seconds": t_s,
                        "peak_bytes": peak_extra_bytes(anchor, dev) if memory else None}
+                if dense_run:
+                    row["note"] = "ran dense: N < min_len" if n < cfg.min_len else "ran dense: theta = inf"
                 if recall:
                     _, st = anchor_attention(q, k, v, cfg, scale=scale, return_stats=True, compute_recall=True)
                     row["sparsity"] = float(1.0 - st.kept_pairs.sum() / st.causal_pairs.sum().clamp(min=1))
@@ -474,6 +493,10 @@ def bench_vision_model(
     dev = torch.device(device)
     model = model.to(dev).eval()
     rows = []
+    patch_size = _patch_size(model)
+    small = [r for r in resolutions if r < patch_size]
+    if small:
+        raise OptionError(f"resolutions {small}: must be at least the patch size, {patch_size} pixels")
     for res in resolutions:
         x = make_preprocess(processor, res)(pics).to(dev)
         tokens = _vision_tokens(model, x)
@@ -497,6 +520,8 @@ def bench_vision_model(
             share = statistics.median(a / b for a, b in zip(att, ts)) if att else None
             rows.append({"resolution": res, "tokens": tokens, "setting": _label(name, opts), "seconds": t,
                          "images_per_s": batch / t, "speedup": t_ref / t, "attention_share": share})
+            if name in ("fna", "fna+sink_mask") and int(opts.get("s", 64)) >= tokens:
+                rows[-1]["note"] = "exact: s >= N"
             if progress is not None:
                 progress(f"{res} px (N={tokens}) {rows[-1]['setting']}: {batch / t:.2f} img/s, {t_ref / t:.2f}x")
     return {"rows": rows, "config": {"resolutions": list(resolutions), "batch": batch, "repeats": repeats,
@@ -515,6 +540,13 @@ def _vision_tokens(model, x: torch.Tensor) -> int:
     finally:
         unpatch(model)
     return seen[0]
+
+
+def _patch_size(model) -> int:
+    cfg = getattr(model, "config", None)
+    vcfg = getattr(cfg, "vision_config", None) or cfg
+    p = getattr(vcfg, "patch_size", None) or getattr(getattr(model, "patch_embed", None), "patch_size", 1)
+    return int(p[0] if isinstance(p, (tuple, list)) else p)
 
 
 def prefill_ids(tokenizer, length: int) -> torch.Tensor:
@@ -624,6 +656,8 @@ def plot_attention(result: dict[str, Any], path: str | Path, title: str = "") ->
     labels = list(dict.fromkeys(r["method"] for r in rows))
     exps = result.get("exponents", {})
 
+    colour = {lab: f"C{i}" for i, lab in enumerate(labels)}  # one colour per method in both plots
+
     def save(fig, ax, ylabel: str, default_title: str, suffix: str) -> Path:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("N (tokens)")
@@ -641,17 +675,17 @@ def plot_attention(result: dict[str, Any], path: str | Path, title: str = "") ->
     for lab in labels:
         sel = [r for r in rows if r["method"] == lab]
         e = exps.get(lab)
-        ax.plot([r["N"] for r in sel], [r["seconds"] for r in sel], "o-", label=f"{lab} (slope {e:.2f})" if e else lab)
+        ax.plot([r["N"] for r in sel], [r["seconds"] for r in sel], "o-", color=colour[lab], label=f"{lab} (slope {e:.2f})" if e else lab)
         if lab.startswith("fna"):
             e2 = exps.get(lab + " [fps]")
-            ax.plot([r["N"] for r in sel], [r["fps_seconds"] for r in sel], "x--", label=f"FPS alone (slope {e2:.2f})" if e2 else "FPS alone")
+            ax.plot([r["N"] for r in sel], [r["fps_seconds"] for r in sel], "x--", color=colour[lab], label=f"FPS alone (slope {e2:.2f})" if e2 else "FPS alone")
     ax.set_yscale("log")
     out = [save(fig, ax, "seconds (median)", "attention time vs N", "_time.png")]
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
     for lab in labels:
         if lab != "sdpa":
             sel = [r for r in rows if r["method"] == lab]
-            ax.plot([r["N"] for r in sel], [r["speedup"] for r in sel], "o-", label=lab)
+            ax.plot([r["N"] for r in sel], [r["speedup"] for r in sel], "o-", color=colour[lab], label=lab)
     ax.axhline(1.0, color="k", lw=0.8)
     out.append(save(fig, ax, "speed-up over SDPA (x)", "speed-up vs N", "_speedup.png"))
     return out

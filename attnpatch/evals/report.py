@@ -40,7 +40,8 @@ class Column:
         if self.fmt == "int":
             return f"{int(round(value))}"
         if self.fmt == "ms":
-            return f"{1e3 * value:.1f}ms"
+            ms = 1e3 * value
+            return f"{ms:.1f}ms" if ms >= 10 else f"{ms:.3g}ms"
         if self.fmt == "mib":
             return f"{value / 2**20:.1f}MiB"
         return str(value)
@@ -104,6 +105,7 @@ BENCH_ATTENTION_COLUMNS = [
     Column("recall", "recall mean", "f3"),
     Column("peak_bytes", "peak extra mem", "mib"),
     Column("nxn_bytes", "N×N scores", "mib"),
+    Column("note", "note"),
 ]
 
 BENCH_VISION_COLUMNS = [
@@ -114,6 +116,7 @@ BENCH_VISION_COLUMNS = [
     Column("images_per_s", "img/s", "f2"),
     Column("speedup", "vs unpatched", "x"),
     Column("attention_share", "attention share", "pct"),
+    Column("note", "note"),
 ]
 
 BENCH_LM_COLUMNS = [
