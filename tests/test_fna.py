@@ -349,3 +349,18 @@ def test_half_precision_nystrom_same_code_path(dtype):
     out = nystrom_attention(q.to(dtype), k.to(dtype), v.to(dtype), lm, scale=32**-0.5)
     assert out.dtype == dtype and out.shape == ref.shape
     assert ((out.float() - ref).norm() / ref.norm()) < 0.05
+
+
+def test_fps_runs_once_per_forward_not_per_layer(monkeypatch):
+    """The sample-once path pays for landmark selection once per forward call."""
+    from attnpatch.patchers import vision_methods
+
+    calls = []
+    real = vision_methods.select_landmarks
+    monkeypatch.setattr(vision_methods, "select_landmarks", lambda *a, **k: calls.append(1) or real(*a, **k))
+    for model in (_hf_dinov2(0), _timm_vit(0)):
+        calls.clear()
+        with patched(model, "fna", s=9, sample_layer=1):
+            _run(model, X)
+            _run(model, X)
+        assert len(calls) == 2  # one per forward, not one per FNA layer (3 per forward here)
