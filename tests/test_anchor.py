@@ -179,3 +179,31 @@ def test_both_attend_paths_agree(lq, lk, hkv, dtype):
     tol = {torch.float32: 1e-5, torch.float64: 1e-10, torch.bfloat16: 2e-2}[dtype]
     assert merged.dtype == dtype and merged.shape == (2, 4, lq, 8)
     assert (merged.double() - masked.double()).abs().max() < tol
+
+
+@pytest.mark.parametrize("pad", [None, [0, 9]])
+def test_recall_guard_makes_low_recall_heads_dense_like_the_reference(pad):
+    """min_recall: heads whose kept keys carry too little exact mass on the probe blocks attend densely;
+    the fast path and the explicit reference agree on which heads and on the outputs."""
+    from attnpatch.attention.anchor import _geometry, _probe_recall, _select
+
+    b, h, hkv, n, d = 2, 6, 2, 64, 8
+    q, k, v, kv = _inputs(b, h, hkv, n, n, d, pad=pad, seed=21)
+    base = dict(theta=0.7, block_size=8, init_block=4, local_window=8, min_len=0, dense_last=4, pool_stride=None, recall_probes=3)
+    geo = _geometry(q[:1], k[:1], AnchorConfig(**base), 0, None)
+    rec = _probe_recall(q[:1], k[:1], _select(q[:1], k[:1], AnchorConfig(**base), d**-0.5, geo), geo, AnchorConfig(**base), d**-0.5, n - 4)[0]
+    vals = sorted(float(x) for x in rec)
+    gaps = [(vals[i + 1] - vals[i], (vals[i + 1] + vals[i]) / 2) for i in range(len(vals) - 1) if 0 < i < len(vals) - 2 or len(vals) <= 3]
+    gap, thr = max(gaps)
+    assert gap > 1e-3  # a threshold well away from every head's value
+    cfg = AnchorConfig(**base, min_recall=thr)
+    out, st = anchor_attention(q, k, v, cfg, scale=d**-0.5, key_valid=kv, return_stats=True, compute_recall=True)
+    ref, kept = anchor_attention_reference(q, k, v, cfg, scale=d**-0.5, key_valid=kv)
+    rows = _valid_rows(kv, b, n, n)[:, None, :, None]
+    assert torch.allclose(out * rows, ref * rows, atol=1e-5)
+    assert torch.equal((kept.sum(-1) * rows[..., 0]).sum(-1).double(), st.kept_pairs)
+    if pad is None:
+        low = rec < thr
+        assert 0 < int(low.sum()) < h
+        assert torch.equal(st.sparsity[0] == 0, low)  # exactly the low-recall heads became dense
+        assert (st.recall[0][low] > 1 - 1e-6).all()

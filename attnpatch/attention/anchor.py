@@ -70,6 +70,12 @@ class AnchorConfig:
             question at the end of a long-context prompt).
         dense_layers: layer indices that run dense attention.
         dense_heads: ``(layer, head)`` pairs (query-head index) that run dense attention.
+        min_recall: recall guard, measured per prompt: a head whose kept keys carry less than
+            this exact softmax mass, averaged over the queries of ``recall_probes`` evenly spaced
+            sparse query blocks, attends densely in this layer (0 = off).  The automatic form of
+            ``dense_heads``: the retrieval heads that thresholding hurts are found by measurement.
+        recall_probes: query blocks the recall guard measures (cost: one exact ``Q K^T`` over
+            that many blocks per layer).
 
     Defaults, chosen by measurement on SmolLM2-135M-Instruct (offline catalogue, fp32, greedy,
     RULER-style prompts through the chat template, seed 0, needle depths 0.1/0.5/0.9/0.3/0.7):
@@ -114,6 +120,13 @@ class AnchorConfig:
     special magic numbers ...", after which the 135M model repeats the question instead of
     answering); it flips even at 2.6 % sparsity, so these cells cannot be made loss-proof short
     of exact attention, and the defaults keep their 27 % sparsity at 4k.
+
+    The losses come from the skipped keys, not from float rounding: the same prompts with
+    ``theta=1e9`` (every causal key kept, through the sparse code path) score exactly as dense
+    (multivalue 4k: 22.5 / 22.5 %, every sample identical).  Making the retrieval heads the
+    recall diagnostic names dense (``dense_heads=[(17, 3), (18, 6), (18, 7)]``, 26 % sparsity)
+    gives multivalue 4k 27.5 % vs dense 22.5 % (two samples above dense, none below).
+    ``min_recall`` finds such heads by measurement on each prompt instead of by name.
     """
 
     theta: float = 12.0
@@ -125,6 +138,8 @@ class AnchorConfig:
     dense_last: int = 64
     dense_layers: tuple[int, ...] = ()
     dense_heads: tuple[tuple[int, int], ...] = ()
+    min_recall: float = 0.0
+    recall_probes: int = 4
 
     def __post_init__(self) -> None:
         if isinstance(self.theta, bool) or not isinstance(self.theta, (int, float)) or math.isnan(self.theta):
@@ -137,6 +152,10 @@ class AnchorConfig:
             val = getattr(self, name)
             if isinstance(val, bool) or not isinstance(val, int) or val < 0:
                 raise OptionError(f"{name}={val!r}: must be an integer >= 0 (tokens)")
+        if isinstance(self.min_recall, bool) or not isinstance(self.min_recall, (int, float)) or not 0.0 <= self.min_recall <= 1.0:
+            raise OptionError(f"min_recall={self.min_recall!r}: must be a number in [0, 1] (0 = off)")
+        if isinstance(self.recall_probes, bool) or not isinstance(self.recall_probes, int) or self.recall_probes < 1:
+            raise OptionError(f"recall_probes={self.recall_probes!r}: must be an integer >= 1 (query blocks)")
         if self.local_window < self.block_size:
             raise OptionError(
                 f"local_window={self.local_window} < block_size={self.block_size}: the local window must "
@@ -562,6 +581,40 @@ def _kept_mass(q, k, keep, geo: _Geometry, cfg: AnchorConfig, scale: float) -> t
     return out[:, :, :lq]
 
 
+def _probe_blocks(cfg: AnchorConfig, n_sparse: int) -> list[int]:
+    """Evenly spaced query blocks (holding sparse queries) the recall guard measures."""
+    nsb = -(-n_sparse // cfg.block_size)
+    if nsb <= 0:
+        return []
+    m = min(cfg.recall_probes, nsb)
+    return sorted({(nsb - 1) * i // max(m - 1, 1) for i in range(m)})
+
+
+def _probe_recall(q, k, keep, geo: _Geometry, cfg: AnchorConfig, scale: float, n_sparse: int) -> torch.Tensor:
+    """``[B, H]`` exact softmax mass on the kept keys, averaged over the valid sparse queries of the probe blocks."""
+    b, h, lq, d = q.shape
+    hkv = k.shape[1]
+    bq = cfg.block_size
+    dev = q.device
+    kf = k.float()
+    j = torch.arange(geo.lk, device=dev)
+    tot = torch.zeros(b, h, dtype=torch.float64, device=dev)
+    cnt = torch.zeros(b, dtype=torch.float64, device=dev)
+    for blk in _probe_blocks(cfg, n_sparse):
+        r0, r1 = blk * bq, min((blk + 1) * bq, n_sparse)
+        lc = geo.q_offset + r1
+        qc = _grouped(q[:, :, r0:r1].float(), hkv)
+        sc = torch.einsum("bkgqd,bkjd->bkgqj", qc, kf[:, :, :lc]).reshape(b, h, r1 - r0, lc).mul_(scale)
+        i = geo.q_offset + torch.arange(r0, r1, device=dev)
+        allowed = (j[None, :lc] <= i[:, None])[None, None] & geo.key_valid[:, None, None, :lc]
+        p = torch.softmax(sc.masked_fill_(~allowed, -math.inf), -1).nan_to_num_(0.0)
+        mass = (p * keep[:, :, blk, None, :lc].to(p.dtype)).sum(-1)  # [B, H, rows]
+        qv = geo.query_valid[:, r0:r1].to(mass.dtype)
+        tot += (mass * qv[:, None]).sum(-1).double()
+        cnt += qv.sum(-1).double()
+    return tot / cnt.clamp(min=1)[:, None]
+
+
 def anchor_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -645,6 +698,10 @@ def anchor_attention(
     else:
         qh, kh, vh = q, k, v
     keep = _select(qh, kh, cfg, scale, geo)
+    if cfg.min_recall > 0:  # recall guard: heads that lose too much mass on the probe blocks attend densely
+        low = _probe_recall(qh, kh, keep, geo, cfg, scale, ls) < cfg.min_recall  # [B, Hs]
+        if bool(low.any()):
+            keep = torch.where(low[:, :, None, None], _causal_keys(geo)[:, None], keep)
     o = _sparse_attend(qh, kh, vh, keep, geo, cfg, scale)
     if dense_set:
         out = dense_causal_attention(q, k, v, scale=scale, q_offset=q_offset, key_valid=key_valid)
@@ -776,11 +833,13 @@ def anchor_attention_reference(
     valid = torch.ones(b, lk, dtype=torch.bool) if key_valid is None else key_valid.cpu()
     # prompts shorter than min_len run dense; otherwise the last dense_last queries do
     n_sparse = 0 if lq < cfg.min_len else lq - min(cfg.dense_last, lq)
+    probes = set(_probe_blocks(cfg, n_sparse)) if cfg.min_recall > 0 else set()
     for bi in range(b):
         start = next((j for j in range(lk) if valid[bi, j]), lk)
         initial = set(range(start, min(start + cfg.init_block, lk)))
         for hi in range(h):
             kv = hi // g
+            sels = {}
             for b0 in range(0, lq, bq):
                 rows = list(range(b0, min(b0 + bq, lq)))
                 end = q_offset + rows[-1] + 1  # one past the block's last query position
@@ -807,6 +866,24 @@ def anchor_attention_reference(
                         for j in range(end):
                             if valid[bi, j] and abar - float(qbar @ kd[bi, kv, j]) * scale <= cfg.theta:
                                 sel.add(j)
+                sels[b0] = (rows, sel, dense_rows)
+            # recall guard: exact kept mass over the probe blocks' sparse queries
+            head_dense = False
+            if probes and hi not in dense_heads and n_sparse > 0:
+                masses = []
+                for b0, (rows, sel, _) in sels.items():
+                    if b0 // bq not in probes:
+                        continue
+                    for i in rows:
+                        p = q_offset + i
+                        if i >= n_sparse or not valid[bi, p]:
+                            continue
+                        cols = [j for j in range(p + 1) if valid[bi, j]]
+                        pr = torch.softmax(torch.stack([qd[bi, hi, i] @ kd[bi, kv, j] for j in cols]) * scale, 0)
+                        masses.append(sum(float(pr[n]) for n, j in enumerate(cols) if j in sel))
+                head_dense = bool(masses) and sum(masses) / len(masses) < cfg.min_recall
+            for b0, (rows, sel, dense_rows) in sels.items():
+                dense_rows = dense_rows or head_dense
                 for i in rows:
                     p = q_offset + i
                     if dense_rows or i >= n_sparse:

@@ -245,6 +245,8 @@ ANCHOR_OPTION_HELP = {
     "dense_last": ("int", "the last n prompt queries attend densely (tokens)"),
     "dense_layers": ("int_list", "layer indices that run dense attention"),
     "dense_heads": ("pair_list", "(layer, head) pairs that run dense attention"),
+    "min_recall": ("float", "recall guard: heads whose kept keys carry less exact softmax mass than this on the probe blocks attend densely (0 = off)"),
+    "recall_probes": ("int", "query blocks the recall guard measures per layer"),
 }
 
 def _anchor_config(options: dict[str, Any]) -> AnchorConfig:
