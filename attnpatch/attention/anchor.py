@@ -129,8 +129,10 @@ class AnchorConfig:
     ``min_recall`` finds such heads by measurement on each prompt instead of by name: with
     ``min_recall=0.9`` (defaults otherwise; ``benchmarks/ruler_settings_sweep.py``, same prompts,
     10 samples) multivalue 4k scores 25.0 % vs dense 22.5 % (23.6 % sparsity; defaults alone:
-    12.5 %) and multiquery 4k 17.5 % vs 17.5 % (23.7 %; defaults alone: 10 %), no sample below
-    dense.  It is not the default yet: the whole 1k/2k/4k NIAH table has not been rerun with it.
+    12.5 %) and multiquery 4k 17.5 % vs 17.5 % (23.7 %; defaults alone: 10 %), multiquery 2k
+    10 % vs 10 % (12.7 %; defaults alone: 7.5 %), but multikey 2k still 90 % vs 100 % (the
+    depth-0.1 sample that ``dense_last=256`` fixes).  It is not the default yet: that cell and
+    the whole 1k/2k/4k NIAH table have not been rerun with it (with ``dense_last=256``).
     """
 
     theta: float = 12.0
