@@ -7,6 +7,7 @@ Thin by design: it parses, calls the library, prints.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import re
 import sys
@@ -197,7 +198,6 @@ def _load_images_and_model(args):
 
 def _cmd_eval_vision(args) -> int:
     import torch
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from .evals.report import VISION_COLUMNS, machine_info, vision_rows
     from .evals.vision import run_feature_eval
@@ -213,14 +213,7 @@ def _cmd_eval_vision(args) -> int:
         validate_options(get_method(method), opts)  # fail before loading anything
         settings.append((method, opts))
     images, model, preprocess = _load_images_and_model(args)
-    with Progress(TextColumn(f"[bold]{args.eval}[/bold]"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()) as prog:
-        bar = prog.add_task("", total=len(images))
-
-        def progress(done: int, total: int) -> None:
-            prog.update(bar, completed=done)
-            if not prog.console.is_terminal:
-                print(f"[{done}/{total}] images", file=sys.stderr, flush=True)
-
+    with _image_progress(args.eval, len(images)) as progress:
         result = run_feature_eval(
             model, images, preprocess, settings=settings, tasks=tasks, batch_size=args.batch_size,
             layer_error_images=args.layer_error_images, knn_k=args.k, progress=progress,
@@ -263,17 +256,47 @@ def _cmd_sinks(args) -> int:
     return 0
 
 
+@contextlib.contextmanager
+def _image_progress(label: str, total: int):
+    """A progress bar over ``total`` images; yields the ``progress(done, total)`` callback the evals take
+    (plain lines on stderr when the output is not a terminal)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn(f"[bold]{label}[/bold]"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()) as prog:
+        bar = prog.add_task("", total=total)
+
+        def progress(done: int, total: int) -> None:
+            prog.update(bar, completed=done)
+            if not prog.console.is_terminal:
+                print(f"[{done}/{total}] images", file=sys.stderr, flush=True)
+
+        yield progress
+
+
 def _device(name: str) -> str:
+    """``--device``: ``auto`` resolved (cuda if available, else cpu), and a clear error for a device this
+    machine cannot use (allowed: cpu, cuda, cuda:N)."""
     import torch
 
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise AttnpatchError(f"--device {name!r}: not a device name (allowed: auto, cpu, cuda, cuda:N)") from None
+    if dev.type == "cpu":
+        return name
+    if dev.type != "cuda":
+        raise AttnpatchError(f"--device {name!r}: only cpu and cuda are supported")
+    if not torch.cuda.is_available():
+        raise AttnpatchError(f"--device {name!r}: CUDA is not available on this machine (allowed here: cpu)")
+    if dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise AttnpatchError(f"--device {name!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     return name
 
 
 def _cmd_eval_clip(args) -> int:
     import torch
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from .clip_models import load_clip
     from .evals import clip as clip_eval
@@ -302,14 +325,7 @@ def _cmd_eval_clip(args) -> int:
         data = clip_eval.load_caption_set(args.data, split=args.split, caption_column=args.caption_column, limit=args.limit)
     bundle = load_clip(args.model, device=_device(args.device), resolution=args.resolution)
     towers = args.towers
-    with Progress(TextColumn(f"[bold]{args.eval}[/bold]"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()) as prog:
-        bar = prog.add_task("", total=len(data))
-
-        def progress(done: int, total: int) -> None:
-            prog.update(bar, completed=done)
-            if not prog.console.is_terminal:
-                print(f"[{done}/{total}] images", file=sys.stderr, flush=True)
-
+    with _image_progress(args.eval, len(data)) as progress:
         common = dict(settings=settings, towers=towers, batch_size=args.batch_size, text_batch_size=args.text_batch_size, progress=progress)
         if zeroshot:
             result = clip_eval.run_zeroshot_eval(bundle, data, classnames, templates, ks=(1, 5), **common)
@@ -369,24 +385,6 @@ def _check_out_paths(**paths: str | None) -> None:
             raise AttnpatchError(f"--{flag.replace('_', '-')} {path}: {parent} is a file, not a folder")
 
 
-def _check_device(device: str) -> None:
-    """A clear error for a device this machine cannot use (``cpu``, ``cuda``, ``cuda:N``)."""
-    import torch
-
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, ValueError):
-        raise AttnpatchError(f"--device {device!r}: not a device name (allowed: cpu, cuda, cuda:N)") from None
-    if dev.type == "cpu":
-        return
-    if dev.type != "cuda":
-        raise AttnpatchError(f"--device {device!r}: only cpu and cuda are supported")
-    if not torch.cuda.is_available():
-        raise AttnpatchError(f"--device {device!r}: CUDA is not available on this machine (allowed here: cpu)")
-    if dev.index is not None and dev.index >= torch.cuda.device_count():
-        raise AttnpatchError(f"--device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
-
-
 def _progress_line(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
@@ -413,7 +411,7 @@ def _cmd_bench_attention(args) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    _check_device(args.device)
+    args.device = _device(args.device)
     _check_out_paths(json=args.json, markdown=args.markdown, plot=args.plot)
     if args.plot and not args.plot.lower().endswith(".png"):
         raise AttnpatchError(f"--plot {args.plot}: give a .png path (it writes <stem>_time.png and <stem>_speedup.png)")
@@ -469,7 +467,7 @@ def _cmd_bench_capture(args) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    _check_device(args.device)
+    args.device = _device(args.device)
     _check_out_paths(output=args.output)
     model, tok = load_causal_lm(args.model, device=args.device)
     _check_max_positions(model, [args.length], "--length")
@@ -500,7 +498,7 @@ def _cmd_bench_model(args) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    _check_device(args.device)
+    args.device = _device(args.device)
     _check_out_paths(json=args.json, markdown=args.markdown)
     kind = args.kind
     if kind == "auto":
