@@ -558,6 +558,25 @@ def _sparse_attend(q, k, v, keep, geo: _Geometry, cfg: AnchorConfig, scale: floa
     return out.reshape(b, h, nb * bq, d)[:, :, :lq]
 
 
+def _block_mass(qpad, kf, keep, geo: _Geometry, cfg: AnchorConfig, scale: float, c0: int, c1: int) -> torch.Tensor:
+    """``[B, H, (c1 - c0) * block_size]`` exact softmax mass (over valid causal keys) on the kept keys of
+    the queries of blocks ``c0 .. c1 - 1``; ``qpad`` ``[B, H, nb * block_size, D]`` and ``kf`` in float32."""
+    b, h = qpad.shape[:2]
+    hkv = kf.shape[1]
+    bq = cfg.block_size
+    dev = qpad.device
+    r0, r1 = c0 * bq, c1 * bq
+    lc = min(geo.lk, geo.q_offset + r1)  # keys after the last query are never causal
+    qc = _grouped(qpad[:, :, r0:r1], hkv)
+    s = torch.einsum("bkgqd,bkjd->bkgqj", qc, kf[:, :, :lc]).reshape(b, h, r1 - r0, lc).mul_(scale)
+    i = geo.q_offset + torch.arange(r0, r1, device=dev)
+    j = torch.arange(lc, device=dev)
+    allowed = (j[None, :] <= i[:, None])[None, None] & geo.key_valid[:, None, None, :lc]
+    p = torch.softmax(s.masked_fill_(~allowed, -math.inf), -1).nan_to_num_(0.0)
+    mass = torch.einsum("bhnqj,bhnj->bhnq", p.reshape(b, h, c1 - c0, bq, lc), keep[:, :, c0:c1, :lc].to(p.dtype))
+    return mass.reshape(b, h, r1 - r0).double()
+
+
 def _kept_mass(q, k, keep, geo: _Geometry, cfg: AnchorConfig, scale: float) -> torch.Tensor:
     """``[B, H, Lq]`` exact softmax mass (over valid causal keys) carried by each query's kept keys.
 
@@ -565,25 +584,14 @@ def _kept_mass(q, k, keep, geo: _Geometry, cfg: AnchorConfig, scale: float) -> t
     queries at once); the kept mass of a block's queries is a product with the block's stripe mask.
     """
     b, h, lq, d = q.shape
-    hkv = k.shape[1]
     bq, nb = cfg.block_size, geo.nb
-    dev = q.device
     qpad = F.pad(q.float(), (0, 0, 0, nb * bq - lq))
     kf = k.float()
-    j = torch.arange(geo.lk, device=dev)
-    out = torch.empty(b, h, nb * bq, dtype=torch.float64, device=dev)
+    out = torch.empty(b, h, nb * bq, dtype=torch.float64, device=q.device)
     step = max(1, _CHUNK_ELEMENTS // max(b * h * bq * geo.lk, 1))
     for c0 in range(0, nb, step):
         c1 = min(nb, c0 + step)
-        r0, r1 = c0 * bq, c1 * bq
-        lc = min(geo.lk, geo.q_offset + r1)  # keys after the chunk's last query are never causal
-        qc = _grouped(qpad[:, :, r0:r1], hkv)
-        s = torch.einsum("bkgqd,bkjd->bkgqj", qc, kf[:, :, :lc]).reshape(b, h, r1 - r0, lc).mul_(scale)
-        i = geo.q_offset + torch.arange(r0, r1, device=dev)
-        allowed = (j[None, :lc] <= i[:, None])[None, None] & geo.key_valid[:, None, None, :lc]
-        p = torch.softmax(s.masked_fill_(~allowed, -math.inf), -1).nan_to_num_(0.0)
-        mass = torch.einsum("bhnqj,bhnj->bhnq", p.reshape(b, h, c1 - c0, bq, lc), keep[:, :, c0:c1, :lc].to(p.dtype))
-        out[:, :, r0:r1] = mass.reshape(b, h, r1 - r0).double()
+        out[:, :, c0 * bq : c1 * bq] = _block_mass(qpad, kf, keep, geo, cfg, scale, c0, c1)
     return out[:, :, :lq]
 
 
@@ -599,25 +607,18 @@ def _probe_blocks(cfg: AnchorConfig, n_sparse: int) -> list[int]:
 def _probe_recall(q, k, keep, geo: _Geometry, cfg: AnchorConfig, scale: float, n_sparse: int) -> torch.Tensor:
     """``[B, H]`` exact softmax mass on the kept keys, averaged over the valid sparse queries of the probe blocks."""
     b, h, lq, d = q.shape
-    hkv = k.shape[1]
     bq = cfg.block_size
-    dev = q.device
+    qpad = F.pad(q.float(), (0, 0, 0, geo.nb * bq - lq))
     kf = k.float()
-    j = torch.arange(geo.lk, device=dev)
-    tot = torch.zeros(b, h, dtype=torch.float64, device=dev)
-    cnt = torch.zeros(b, dtype=torch.float64, device=dev)
+    tot = torch.zeros(b, h, dtype=torch.float64, device=q.device)
+    cnt = torch.zeros(b, dtype=torch.float64, device=q.device)
     for blk in _probe_blocks(cfg, n_sparse):
-        r0, r1 = blk * bq, min((blk + 1) * bq, n_sparse)
-        lc = geo.q_offset + r1
-        qc = _grouped(q[:, :, r0:r1].float(), hkv)
-        sc = torch.einsum("bkgqd,bkjd->bkgqj", qc, kf[:, :, :lc]).reshape(b, h, r1 - r0, lc).mul_(scale)
-        i = geo.q_offset + torch.arange(r0, r1, device=dev)
-        allowed = (j[None, :lc] <= i[:, None])[None, None] & geo.key_valid[:, None, None, :lc]
-        p = torch.softmax(sc.masked_fill_(~allowed, -math.inf), -1).nan_to_num_(0.0)
-        mass = (p * keep[:, :, blk, None, :lc].to(p.dtype)).sum(-1)  # [B, H, rows]
-        qv = geo.query_valid[:, r0:r1].to(mass.dtype)
-        tot += (mass * qv[:, None]).sum(-1).double()
-        cnt += qv.sum(-1).double()
+        r0 = blk * bq
+        mass = _block_mass(qpad, kf, keep, geo, cfg, scale, blk, blk + 1)  # [B, H, bq]
+        rows = torch.arange(r0, r0 + bq, device=q.device) < n_sparse  # queries after n_sparse attend densely
+        qv = (geo.query_valid[:, r0 : r0 + bq] & rows).double()
+        tot += (mass * qv[:, None]).sum(-1)
+        cnt += qv.sum(-1)
     return tot / cnt.clamp(min=1)[:, None]
 
 
