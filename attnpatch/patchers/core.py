@@ -218,6 +218,19 @@ def run_layer(
     return out
 
 
+def undo_class_swap(undo: Any) -> None:
+    """Undo a class-swap adapter's ``apply``: ``undo = (swapped, hooks)`` with ``swapped`` a list of
+    ``(module, original_class)``; removes the hooks, puts each original class back and drops the
+    bindings (``_attnpatch``, ``_attnpatch_layer``, ``_attnpatch_tower``) set on the module."""
+    swapped, hooks = undo
+    for h in hooks:
+        h.remove()
+    for m, original in swapped:
+        m.__class__ = original
+        for attr in ("_attnpatch", "_attnpatch_layer", "_attnpatch_tower"):
+            m.__dict__.pop(attr, None)
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import UnsupportedModelError
-from .core import PatchHandle, input_hook, run_layer
+from .core import PatchHandle, input_hook, run_layer, undo_class_swap
 
 __all__ = ["OpenClipAdapter", "tower_modules"]
 
@@ -315,10 +315,4 @@ class OpenClipAdapter:
     @staticmethod
     def restore(handle: PatchHandle, undo: Any) -> None:
         """Swap the original classes back, remove the hooks and the bindings."""
-        swapped, hooks = undo
-        for h in hooks:
-            h.remove()
-        for m, original in swapped:
-            m.__class__ = original
-            for attr in ("_attnpatch", "_attnpatch_layer", "_attnpatch_tower"):
-                m.__dict__.pop(attr, None)
+        undo_class_swap(undo)

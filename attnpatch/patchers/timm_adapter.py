@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import UnsupportedModelError
-from .core import PatchHandle, input_hook, run_layer
+from .core import PatchHandle, input_hook, run_layer, undo_class_swap
 
 __all__ = ["TimmAdapter", "attention_modules"]
 
@@ -140,10 +140,4 @@ class TimmAdapter:
     @staticmethod
     def restore(handle: PatchHandle, undo: Any) -> None:
         """Swap the original classes back, remove the hooks and the bindings."""
-        swapped, hooks = undo
-        for h in hooks:
-            h.remove()
-        for m, original in swapped:
-            m.__class__ = original
-            for attr in ("_attnpatch", "_attnpatch_layer"):
-                m.__dict__.pop(attr, None)
+        undo_class_swap(undo)
