@@ -209,6 +209,8 @@ def capture_qkv(model, input_ids: torch.Tensor, layers: Sequence[int]) -> dict[i
 def load_qkv(path: str | Path, layer: int | None = None) -> tuple[dict[str, Any], int]:
     """Load a file written by ``attnpatch bench capture``: ``(entry, layer)`` for ``layer`` (default: the first).
 
+    ``entry`` is ``{"q": [B, H, L, D], "k": [B, Hkv, L, D], "v": [B, Hkv, L, D], "scale": float}`` on the CPU.
+
     Raises:
         AttnpatchError: missing file or layer.
     """
@@ -478,7 +480,12 @@ def bench_vision_model(
     Returns:
         ``{"rows": [...]}``; each row: ``resolution``, ``tokens``, ``setting``, ``seconds``
         (median per forward), ``images_per_s``, ``speedup`` (vs unpatched), ``attention_share``
-        (fraction of the forward spent in the patched attention calls; ``None`` unpatched).
+        (fraction of the forward spent in the patched attention calls; ``None`` unpatched), and
+        ``note`` where a setting approximated nothing (``s >= N``).
+
+    Raises:
+        OptionError: a resolution below the patch size, or a bad setting (also
+        UnknownMethodError / UnsupportedModelError from :func:`attnpatch.patch`).
     """
     from ..patchers.core import patch, time_attention, unpatch
     from ..patchers.registry import get_method, validate_options
@@ -593,6 +600,10 @@ def bench_causal_lm(
         ``{"rows": [...]}``; each row: ``length``, ``setting``, ``seconds`` (median prefill),
         ``tokens_per_s``, ``speedup`` (vs unpatched), ``attention_share``, and for
         ``anchor_attention`` the ``sparsity`` of that prefill.
+
+    Raises:
+        OptionError / UnknownMethodError: a bad setting (checked before any prefill);
+        UnsupportedModelError from :func:`attnpatch.patch` for a method that does not fit the model.
     """
     from ..patchers.core import patch, record_stats, time_attention, unpatch
     from ..patchers.registry import get_method, validate_options
