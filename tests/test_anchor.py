@@ -92,7 +92,7 @@ def test_theta_inf_equals_dense():
 def test_theta_minus_inf_keeps_initial_block_and_window_only():
     b, h, hkv, n, d = 1, 2, 1, 96, 8
     q, k, v, _ = _inputs(b, h, hkv, n, n, d, seed=3)
-    cfg = AnchorConfig(theta=-math.inf, block_size=16, init_block=8, local_window=32, min_len=0, dense_last=0)
+    cfg = AnchorConfig(theta=-math.inf, block_size=16, init_block=8, local_window=32, min_len=0, dense_last=0, min_recall=0)
     keep = select_stripes(q, k, cfg, scale=d**-0.5)
     for blk in range(n // 16):
         end = (blk + 1) * 16
@@ -113,7 +113,7 @@ def test_theta_minus_inf_keeps_initial_block_and_window_only():
 
 def test_dense_last_and_dense_heads_are_exact():
     q, k, v, _ = _inputs(1, 4, 2, 128, 128, 8, seed=5)
-    cfg = AnchorConfig(theta=-math.inf, block_size=16, init_block=4, local_window=16, min_len=0, dense_last=20)
+    cfg = AnchorConfig(theta=-math.inf, block_size=16, init_block=4, local_window=16, min_len=0, dense_last=20, min_recall=0)
     out, _ = anchor_attention(q, k, v, cfg, scale=0.3, dense_heads=(2,))
     dense = dense_causal_attention(q, k, v, scale=0.3)
     assert torch.allclose(out[:, :, -20:], dense[:, :, -20:], atol=1e-6)
@@ -207,3 +207,26 @@ def test_recall_guard_makes_low_recall_heads_dense_like_the_reference(pad):
         assert 0 < int(low.sum()) < h
         assert torch.equal(st.sparsity[0] == 0, low)  # exactly the low-recall heads became dense
         assert (st.recall[0][low] > 1 - 1e-6).all()
+
+
+@pytest.mark.parametrize("pad", [None, [0, 6]])
+def test_chunking_and_bucketing_do_not_change_the_result(monkeypatch, pad):
+    """The stripe selection runs in chunks of query blocks and the attention in buckets of groups;
+    with tiny chunk and bucket budgets (one block / one group at a time) the stripes are identical
+    and the outputs agree with the reference."""
+    import attnpatch.attention.anchor as A
+
+    q, k, v, kv = _inputs(2, 6, 2, 72, 72, 8, pad=pad, seed=31)
+    cfg = AnchorConfig(theta=1.0, block_size=8, init_block=4, local_window=8, min_len=0, dense_last=5, pool_stride=2)
+    keep = select_stripes(q, k, cfg, scale=8**-0.5, key_valid=kv)
+    out = anchor_attention(q, k, v, cfg, scale=8**-0.5, key_valid=kv)[0]
+    monkeypatch.setattr(A, "_SELECT_CHUNK_ELEMENTS", 1)
+    monkeypatch.setattr(A, "_CHUNK_ELEMENTS", 2)
+    keep_small = select_stripes(q, k, cfg, scale=8**-0.5, key_valid=kv)
+    out_small = anchor_attention(q, k, v, cfg, scale=8**-0.5, key_valid=kv)[0]
+    ref, _ = anchor_attention_reference(q, k, v, cfg, scale=8**-0.5, key_valid=kv)
+    rows = _valid_rows(kv, 2, 72, 72)[:, None, :, None]
+    assert torch.equal(keep, keep_small)
+    assert 0.1 < keep.float().mean() < 0.9
+    assert torch.allclose(out * rows, out_small * rows, atol=1e-6)
+    assert torch.allclose(out_small * rows, ref * rows, atol=1e-5)

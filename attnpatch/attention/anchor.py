@@ -45,6 +45,8 @@ __all__ = [
 
 # Scores buffer budget (elements) for one chunk of query blocks in the fast path.
 _CHUNK_ELEMENTS = 1 << 24
+# Pooled-score buffer (elements) per chunk of query blocks in the stripe selection: small enough for cache.
+_SELECT_CHUNK_ELEMENTS = 1 << 21
 
 
 @dataclass(frozen=True)
@@ -310,60 +312,60 @@ def _select(q: torch.Tensor, k: torch.Tensor, cfg: AnchorConfig, scale: float, g
         keep = (always | (cfg.theta > 0)) & causal
         return keep[:, None].expand(b, h, nb, geo.lk)
 
-    qf = q.float()
+    qs = q.float() * scale  # the logit scale folded into the queries once
     kf = k.float()
-    qpad = F.pad(qf, (0, 0, 0, nb * bq - lq))  # [B, H, nb*bq, D]
+    qpad = F.pad(qs, (0, 0, 0, nb * bq - lq))  # [B, H, nb*bq, D]
     qv = geo.query_valid  # [B, nb*bq]
     pos = geo.q_offset + torch.arange(nb * bq, device=dev)  # absolute query positions
 
-    # (1) anchors: max logit over initial block and local window, per query.
+    # (1) anchors: max logit over initial block and local window, per query (masked in place).
     n_init = min(cfg.init_block, geo.lk)
     init_idx = (geo.start[:, None] + torch.arange(n_init, device=dev)[None, :])  # [B, I]
     init_ok = init_idx < geo.lk
     init_idx = init_idx.clamp(max=geo.lk - 1)
     k_init = torch.gather(kf, 2, init_idx[:, None, :, None].expand(b, hkv, n_init, d))  # [B,Hkv,I,D]
     qg = _grouped(qpad, hkv)  # [B, Hkv, G, nb*bq, D]
-    s_init = torch.einsum("bkgqd,bkid->bkgqi", qg, k_init) * scale
+    s_init = torch.einsum("bkgqd,bkid->bkgqi", qg, k_init)
     init_ok_q = init_ok[:, None, :] & (init_idx[:, None, :] <= pos[None, :, None]) & geo.key_valid.gather(1, init_idx)[:, None, :]
-    s_init = s_init.masked_fill(~init_ok_q[:, None, None], -math.inf)
-    anchor = s_init.amax(-1)  # [B, Hkv, G, nb*bq]
+    anchor = s_init.masked_fill_(~init_ok_q[:, None, None], -math.inf).amax(-1)  # [B, Hkv, G, nb*bq]
+    del s_init
 
     w = min(cfg.local_window, geo.lk)
     win_idx = geo.block_end[:, None] - w + torch.arange(w, device=dev)[None, :]  # [nb, W]
     win_ok = win_idx >= 0
     win_idx = win_idx.clamp(min=0)
     k_win = kf[:, :, win_idx.reshape(-1)].reshape(b, hkv, nb, w, d)
-    s_win = torch.einsum("bkgnqd,bknwd->bkgnqw", qg.reshape(b, hkv, g, nb, bq, d), k_win) * scale
+    s_win = torch.einsum("bkgnqd,bknwd->bkgnqw", qg.reshape(b, hkv, g, nb, bq, d), k_win)
     pos_b = pos.reshape(nb, bq)
     win_ok_q = win_ok[:, None, :] & (win_idx[:, None, :] <= pos_b[:, :, None])  # [nb, bq, W]
     win_ok_q = win_ok_q[None] & geo.key_valid[:, win_idx][:, :, None, :]  # [B, nb, bq, W]
-    s_win = s_win.masked_fill(~win_ok_q[:, None, None], -math.inf)
+    s_win.masked_fill_(~win_ok_q[:, None, None], -math.inf)
     anchor = torch.maximum(anchor, s_win.amax(-1).reshape(b, hkv, g, nb * bq))
-    del s_init, s_win, k_win
+    del s_win, k_win
 
     # (2) pooling, (3) scores of pooled queries against all keys, stripe threshold.
     st = cfg.stride
     npool = bq // st
-    qv_f = qv.to(qf.dtype).reshape(b, 1, 1, nb, npool, st, 1)
+    qv_f = qv.to(qs.dtype).reshape(b, 1, 1, nb, npool, st, 1)
     cnt = qv_f.sum(5)  # [B,1,1,nb,npool,1]
     has = cnt.squeeze(-1) > 0  # [B,1,1,nb,npool]
     keep = torch.zeros(b, h, nb, geo.lk, dtype=torch.bool, device=dev)
     qp = (qg.reshape(b, hkv, g, nb, npool, st, d) * qv_f).sum(5) / cnt.clamp(min=1)  # [B,Hkv,G,nb,npool,D]
     an = anchor.masked_fill(~qv[:, None, None], 0.0).reshape(b, hkv, g, nb, npool, st)
     ap = an.sum(-1) / cnt.squeeze(-1).clamp(min=1)  # [B,Hkv,G,nb,npool]
-    # stripe kept by a pool when  a_bar - q_bar.k * scale <= theta,  i.e.  q_bar.k * scale >= a_bar - theta;
+    # stripe kept by a pool when  a_bar - q_bar.k * scale <= theta,  i.e.  q_bar.k * scale - (a_bar - theta) >= 0,
+    # and for the block when the largest of these over its pools is >= 0;
     # pools without a valid query (padding) keep nothing (threshold +inf)
     thr = (ap - cfg.theta).masked_fill(~has, math.inf)[..., None]  # [B,Hkv,G,nb,npool,1]
-    qp = qp * scale
-    # chunk over blocks to bound the [.., npool, Lk] score buffer
+    # chunk over blocks so that the [.., npool, Lk] score buffer stays in cache
     per_block = hkv * g * npool * geo.lk * b
-    step = max(1, _CHUNK_ELEMENTS // max(per_block, 1))
+    step = max(1, _SELECT_CHUNK_ELEMENTS // max(per_block, 1))
     for c0 in range(0, nb, step):
         c1 = min(nb, c0 + step)
         lc = int(geo.block_end[c1 - 1])  # later keys are not causal for these blocks
-        sc = torch.einsum("bkgnpd,bkjd->bkgnpj", qp[:, :, :, c0:c1], kf[:, :, :lc])
-        ok = sc >= thr[:, :, :, c0:c1]
-        keep[:, :, c0:c1, :lc] = (ok.any(4) if npool > 1 else ok[:, :, :, :, 0]).reshape(b, h, c1 - c0, lc)
+        sc = torch.einsum("bkgnpd,bkjd->bkgnpj", qp[:, :, :, c0:c1], kf[:, :, :lc]).sub_(thr[:, :, :, c0:c1])
+        best = sc.amax(4) if npool > 1 else sc[:, :, :, :, 0]
+        keep[:, :, c0:c1, :lc] = (best >= 0).reshape(b, h, c1 - c0, lc)
     keep |= always[:, None]
     keep &= causal[:, None]
     return keep
@@ -493,10 +495,12 @@ def _sparse_attend(q, k, v, keep, geo: _Geometry, cfg: AnchorConfig, scale: floa
                 i2 = i + (i2 - i) // 2
             idx = perm[i:i2]
             mk = int(sorted_counts[i2 - 1])
+            # [n, mk]: each group's kept keys in ascending order, padded with key 0 (masked out)
+            order = torch.zeros(idx.numel(), mk, dtype=torch.long, device=dev)
             if mk:
-                order = torch.argsort((~off[idx]).to(torch.int8), dim=-1, stable=True)[:, :mk]  # ascending kept keys
-            else:
-                order = torch.zeros(idx.numel(), 0, dtype=torch.long, device=dev)
+                r, c = off.index_select(0, idx).nonzero(as_tuple=True)  # row-major: ascending keys per group
+                cnt = counts.index_select(0, idx)
+                order[r, torch.arange(r.numel(), device=dev) - (cnt.cumsum(0) - cnt)[r]] = c
             yield i2, idx, mk, order
             i = i2
 
