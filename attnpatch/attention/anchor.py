@@ -525,13 +525,12 @@ def _sparse_attend(q, k, v, keep, geo: _Geometry, cfg: AnchorConfig, scale: floa
                 pad.masked_fill_((torch.arange(mk, device=dev) >= c[:, None])[:, None, None, :], -math.inf)
                 mask = pad.expand(n, 1, bq, mk)
             o2, l2 = _FLASH_LSE(qg.index_select(0, idx)[:, None], kk, vv, 0.0, False, attn_mask=mask, scale=scale)
-            l1 = lse.index_select(0, idx)
-            m = torch.maximum(l1, l2[:, 0])
-            w1 = torch.exp(l1 - m)[..., None]
-            w2 = torch.exp(l2[:, 0] - m)[..., None]
+            # out = (o1 e^l1 + o2 e^l2) / (e^l1 + e^l2) = o2 + (o1 - o2) * sigmoid(l1 - l2), in place
             acc = torch.promote_types(out.dtype, torch.float32)
+            a = torch.sigmoid(lse.index_select(0, idx) - l2[:, 0]).to(acc)[..., None]  # [n, bq, 1]
+            o2 = o2[:, 0].to(acc)
             o1 = out.index_select(0, idx).to(acc)
-            out[idx] = ((o1 * w1 + o2[:, 0].to(acc) * w2) / (w1 + w2)).to(out.dtype)
+            out.index_copy_(0, idx, o1.sub_(o2).mul_(a).add_(o2).to(out.dtype))
         return out.reshape(b, h, nb * bq, d)[:, :, :lq]
 
     diag = p0[:, None] + torch.arange(bq, device=dev)  # [nb, bq]; slot-causal masking handles overrun
