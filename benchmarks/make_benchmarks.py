@@ -30,8 +30,18 @@ import torch
 ROOT = Path(__file__).resolve().parent
 RESULTS = ROOT / "results"
 SECTIONS = ("fna", "anchor", "vit", "llm", "qwen")
-ANCHOR_SETTINGS = [("anchor_attention", {}), ("anchor_attention", {"pool_stride": None, "dense_last": 0})]
-ANCHOR_LABELS = {"anchor_attention": "defaults", "anchor_attention (pool_stride=None, dense_last=0)": "paper"}
+ANCHOR_SETTINGS = [
+    ("anchor_attention", {}),
+    ("anchor_attention", {"pool_stride": 8}),
+    ("anchor_attention", {"pool_stride": 8, "dense_last": 64, "min_recall": 0.0}),
+    ("anchor_attention", {"pool_stride": None, "dense_last": 0, "min_recall": 0.0}),
+]
+ANCHOR_LABELS = {
+    "anchor_attention": "defaults",
+    "anchor_attention (pool_stride=8)": "stride 8",
+    "anchor_attention (pool_stride=8, dense_last=64, min_recall=0.0)": "stride 8, no guard",
+    "anchor_attention (pool_stride=None, dense_last=0, min_recall=0.0)": "paper",
+}
 
 
 def _say(msg: str) -> None:
@@ -184,7 +194,9 @@ def render(folder_names: list[str]) -> str:
                 out += [f"### AnchorAttention vs causal SDPA (one layer), {what}", "", _machine_line(r), "",
                         f"q/k/v captured at layer {r['config']['layer']} on natural prose (`attnpatch bench capture`); "
                         "the first N tokens of the capture are exactly the N-token prefill.  `defaults` = theta 12, "
-                        "pool_stride 8, dense_last 64; `paper` = theta 12, one pool per 128-query block, no dense tail.  "
+                        "pool_stride 2, dense_last 256, recall guard min_recall 0.9; `stride 8` = the defaults with pool_stride 8; `stride 8, no guard` = pool_stride 8, "
+                        "dense_last 64, no recall guard (the defaults before the guard); `paper` = theta 12, one pool per 128-query block, no dense "
+                        "tail, no guard.  "
                         "`selection` is the stripe selection alone; sparsity and recall (exact softmax mass on the kept keys, "
                         "mean over heads and queries) are measured on the same inputs.  AnchorAttention's peak extra memory is "
                         "its stripe mask (one bool per head, query block and key: H·N²/128 bytes) plus work buffers bounded "

@@ -114,9 +114,9 @@ def test_bench_causal_lm_rows(monkeypatch):
 
     monkeypatch.setattr(bench, "prefill_ids", lambda tok, n: torch.randint(0, 128, (1, n), generator=torch.Generator().manual_seed(n)))
     model = tiny_causal_lm("llama")
-    res = bench_causal_lm(model, None, [("anchor_attention", {"theta": 1.0, "min_len": 0, "block_size": 16, "init_block": 8, "local_window": 16})],
+    res = bench_causal_lm(model, None, [("anchor_attention", {"theta": 1.0, "min_len": 0, "block_size": 16, "init_block": 8, "local_window": 16, "dense_last": 16, "min_recall": 0})],
                           lengths=[160], repeats=1)
-    assert [r["setting"] for r in res["rows"]] == ["unpatched", "dense", "anchor_attention (theta=1.0, min_len=0, block_size=16, init_block=8, local_window=16)"]
+    assert [r["setting"] for r in res["rows"]] == ["unpatched", "dense", "anchor_attention (theta=1.0, min_len=0, block_size=16, init_block=8, local_window=16, dense_last=16, min_recall=0)"]
     dense, anchor = res["rows"][1], res["rows"][2]
     assert 0 < dense["attention_share"] < 1 and dense["sparsity"] is None
     assert 0 < anchor["sparsity"] < 1 and anchor["speedup"] > 0
@@ -211,7 +211,7 @@ def test_bench_cli_capture_then_causal_bench(tiny_dir, tmp_path, monkeypatch):  
     assert main(["bench", "attention", "--mode", "causal", "--qkv", str(qkv), "--heads", "8"]) == 2  # shape comes from the file
     out = tmp_path / "m.json"
     assert main(["bench", "model", "--model", str(tiny_dir), "--lengths", "200", "--repeats", "1", "--warmup", "0",
-                 "--method", "anchor_attention:theta=2,min_len=0,block_size=32,init_block=16,local_window=32", "--json", str(out)]) == 0
+                 "--method", "anchor_attention:theta=2,min_len=0,block_size=32,init_block=16,local_window=32,dense_last=32", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert [r["setting"] for r in rows][:2] == ["unpatched", "dense"] and rows[2]["sparsity"] > 0
 

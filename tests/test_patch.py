@@ -14,7 +14,7 @@ from attnpatch.evals.recall import attention_recall
 
 from conftest import tiny_causal_lm
 
-SMALL = dict(block_size=16, init_block=8, local_window=16, min_len=0, dense_last=0)
+SMALL = dict(block_size=16, init_block=8, local_window=16, min_len=0, dense_last=0, min_recall=0)
 
 
 def _ids(b=2, n=150, seed=1):

@@ -81,10 +81,12 @@ class AnchorConfig:
 
     Defaults, chosen by measurement on SmolLM2-135M-Instruct (offline catalogue, fp32, greedy,
     RULER-style prompts through the chat template, seed 0, needle depths 0.1/0.5/0.9/0.3/0.7):
-    ``theta=12, block_size=128, init_block=128, local_window=128`` as in the paper, plus two
-    remedies: ``pool_stride=8`` (queries pooled 8 at a time instead of 128, a stripe kept when
-    any pool of the block keeps it) and ``dense_last=64`` (the question at the end of the
-    prompt attends densely).  At 4096 tokens, repeated-sentence haystack, 6 samples:
+    ``theta=12, block_size=128, init_block=128, local_window=128`` as in the paper, plus three
+    remedies: ``pool_stride=2`` (queries pooled 2 at a time instead of 128; a stripe is kept
+    for the block when any pool keeps it), ``dense_last=256`` (the question at the end of the
+    prompt attends densely) and the recall guard ``min_recall=0.9``.
+
+    Why pooling: at 4096 tokens, repeated-sentence haystack, 6 samples:
 
     ============================  ===========  ============  ========
     setting                       niah_single  niah_multikey sparsity
@@ -98,43 +100,37 @@ class AnchorConfig:
     pool_stride=1, last 64        -            4/6 (=dense)   9 %
     ============================  ===========  ============  ========
 
-    With the natural-prose haystack at 4096 tokens every setting found all 8 single needles
-    (paper: 47 % sparsity, mean recall 0.990, worst-5 % heads 0.89; the worst heads were
-    layer 17 head 3 (recall 0.59-0.70) and layer 18 head 6 — the retrieval heads).  Mean
-    pooling over a whole block loses the needle for multi-key retrieval because queries of
-    one block want different keys; pooling 8 queries keeps what they want.
+    Mean pooling over a whole block loses the needle for multi-key retrieval because the
+    queries of one block want different keys.  The paper setting keeps mean recall 0.98-0.99
+    but its worst heads (layer 17 head 3, layer 18 heads 6 and 7: the retrieval heads) fall
+    to 0.59-0.70.
 
-    With these defaults, 10 samples per cell (``attnpatch eval ruler --tasks niah_single
-    niah_multikey niah_multivalue niah_multiquery --lengths 1024 2048 4096``), dense vs
-    patched accuracy: niah_single 100/100 % at 1k, 2k, 4k; niah_multikey 90/90, 100/90,
-    60/80 %; niah_multivalue 17.5/20, 27.5/27.5, 22.5/12.5 %; niah_multiquery 7.5/7.5,
-    10/7.5, 17.5/10 %; sparsity 5 %, 14 %, 27 %; mean recall 0.997, 0.995, 0.993 and
-    worst-5 % heads 0.94, 0.91, 0.88 (layer 18 head 7 and layer 17 head 3 lowest).  So the
-    defaults are not yet below-dense-proof on the multi-value / multi-query tasks at 4k, where
-    the 135M model is near its floor; ``dense_last=256`` recovered the one multi-key miss at 2k.
+    Full NIAH table, 10 samples per cell (``attnpatch eval ruler --tasks niah_single
+    niah_multikey niah_multivalue niah_multiquery --lengths 1024 2048 4096``), dense / patched
+    accuracy (%) at 1k, 2k, 4k, and the sparsity at 1k / 2k / 4k; the last row is the defaults,
+    equal to dense in every cell, with mean and worst-5 % head recall 1.000 (3 samples per cell):
 
-    Two less sparse candidates on the cells where the defaults lose, same prompts, 10 samples
-    (``benchmarks/ruler_settings_sweep.py``; dense / candidate accuracy, sparsity):
-    ``pool_stride=4, dense_last=256``: multivalue 4k 22.5 / 20.0 % (17 %), multiquery 4k 17.5 /
-    15.0 % (17 %), multiquery 2k 10.0 / 7.5 % (7 %); ``theta=16``: the same accuracies at 7 %,
-    7 % and 2.6 % sparsity.  Each remaining loss is one sample whose first answer token flips
-    between two near-equal continuations ("One of the special magic numbers ..." vs "The
+    ==============================  ==============  ==============  ==============  ==============  ================
+    setting                         niah_single     niah_multikey   niah_multivalue niah_multiquery sparsity
+    ==============================  ==============  ==============  ==============  ==============  ================
+    dense                           100 100 100     90 100 60       17.5 27.5 22.5  7.5 10 17.5     0
+    stride 8, last 64 (no guard)    100 100 100     90  90 80       20 27.5 12.5    7.5 7.5 10      5 / 14 / 27 %
+    stride 8, last 256, guard 0.9   100 100 100     90  90 60       22.5 27.5 25    7.5 10 17.5     2 / 9 / 21 %
+    stride 2, last 256, guard 0.9   100 100 100     90 100 60       17.5 27.5 22.5  7.5 10 17.5     0.6 / 4 / 12 %
+    ==============================  ==============  ==============  ==============  ==============  ================
+
+    Each loss in this table is a few samples (one, in the guarded stride-8 row) whose greedy
+    answer flips between two near-equal continuations (a distractor's value; "One of the special magic numbers ..." vs "The
     special magic numbers ...", after which the 135M model repeats the question instead of
-    answering); it flips even at 2.6 % sparsity, so these cells cannot be made loss-proof short
-    of exact attention, and the defaults keep their 27 % sparsity at 4k.
-
-    The losses come from the skipped keys, not from float rounding: the same prompts with
-    ``theta=1e9`` (every causal key kept, through the sparse code path) score exactly as dense
-    (multivalue 4k: 22.5 / 22.5 %, every sample identical).  Making the retrieval heads the
-    recall diagnostic names dense (``dense_heads=[(17, 3), (18, 6), (18, 7)]``, 26 % sparsity)
-    gives multivalue 4k 27.5 % vs dense 22.5 % (two samples above dense, none below).
-    ``min_recall`` finds such heads by measurement on each prompt instead of by name: with
-    ``min_recall=0.9`` (defaults otherwise; ``benchmarks/ruler_settings_sweep.py``, same prompts,
-    10 samples) multivalue 4k scores 25.0 % vs dense 22.5 % (23.6 % sparsity; defaults alone:
-    12.5 %) and multiquery 4k 17.5 % vs 17.5 % (23.7 %; defaults alone: 10 %), multiquery 2k
-    10 % vs 10 % (12.7 %; defaults alone: 7.5 %), but multikey 2k still 90 % vs 100 % (the
-    depth-0.1 sample that ``dense_last=256`` fixes).  It is not the default yet: that cell and
-    the whole 1k/2k/4k NIAH table have not been rerun with it (with ``dense_last=256``).
+    answering).  They come from the skipped keys, not from float rounding: ``theta=1e9`` (every
+    causal key kept, through the sparse code path) scores exactly as dense.  Which sample flips
+    depends on the setting, not monotonically on sparsity: on the same prompts the guard at
+    0.8, or at 0.9 with ``pool_stride=4``, fixes the multi-key 2k sample of the stride-8 row
+    but flips a multi-query 2k sample (7.5 vs 10 %); ``theta=16`` with the guard (stride 8) gets both
+    of those samples right too, at a quarter of the stride-2 sparsity (2.7 vs 9.9 % on a captured 4k
+    prefill, layer 15).  The defaults buy accuracy with sparsity: at 4k they skip 12 % of the
+    pairs, and on the CPU they are slower than dense attention (0.63-0.68x prefill); settings
+    for speed are in BENCHMARKS.md (``pool_stride=8`` selects 4x cheaper).
     """
 
     theta: float = 12.0
@@ -142,11 +138,11 @@ class AnchorConfig:
     init_block: int = 128
     local_window: int = 128
     min_len: int = 512
-    pool_stride: int | None = 8
-    dense_last: int = 64
+    pool_stride: int | None = 2
+    dense_last: int = 256
     dense_layers: tuple[int, ...] = ()
     dense_heads: tuple[tuple[int, int], ...] = ()
-    min_recall: float = 0.0
+    min_recall: float = 0.9
     recall_probes: int = 4
 
     def __post_init__(self) -> None:
@@ -651,7 +647,7 @@ def anchor_attention(
     pair costs about 1.4x what it costs inside PyTorch's fused causal attention, so the
     sparse path breaks even near 45-60 % sparsity: defaults 0.79x / 1.03x / 1.26x of causal
     SDPA at 8k / 16k / 32k tokens (mean recall 0.956 / 0.935 / 0.907), the paper setting
-    (``pool_stride=None, dense_last=0``) 1.40x / 2.02x / 2.71x (recall 0.883 / 0.855 / 0.820).
+    (``pool_stride=None, dense_last=0, min_recall=0``) 1.40x / 2.02x / 2.71x (recall 0.883 / 0.855 / 0.820).
 
     Args:
         q: ``[B, H, Lq, D]`` queries at absolute positions ``q_offset .. q_offset+Lq-1``.

@@ -241,7 +241,7 @@ ANCHOR_OPTION_HELP = {
     "init_block": ("int", "initial keys always kept (tokens)"),
     "local_window": ("int", "keys before each block's end always kept (tokens, >= block_size)"),
     "min_len": ("int", "prompts shorter than this run dense (tokens)"),
-    "pool_stride": ("int", "queries averaged per pool for stripe selection (tokens; None = block_size as in the paper, 1 = per query; 8 chosen by measurement)"),
+    "pool_stride": ("int", "queries averaged per pool for stripe selection (tokens; None = block_size as in the paper, 1 = per query; 2 chosen by measurement)"),
     "dense_last": ("int", "the last n prompt queries attend densely (tokens)"),
     "dense_layers": ("int_list", "layer indices that run dense attention"),
     "dense_heads": ("pair_list", "(layer, head) pairs that run dense attention"),
