@@ -228,7 +228,8 @@ def render(folder_names: list[str]) -> str:
                 if any("theta=inf" in x for x in names):
                     notes.append("`theta=inf` keeps every key (overhead guard).")
                 if key == "qwen":
-                    notes.append("Unpatched vs the defaults only (one 32k prefill takes about 7 minutes here); no sparsity pass.")
+                    notes.append("Unpatched vs one AnchorAttention setting only (one 32k prefill takes about 7 minutes here); "
+                                 "no sparsity pass.")
                 out += [f"### {what} prefill latency, dense vs AnchorAttention", "", _machine_line(r), "", "  ".join(notes), "",
                         rows_to_markdown(rows, BENCH_LM_COLUMNS), ""]
     return "\n".join(out) + "\n"

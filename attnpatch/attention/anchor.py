@@ -643,11 +643,15 @@ def anchor_attention(
     CPU the blocks' diagonal (causal) part and their gathered keys are two fused calls merged
     by log-sum-exp (see ``_sparse_attend``).
 
-    Speed (BENCHMARKS.md, 2 CPU cores, q/k/v captured from Qwen2.5-0.5B layer 11): a kept
-    pair costs about 1.4x what it costs inside PyTorch's fused causal attention, so the
-    sparse path breaks even near 45-60 % sparsity: defaults 0.79x / 1.03x / 1.26x of causal
-    SDPA at 8k / 16k / 32k tokens (mean recall 0.956 / 0.935 / 0.907), the paper setting
-    (``pool_stride=None, dense_last=0, min_recall=0``) 1.40x / 2.02x / 2.71x (recall 0.883 / 0.855 / 0.820).
+    Speed (BENCHMARKS.md, 2 CPU cores, q/k/v captured from Qwen2.5-0.5B layer 11), ratio to
+    causal SDPA at 8k / 16k / 32k tokens with the mean recall: the defaults (chosen for
+    accuracy) 0.55x / 0.62x / 0.63x (recall 0.999 / 0.998 / 0.996); ``pool_stride=8`` with the
+    guard 0.77x / 0.87x / 0.96x (0.996 / 0.997 / 0.996); ``pool_stride=8, dense_last=64,
+    min_recall=0`` 1.01x / 1.25x / 1.46x (0.956 / 0.935 / 0.907); the paper setting
+    (``pool_stride=None, dense_last=0, min_recall=0``) 1.59x / 2.48x / 3.42x (0.883 / 0.855 /
+    0.820).  Outside the selection a kept pair costs 1.6-1.9x what it costs inside PyTorch's
+    fused causal attention (blocks of 128 queries over gathered keys); heads the recall guard
+    makes dense run through the same sparse path.
 
     Args:
         q: ``[B, H, Lq, D]`` queries at absolute positions ``q_offset .. q_offset+Lq-1``.
