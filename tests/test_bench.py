@@ -211,7 +211,7 @@ def test_bench_cli_capture_then_causal_bench(tiny_dir, tmp_path, monkeypatch):  
     assert main(["bench", "attention", "--mode", "causal", "--qkv", str(qkv), "--heads", "8"]) == 2  # shape comes from the file
     out = tmp_path / "m.json"
     assert main(["bench", "model", "--model", str(tiny_dir), "--lengths", "200", "--repeats", "1", "--warmup", "0",
-                 "--method", "anchor_attention:theta=2,min_len=0,block_size=32,init_block=16,local_window=32,dense_last=32", "--json", str(out)]) == 0
+                 "--method", "anchor_attention:theta=2,min_len=0,block_size=32,init_block=16,local_window=32,dense_last=32,min_recall=0,pool_stride=16", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert [r["setting"] for r in rows][:2] == ["unpatched", "dense"] and rows[2]["sparsity"] > 0
 
