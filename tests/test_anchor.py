@@ -207,6 +207,9 @@ def test_recall_guard_makes_low_recall_heads_dense_like_the_reference(pad):
         assert 0 < int(low.sum()) < h
         assert torch.equal(st.sparsity[0] == 0, low)  # exactly the low-recall heads became dense
         assert (st.recall[0][low] > 1 - 1e-6).all()
+        # the guarded heads run the fused dense kernel: the exact causal result
+        dense = dense_causal_attention(q, k, v, scale=d**-0.5)
+        assert torch.allclose(out[0, low], dense[0, low], atol=1e-6)
 
 
 @pytest.mark.parametrize("pad", [None, [0, 6]])

@@ -47,6 +47,8 @@ __all__ = [
 _CHUNK_ELEMENTS = 1 << 24
 # Pooled-score buffer (elements) per chunk of query blocks in the stripe selection: small enough for cache.
 _SELECT_CHUNK_ELEMENTS = 1 << 21
+# Pooled queries per key/value head in one stripe-selection GEMM (fewer give a less efficient matrix product).
+_SELECT_ROWS = 512
 
 
 @dataclass(frozen=True)
@@ -246,6 +248,11 @@ def _causal_keys(geo: _Geometry) -> torch.Tensor:
     return (j[None, :] < geo.block_end[:, None])[None] & geo.key_valid[:, None, :]
 
 
+def _pad_rows(x: torch.Tensor, n: int) -> torch.Tensor:
+    """``x`` ``[..., L, D]`` zero-padded to ``n`` rows (``x`` itself, not a copy, when ``L == n``)."""
+    return x if x.shape[-2] == n else F.pad(x, (0, 0, 0, n - x.shape[-2]))
+
+
 def _kv_gather(x: torch.Tensor, kv_index: torch.Tensor) -> torch.Tensor:
     """Select key/value heads ``kv_index`` ([H]) of ``x`` ([B, Hkv, L, D]) as a view when possible."""
     hkv = x.shape[1]
@@ -310,7 +317,7 @@ def _select(q: torch.Tensor, k: torch.Tensor, cfg: AnchorConfig, scale: float, g
 
     qs = q.float() * scale  # the logit scale folded into the queries once
     kf = k.float()
-    qpad = F.pad(qs, (0, 0, 0, nb * bq - lq))  # [B, H, nb*bq, D]
+    qpad = _pad_rows(qs, nb * bq)  # [B, H, nb*bq, D]
     qv = geo.query_valid  # [B, nb*bq]
     pos = geo.q_offset + torch.arange(nb * bq, device=dev)  # absolute query positions
 
@@ -353,15 +360,22 @@ def _select(q: torch.Tensor, k: torch.Tensor, cfg: AnchorConfig, scale: float, g
     # and for the block when the largest of these over its pools is >= 0;
     # pools without a valid query (padding) keep nothing (threshold +inf)
     thr = (ap - cfg.theta).masked_fill(~has, math.inf)[..., None]  # [B,Hkv,G,nb,npool,1]
-    # chunk over blocks so that the [.., npool, Lk] score buffer stays in cache
-    per_block = hkv * g * npool * geo.lk * b
-    step = max(1, _SELECT_CHUNK_ELEMENTS // max(per_block, 1))
+    # chunks of query blocks (about _SELECT_ROWS pooled queries per key/value head: an efficient GEMM shape)
+    # times tiles of keys, so that the [.., npool, tile] score buffer stays in cache
+    step = max(1, min(nb, _SELECT_ROWS // (g * npool)))
+    tile = max(128, _SELECT_CHUNK_ELEMENTS // max(b * hkv * g * step * npool, 1))
     for c0 in range(0, nb, step):
         c1 = min(nb, c0 + step)
         lc = int(geo.block_end[c1 - 1])  # later keys are not causal for these blocks
-        sc = torch.einsum("bkgnpd,bkjd->bkgnpj", qp[:, :, :, c0:c1], kf[:, :, :lc]).sub_(thr[:, :, :, c0:c1])
-        best = sc.amax(4) if npool > 1 else sc[:, :, :, :, 0]
-        keep[:, :, c0:c1, :lc] = (best >= 0).reshape(b, h, c1 - c0, lc)
+        n = c1 - c0
+        qc = qp[:, :, :, c0:c1].reshape(b * hkv, g * n * npool, d)  # one contiguous copy per chunk
+        tc = thr[:, :, :, c0:c1]
+        for j0 in range(0, lc, tile):
+            j1 = min(lc, j0 + tile)
+            sc = torch.matmul(qc, kf[:, :, j0:j1].reshape(b * hkv, j1 - j0, d).transpose(1, 2))
+            sc = sc.view(b, hkv, g, n, npool, j1 - j0).sub_(tc)
+            best = sc.amax(4) if npool > 1 else sc[:, :, :, :, 0]
+            keep[:, :, c0:c1, j0:j1] = (best >= 0).reshape(b, h, c1 - c0, j1 - j0)
     keep |= always[:, None]
     keep &= causal[:, None]
     return keep
@@ -474,7 +488,7 @@ def _sparse_attend(q, k, v, keep, geo: _Geometry, cfg: AnchorConfig, scale: floa
     j = torch.arange(lk, device=dev)
     off = (keep & (j < p0[:, None])).reshape(n_groups, lk)  # kept keys strictly before the block
     counts = off.sum(-1)
-    qg = F.pad(q, (0, 0, 0, nb * bq - lq)).reshape(n_groups, bq, d)
+    qg = _pad_rows(q, nb * bq).reshape(n_groups, bq, d)
     grp = torch.arange(n_groups, device=dev)
     g_b, g_h, g_blk = grp // (h * nb), (grp // nb) % h, grp % nb
     kv_base = (g_b * hkv + g_h // g) * lk  # flat row of key 0 of the group's key/value head
@@ -502,8 +516,8 @@ def _sparse_attend(q, k, v, keep, geo: _Geometry, cfg: AnchorConfig, scale: floa
 
     if merge:
         # diagonal blocks: keys at the block's own positions, causal; padded rows/keys only meet each other
-        kd = F.pad(k[:, :, geo.q_offset : geo.q_offset + lq], (0, 0, 0, nb * bq - lq)).reshape(b, hkv, 1, nb, bq, d)
-        vd = F.pad(v[:, :, geo.q_offset : geo.q_offset + lq], (0, 0, 0, nb * bq - lq)).reshape(b, hkv, 1, nb, bq, d)
+        kd = _pad_rows(k[:, :, geo.q_offset : geo.q_offset + lq], nb * bq).reshape(b, hkv, 1, nb, bq, d)
+        vd = _pad_rows(v[:, :, geo.q_offset : geo.q_offset + lq], nb * bq).reshape(b, hkv, 1, nb, bq, d)
         kd = kd.expand(b, hkv, g, nb, bq, d).reshape(n_groups, 1, bq, d)
         vd = vd.expand(b, hkv, g, nb, bq, d).reshape(n_groups, 1, bq, d)
         out, lse = _FLASH_LSE(qg[:, None], kd, vd, 0.0, True, scale=scale)
@@ -584,7 +598,7 @@ def _kept_mass(q, k, keep, geo: _Geometry, cfg: AnchorConfig, scale: float) -> t
     """
     b, h, lq, d = q.shape
     bq, nb = cfg.block_size, geo.nb
-    qpad = F.pad(q.float(), (0, 0, 0, nb * bq - lq))
+    qpad = _pad_rows(q.float(), nb * bq)
     kf = k.float()
     out = torch.empty(b, h, nb * bq, dtype=torch.float64, device=q.device)
     step = max(1, _CHUNK_ELEMENTS // max(b * h * bq * geo.lk, 1))
@@ -607,7 +621,7 @@ def _probe_recall(q, k, keep, geo: _Geometry, cfg: AnchorConfig, scale: float, n
     """``[B, H]`` exact softmax mass on the kept keys, averaged over the valid sparse queries of the probe blocks."""
     b, h, lq, d = q.shape
     bq = cfg.block_size
-    qpad = F.pad(q.float(), (0, 0, 0, geo.nb * bq - lq))
+    qpad = _pad_rows(q.float(), geo.nb * bq)
     kf = k.float()
     tot = torch.zeros(b, h, dtype=torch.float64, device=q.device)
     cnt = torch.zeros(b, dtype=torch.float64, device=q.device)
@@ -651,7 +665,7 @@ def anchor_attention(
     (``pool_stride=None, dense_last=0, min_recall=0``) 1.59x / 2.48x / 3.42x (0.883 / 0.855 /
     0.820).  Outside the selection a kept pair costs 1.6-1.9x what it costs inside PyTorch's
     fused causal attention (blocks of 128 queries over gathered keys); heads the recall guard
-    makes dense run through the same sparse path.
+    makes dense run PyTorch's fused causal attention (one call per key/value head, K/V not repeated).
 
     Args:
         q: ``[B, H, Lq, D]`` queries at absolute positions ``q_offset .. q_offset+Lq-1``.
@@ -708,11 +722,17 @@ def anchor_attention(
     else:
         qh, kh, vh = q, k, v
     keep = _select(qh, kh, cfg, scale, geo)
+    low = None
     if cfg.min_recall > 0:  # recall guard: heads that lose too much mass on the probe blocks attend densely
         low = _probe_recall(qh, kh, keep, geo, cfg, scale, ls) < cfg.min_recall  # [B, Hs]
-        if bool(low.any()):
-            keep = torch.where(low[:, :, None, None], _causal_keys(geo)[:, None], keep)
-    o = _sparse_attend(qh, kh, vh, keep, geo, cfg, scale)
+        low = low if bool(low.any()) else None
+    if low is None:
+        o = _sparse_attend(qh, kh, vh, keep, geo, cfg, scale)
+    else:
+        # guarded (sequence, head) pairs gather nothing (diagonal block only) and take the fused dense result
+        o = _sparse_attend(qh, kh, vh, keep.masked_fill(low[:, :, None, None], False), geo, cfg, scale)
+        o = torch.where(low[:, :, None, None], _dense_heads(qh, kh, vh, low.any(0), scale, q_offset, key_valid), o)
+        keep = torch.where(low[:, :, None, None], _causal_keys(geo)[:, None], keep)
     if dense_set:
         out = dense_causal_attention(q, k, v, scale=scale, q_offset=q_offset, key_valid=key_valid)
         out[:, sidx] = o
@@ -739,6 +759,22 @@ def anchor_attention(
         recall[:, sparse_heads] = (r * qv[:, None]).sum(-1) / qv.sum(-1).clamp(min=1)[:, None]
         stats.recall = recall
     return out, stats
+
+
+def _dense_heads(q, k, v, heads: torch.Tensor, scale: float, q_offset: int, key_valid) -> torch.Tensor:
+    """``[B, H, Lq, D]`` exact causal attention for the query heads where ``heads`` ([H] bool) is True
+    (zeros elsewhere): one fused call per key/value head over its selected query heads, K/V not repeated."""
+    h, hkv = q.shape[1], k.shape[1]
+    g = h // hkv
+    out = torch.zeros_like(q)
+    for kvh in range(hkv):
+        sel = heads[kvh * g : (kvh + 1) * g].nonzero().flatten() + kvh * g
+        if sel.numel():
+            out[:, sel] = dense_causal_attention(
+                q.index_select(1, sel), k[:, kvh : kvh + 1], v[:, kvh : kvh + 1],
+                scale=scale, q_offset=q_offset, key_valid=key_valid,
+            )
+    return out
 
 
 def _split_padding(key_valid: torch.Tensor | None, q_offset: int, lq: int) -> list[tuple[int, int]] | None:
