@@ -573,21 +573,28 @@ def _sparse_attend(q, k, v, keep, geo: _Geometry, cfg: AnchorConfig, scale: floa
 
 def _block_mass(qpad, kf, keep, geo: _Geometry, cfg: AnchorConfig, scale: float, c0: int, c1: int) -> torch.Tensor:
     """``[B, H, (c1 - c0) * block_size]`` exact softmax mass (over valid causal keys) on the kept keys of
-    the queries of blocks ``c0 .. c1 - 1``; ``qpad`` ``[B, H, nb * block_size, D]`` and ``kf`` in float32."""
+    the queries of blocks ``c0 .. c1 - 1``; ``qpad`` ``[B, H, nb * block_size, D]`` and ``kf`` in float32.
+
+    The logit scale is folded into the block's queries and the causal mask touches only the keys at or
+    after the block's first query.
+    """
     b, h = qpad.shape[:2]
     hkv = kf.shape[1]
     bq = cfg.block_size
     dev = qpad.device
     r0, r1 = c0 * bq, c1 * bq
     lc = min(geo.lk, geo.q_offset + r1)  # keys after the last query are never causal
-    qc = _grouped(qpad[:, :, r0:r1], hkv)
-    s = torch.einsum("bkgqd,bkjd->bkgqj", qc, kf[:, :, :lc]).reshape(b, h, r1 - r0, lc).mul_(scale)
+    qc = _grouped(qpad[:, :, r0:r1], hkv) * scale
+    s = torch.einsum("bkgqd,bkjd->bkgqj", qc, kf[:, :, :lc]).reshape(b, h, r1 - r0, lc)
+    c = max(0, min(lc, geo.q_offset + r0))  # causality only masks keys at or after the first query
     i = geo.q_offset + torch.arange(r0, r1, device=dev)
-    j = torch.arange(lc, device=dev)
-    allowed = (j[None, :] <= i[:, None])[None, None] & geo.key_valid[:, None, None, :lc]
-    p = torch.softmax(s.masked_fill_(~allowed, -math.inf), -1).nan_to_num_(0.0)
-    mass = torch.einsum("bhnqj,bhnj->bhnq", p.reshape(b, h, c1 - c0, bq, lc), keep[:, :, c0:c1, :lc].to(p.dtype))
-    return mass.reshape(b, h, r1 - r0).double()
+    j = torch.arange(c, lc, device=dev)
+    s[..., c:].masked_fill_((j[None, :] > i[:, None])[None, None], -math.inf)
+    if not bool(geo.key_valid[:, :lc].all()):
+        s.masked_fill_(~geo.key_valid[:, None, None, :lc], -math.inf)
+    p = torch.softmax(s, -1).view(b, h, c1 - c0, bq, lc)
+    mass = torch.einsum("bhnqj,bhnj->bhnq", p, keep[:, :, c0:c1, :lc].to(p.dtype))
+    return mass.reshape(b, h, r1 - r0).nan_to_num_(0.0).double()  # a row without any valid key has mass 0
 
 
 def _kept_mass(q, k, keep, geo: _Geometry, cfg: AnchorConfig, scale: float) -> torch.Tensor:
