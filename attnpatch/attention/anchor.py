@@ -132,7 +132,8 @@ class AnchorConfig:
     of those samples right too, at a quarter of the stride-2 sparsity (2.7 vs 9.9 % on a captured 4k
     prefill, layer 15).  The defaults buy accuracy with sparsity: at 4k they skip 12 % of the
     pairs, and on the CPU they are slower than dense attention (0.63-0.68x prefill); settings
-    for speed are in BENCHMARKS.md (``pool_stride=8`` selects 4x cheaper).
+    for speed are in BENCHMARKS.md (``pool_stride=8`` selects 4x cheaper; ``theta=8, pool_stride=8,
+    dense_last=64, min_recall=0.6`` is 1.6x faster than dense at 16k with recall 0.956).
     """
 
     theta: float = 12.0
@@ -666,13 +667,14 @@ def anchor_attention(
 
     Speed (BENCHMARKS.md, 2 CPU cores, q/k/v captured from Qwen2.5-0.5B layer 11), ratio to
     causal SDPA at 8k / 16k / 32k tokens with the mean recall: the defaults (chosen for
-    accuracy) 0.55x / 0.62x / 0.63x (recall 0.999 / 0.998 / 0.996); ``pool_stride=8`` with the
-    guard 0.77x / 0.87x / 0.96x (0.996 / 0.997 / 0.996); ``pool_stride=8, dense_last=64,
-    min_recall=0`` 1.01x / 1.25x / 1.46x (0.956 / 0.935 / 0.907); the paper setting
-    (``pool_stride=None, dense_last=0, min_recall=0``) 1.59x / 2.48x / 3.42x (0.883 / 0.855 /
-    0.820).  Outside the selection a kept pair costs 1.6-1.9x what it costs inside PyTorch's
-    fused causal attention (blocks of 128 queries over gathered keys); heads the recall guard
-    makes dense run PyTorch's fused causal attention (one call per key/value head, K/V not repeated).
+    accuracy) 0.67x / 0.72x / 0.79x (recall 0.999 / 0.998 / 0.996); ``pool_stride=8`` with the
+    guard 0.83x / 0.95x / 1.07x (0.996 / 0.997 / 0.996); ``theta=8, pool_stride=8,
+    dense_last=64, min_recall=0.6`` 1.26x / 1.60x / 2.04x (0.973 / 0.956 / 0.932); the paper
+    setting (``pool_stride=None, dense_last=0, min_recall=0``) 1.76x / 2.42x / 3.49x (0.883 /
+    0.855 / 0.820).  Outside the selection a kept pair costs about 1.5x what it costs inside
+    PyTorch's fused causal attention (blocks of 128 queries over gathered keys; the CPU flash
+    kernel tiles such short query blocks 32 queries at a time); heads the recall guard makes
+    dense run PyTorch's fused causal attention (one call per key/value head, K/V not repeated).
 
     Args:
         q: ``[B, H, Lq, D]`` queries at absolute positions ``q_offset .. q_offset+Lq-1``.
