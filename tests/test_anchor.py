@@ -214,8 +214,8 @@ def test_recall_guard_makes_low_recall_heads_dense_like_the_reference(pad):
 
 @pytest.mark.parametrize("pad", [None, [0, 6]])
 def test_chunking_and_bucketing_do_not_change_the_result(monkeypatch, pad):
-    """The stripe selection runs in chunks of query blocks and the attention in buckets of groups;
-    with tiny chunk and bucket budgets (one block / one group at a time) the stripes are identical
+    """The stripe selection runs in chunks of query blocks times tiles of keys and the attention in buckets
+    of groups; with tiny budgets (one block, 5 keys, one group at a time) the stripes are identical
     and the outputs agree with the reference."""
     import attnpatch.attention.anchor as A
 
@@ -224,6 +224,8 @@ def test_chunking_and_bucketing_do_not_change_the_result(monkeypatch, pad):
     keep = select_stripes(q, k, cfg, scale=8**-0.5, key_valid=kv)
     out = anchor_attention(q, k, v, cfg, scale=8**-0.5, key_valid=kv)[0]
     monkeypatch.setattr(A, "_SELECT_CHUNK_ELEMENTS", 1)
+    monkeypatch.setattr(A, "_SELECT_ROWS", 1)
+    monkeypatch.setattr(A, "_SELECT_MIN_TILE", 5)  # key tiles of 5 keys: tiles end inside blocks
     monkeypatch.setattr(A, "_CHUNK_ELEMENTS", 2)
     keep_small = select_stripes(q, k, cfg, scale=8**-0.5, key_valid=kv)
     out_small = anchor_attention(q, k, v, cfg, scale=8**-0.5, key_valid=kv)[0]

@@ -49,6 +49,8 @@ _CHUNK_ELEMENTS = 1 << 24
 _SELECT_CHUNK_ELEMENTS = 1 << 21
 # Pooled queries per key/value head in one stripe-selection GEMM (fewer give a less efficient matrix product).
 _SELECT_ROWS = 512
+# Fewest keys per stripe-selection tile.
+_SELECT_MIN_TILE = 128
 
 
 @dataclass(frozen=True)
@@ -364,7 +366,7 @@ def _select(q: torch.Tensor, k: torch.Tensor, cfg: AnchorConfig, scale: float, g
     # chunks of query blocks (about _SELECT_ROWS pooled queries per key/value head: an efficient GEMM shape)
     # times tiles of keys, so that the [.., npool, tile] score buffer stays in cache
     step = max(1, min(nb, _SELECT_ROWS // (g * npool)))
-    tile = max(128, _SELECT_CHUNK_ELEMENTS // max(b * hkv * g * step * npool, 1))
+    tile = max(_SELECT_MIN_TILE, _SELECT_CHUNK_ELEMENTS // max(b * hkv * g * step * npool, 1))
     for c0 in range(0, nb, step):
         c1 = min(nb, c0 + step)
         lc = int(geo.block_end[c1 - 1])  # later keys are not causal for these blocks
