@@ -743,9 +743,10 @@ def anchor_attention(
         # guarded (sequence, head) pairs gather nothing (diagonal block only) and take the fused dense result
         o = _sparse_attend(qh, kh, vh, keep.masked_fill(low[:, :, None, None], False), geo, cfg, scale)
         o = torch.where(low[:, :, None, None], _dense_heads(qh, kh, vh, low.any(0), scale, q_offset, key_valid), o)
-        keep = torch.where(low[:, :, None, None], _causal_keys(geo)[:, None], keep)
     if dense_set:
-        out = dense_causal_attention(q, k, v, scale=scale, q_offset=q_offset, key_valid=key_valid)
+        configured = torch.zeros(h, dtype=torch.bool, device=q.device)
+        configured[dense_set] = True
+        out = _dense_heads(q, k, v, configured, scale, q_offset, key_valid)
         out[:, sidx] = o
     else:
         out = o
@@ -755,6 +756,8 @@ def anchor_attention(
         )
     if not want_stats:
         return out, None
+    if low is not None:  # guarded heads kept every causal key
+        keep = torch.where(low[:, :, None, None], _causal_keys(geo)[:, None], keep)
     causal, kept_s = _pair_counts(keep, geo, cfg, dense_from=ls)
     causal = causal.expand(b, h).clone()
     kept = causal.clone()
