@@ -256,15 +256,6 @@ def _pad_rows(x: torch.Tensor, n: int) -> torch.Tensor:
     return x if x.shape[-2] == n else F.pad(x, (0, 0, 0, n - x.shape[-2]))
 
 
-def _kv_gather(x: torch.Tensor, kv_index: torch.Tensor) -> torch.Tensor:
-    """Select key/value heads ``kv_index`` ([H]) of ``x`` ([B, Hkv, L, D]) as a view when possible."""
-    hkv = x.shape[1]
-    h = kv_index.numel()
-    if h == hkv and torch.equal(kv_index, torch.arange(hkv, device=kv_index.device)):
-        return x
-    return x.index_select(1, kv_index)
-
-
 def _grouped(q: torch.Tensor, hkv: int) -> torch.Tensor:
     """``[B, H, ...]`` -> ``[B, Hkv, G, ...]`` (query heads grouped by their key/value head)."""
     b, h = q.shape[:2]
