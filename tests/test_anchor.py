@@ -51,10 +51,22 @@ CASES = [
 ]
 
 
+def _need_compiled():
+    """Skip where the platform cannot build the compiled kernel; where it can, a failed build fails the test."""
+    from attnpatch.attention.cpu_kernel import kernel_supported
+
+    reason = kernel_supported()
+    if reason is not None:
+        pytest.skip(reason)
+
+
+@pytest.mark.parametrize("kernel", ["torch", "compiled"])
 @pytest.mark.parametrize("b,h,hkv,lq,lk,d,kw,pad,dense_heads", CASES)
-def test_fast_matches_reference(b, h, hkv, lq, lk, d, kw, pad, dense_heads):
+def test_fast_matches_reference(b, h, hkv, lq, lk, d, kw, pad, dense_heads, kernel):
+    if kernel == "compiled":
+        _need_compiled()
     kw = {"dense_last": 0, "pool_stride": None, **kw}
-    kw = {"min_len": 0, **kw}
+    kw = {"min_len": 0, "kernel": kernel, **kw}
     cfg = AnchorConfig(block_size=8, init_block=4, local_window=kw.pop("local_window", 8), **kw)
     q, k, v, kv = _inputs(b, h, hkv, lq, lk, d, pad=pad)
     off = lk - lq
@@ -142,6 +154,8 @@ def test_bf16_and_shapes():
         (dict(pool_stride=0), "pool_stride=0"),
         (dict(pool_stride=48), "pool_stride=48 does not divide block_size=128"),
         (dict(dense_last=-1), "dense_last=-1"),
+        (dict(kernel="cuda"), "kernel='cuda': must be one of 'auto', 'compiled', 'torch'"),
+        (dict(select_dtype="float16"), "select_dtype='float16': must be one of 'float32', 'bfloat16'"),
     ],
 )
 def test_config_errors_name_the_value(kw, match):
@@ -220,7 +234,9 @@ def test_chunking_and_bucketing_do_not_change_the_result(monkeypatch, pad):
     import attnpatch.attention.anchor as A
 
     q, k, v, kv = _inputs(2, 6, 2, 72, 72, 8, pad=pad, seed=31)
-    cfg = AnchorConfig(theta=1.0, block_size=8, init_block=4, local_window=8, min_len=0, dense_last=5, pool_stride=2)
+    cfg = AnchorConfig(
+        theta=1.0, block_size=8, init_block=4, local_window=8, min_len=0, dense_last=5, pool_stride=2, kernel="torch"
+    )
     keep = select_stripes(q, k, cfg, scale=8**-0.5, key_valid=kv)
     out = anchor_attention(q, k, v, cfg, scale=8**-0.5, key_valid=kv)[0]
     monkeypatch.setattr(A, "_SELECT_CHUNK_ELEMENTS", 1)
@@ -235,3 +251,59 @@ def test_chunking_and_bucketing_do_not_change_the_result(monkeypatch, pad):
     assert 0.1 < keep.float().mean() < 0.9
     assert torch.allclose(out * rows, out_small * rows, atol=1e-6)
     assert torch.allclose(out_small * rows, ref * rows, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "b,h,hkv,lq,lk,d,bq,kv_tile,theta",
+    [
+        (2, 4, 2, 40, 40, 8, 8, 3, 1.0),  # tiles of 3 gathered keys: many tiles, the last one partial
+        (1, 6, 2, 45, 53, 8, 8, 512, 0.5),  # a prompt continued on a cache; last block partial
+        (1, 14, 2, 700, 700, 64, 128, 100, 2.0),  # Qwen2.5-0.5B head geometry, vector-width rows
+        (2, 3, 3, 33, 33, 16, 16, 7, -math.inf),  # only the initial block and the window
+    ],
+)
+def test_compiled_kernel_matches_torch_path(monkeypatch, b, h, hkv, lq, lk, d, bq, kv_tile, theta):
+    """The compiled kernel (gather fused into an online-softmax loop, diagonal block last) gives the PyTorch
+    path's output for the same stripes, whatever the key tile."""
+    import attnpatch.attention.anchor as A
+
+    _need_compiled()
+    monkeypatch.setattr(A, "_KV_TILE", kv_tile)
+    q, k, v, _ = _inputs(b, h, hkv, lq, lk, d, seed=5)
+    k = k.transpose(2, 3).contiguous().transpose(2, 3)  # non-contiguous keys, as models hand them over
+    kw = dict(theta=theta, block_size=bq, init_block=4, local_window=bq, min_len=0, dense_last=0, pool_stride=None)
+    geo = A._geometry(q, k, AnchorConfig(**kw), lk - lq, None)
+    keep = A._select(q, k, AnchorConfig(**kw), d**-0.5, geo)
+    compiled = A._sparse_attend(q, k, v, keep, geo, AnchorConfig(**kw, kernel="compiled"), d**-0.5)
+    torch_path = A._sparse_attend(q, k, v, keep, geo, AnchorConfig(**kw, kernel="torch"), d**-0.5)
+    assert compiled.shape == (b, h, lq, d) and compiled.dtype == torch.float32
+    assert (compiled - torch_path).abs().max() < 1e-5
+
+
+def test_compiled_kernel_refuses_what_it_does_not_take():
+    """kernel='compiled' names the dtype it cannot take; 'auto' runs such inputs through PyTorch operations."""
+    _need_compiled()
+    q, k, v, _ = _inputs(1, 4, 2, 40, 40, 8)
+    q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    kw = dict(theta=1.0, block_size=8, init_block=4, local_window=8, min_len=0, dense_last=0)
+    with pytest.raises(OptionError, match=r"kernel='compiled' takes float32 CPU tensors .* not torch.bfloat16 on cpu"):
+        anchor_attention(q, k, v, AnchorConfig(**kw, kernel="compiled"), scale=8**-0.5)
+    auto = anchor_attention(q, k, v, AnchorConfig(**kw), scale=8**-0.5)[0]
+    torch_path = anchor_attention(q, k, v, AnchorConfig(**kw, kernel="torch"), scale=8**-0.5)[0]
+    assert torch.equal(auto, torch_path)
+
+
+def test_bfloat16_selection_flips_only_stripes_near_the_threshold():
+    """select_dtype='bfloat16' rounds the pooled queries and keys of the stripe-scoring product: the kept
+    stripes change only where the float32 score is within rounding of the threshold."""
+    q, k, v, _ = _inputs(1, 8, 2, 1024, 1024, 64, seed=3)
+    kw = dict(theta=2.0, block_size=32, init_block=8, local_window=32, min_len=0, pool_stride=8)
+    keep32 = select_stripes(q, k, AnchorConfig(**kw), scale=64**-0.5)
+    keep16 = select_stripes(q, k, AnchorConfig(**kw, select_dtype="bfloat16"), scale=64**-0.5)
+    flips = keep32 ^ keep16
+    assert 0.2 < keep32.float().mean() < 0.8
+    assert flips.float().mean() < 0.01
+    # the flipped stripes sit within 0.05 logit of the threshold: kept at theta 2.05, skipped at theta 1.95
+    wide = select_stripes(q, k, AnchorConfig(**{**kw, "theta": 2.05}), scale=64**-0.5)
+    narrow = select_stripes(q, k, AnchorConfig(**{**kw, "theta": 1.95}), scale=64**-0.5)
+    assert int(flips.sum()) > 0 and not bool((flips & ~(wide & ~narrow)).any())

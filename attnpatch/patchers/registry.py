@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..attention.anchor import AnchorConfig, anchor_attention
+from ..attention.anchor import _KERNELS, _SELECT_DTYPES, AnchorConfig, anchor_attention
 from ..errors import OptionError, UnknownMethodError
 from .state import LayerContext, LayerRecord
 
@@ -247,6 +247,8 @@ ANCHOR_OPTION_HELP = {
     "dense_heads": ("pair_list", "(layer, head) pairs that run dense attention"),
     "min_recall": ("float", "recall guard: heads whose kept keys carry less exact softmax mass than this on the probe blocks attend densely (0 = off)"),
     "recall_probes": ("int", "query blocks the recall guard measures per layer"),
+    "select_dtype": ("str", "precision of the stripe-scoring product: float32, or bfloat16 (faster on CPUs with native bfloat16)"),
+    "kernel": ("str", "attention over kept stripes: auto (compiled CPU kernel for float32 when it builds here), compiled, or torch"),
 }
 
 def _anchor_config(options: dict[str, Any]) -> AnchorConfig:
@@ -292,7 +294,9 @@ register_method(
         name="anchor_attention",
         summary="AnchorAttention sparse prefill: anchor-relative stripe selection, exact attention on kept keys; decoding dense",
         source="AnchorAttention, arXiv 2505.23520, Sec. 3 (Eq. 2-4)",
-        options=_options_from_dataclass(AnchorConfig, ANCHOR_OPTION_HELP, nullable=("pool_stride",)),
+        options=_options_from_dataclass(
+            AnchorConfig, ANCHOR_OPTION_HELP, nullable=("pool_stride",), choices={"kernel": _KERNELS, "select_dtype": _SELECT_DTYPES}
+        ),
         model_kinds=frozenset({"causal_lm"}),
         make_config=_anchor_config,
         forward=anchor_forward,

@@ -1,0 +1,69 @@
+"""The compiled CPU kernel of AnchorAttention's stripe attention (``csrc/anchor_cpu.cpp``).
+
+Built on first use with :func:`torch.utils.cpp_extension.load` (a C++ compiler, the Python headers
+and ``ninja`` are needed; about 20 s once, then cached by PyTorch under ``TORCH_EXTENSIONS_DIR``).
+Where it cannot be built, :func:`stripe_kernel` returns ``None`` and says why in
+:func:`kernel_status`; AnchorAttention's ``kernel="auto"`` then runs its PyTorch path.
+"""
+
+from __future__ import annotations
+
+import platform
+import threading
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+_SOURCE = Path(__file__).with_name("csrc") / "anchor_cpu.cpp"
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+def _flags() -> list[str]:
+    """Compiler flags: optimised for this CPU, with PyTorch's vector width (``at::vec``) for it."""
+    flags = ["-O3", "-march=native", "-fopenmp"]  # OpenMP symbols resolve to PyTorch's own runtime
+    cap = torch.backends.cpu.get_cpu_capability()
+    if cap in ("AVX512", "AVX2"):
+        flags += [f"-DCPU_CAPABILITY_{cap}", f"-DCPU_CAPABILITY={cap}"]
+    return flags
+
+
+def kernel_supported() -> str | None:
+    """``None`` when this platform can build the kernel, else the reason it cannot."""
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return f"the compiled kernel is built on x86-64 Linux only (this is {platform.system()} {platform.machine()})"
+    if not torch.backends.mkldnn.is_available() or "BLAS_INFO=mkl" not in torch.__config__.show():
+        return "the compiled kernel calls MKL's sgemm, and this PyTorch build is not linked with MKL"
+    return None
+
+
+def stripe_kernel() -> ModuleType | None:
+    """The built extension (its ``stripe_attention`` function), or ``None`` if it cannot be built here.
+
+    Thread-safe; the build is attempted once per process.
+    """
+    with _lock:
+        if "module" not in _state:
+            reason = kernel_supported()
+            mod = None
+            if reason is None:
+                try:
+                    from torch.utils.cpp_extension import load
+
+                    mod = load(
+                        name="attnpatch_anchor_cpu",
+                        sources=[str(_SOURCE)],
+                        extra_cflags=_flags(),
+                        verbose=False,
+                    )
+                except Exception as exc:  # a missing compiler, headers or ninja: the PyTorch path remains
+                    reason = f"building {_SOURCE.name} failed: {type(exc).__name__}: {str(exc).strip()[-500:]}"
+            _state["module"], _state["reason"] = mod, reason
+        return _state["module"]  # type: ignore[return-value]
+
+
+def kernel_status() -> str:
+    """One line: whether the compiled kernel is in use, and why not if it is not (builds it if needed)."""
+    mod = stripe_kernel()
+    return "compiled CPU kernel: built" if mod is not None else f"compiled CPU kernel: unavailable ({_state['reason']})"
