@@ -307,3 +307,20 @@ def test_bfloat16_selection_flips_only_stripes_near_the_threshold():
     wide = select_stripes(q, k, AnchorConfig(**{**kw, "theta": 2.05}), scale=64**-0.5)
     narrow = select_stripes(q, k, AnchorConfig(**{**kw, "theta": 1.95}), scale=64**-0.5)
     assert int(flips.sum()) > 0 and not bool((flips & ~(wide & ~narrow)).any())
+
+
+def test_kernel_auto_falls_back_when_the_build_fails(monkeypatch, tmp_path):
+    """A failed build warns once with the reason; kernel='auto' then runs the PyTorch path and
+    kernel='compiled' raises with the same reason."""
+    import attnpatch.attention.cpu_kernel as ck
+
+    monkeypatch.setattr(ck, "_state", {})
+    monkeypatch.setattr(ck, "kernel_supported", lambda: None)
+    monkeypatch.setattr(ck, "_SOURCE", tmp_path / "missing.cpp")
+    q, k, v, _ = _inputs(1, 4, 2, 40, 40, 8)
+    kw = dict(theta=1.0, block_size=8, init_block=4, local_window=8, min_len=0, dense_last=0)
+    with pytest.warns(RuntimeWarning, match="AnchorAttention runs its PyTorch path: building missing.cpp failed"):
+        auto = anchor_attention(q, k, v, AnchorConfig(**kw), scale=8**-0.5)[0]
+    assert torch.equal(auto, anchor_attention(q, k, v, AnchorConfig(**kw, kernel="torch"), scale=8**-0.5)[0])
+    with pytest.raises(RuntimeError, match="kernel='compiled': compiled CPU kernel: unavailable \\(building missing.cpp failed"):
+        anchor_attention(q, k, v, AnchorConfig(**kw, kernel="compiled"), scale=8**-0.5)

@@ -148,9 +148,10 @@ class AnchorConfig:
     but flips a multi-query 2k sample (7.5 vs 10 %); ``theta=16`` with the guard (stride 8) gets both
     of those samples right too, at a quarter of the stride-2 sparsity (2.7 vs 9.9 % on a captured 4k
     prefill, layer 15).  The defaults buy accuracy with sparsity: at 4k they skip 12 % of the
-    pairs, and on the CPU they are slower than dense attention (0.63-0.68x prefill); settings
-    for speed are in BENCHMARKS.md (``pool_stride=8`` selects 4x cheaper; ``theta=8, pool_stride=8,
-    dense_last=64, min_recall=0.6`` is 1.6x faster than dense at 16k with recall 0.956).
+    pairs, and on the CPU they are slower than dense attention up to 16k; settings for speed are in
+    BENCHMARKS.md (``pool_stride=8`` selects 4x cheaper; ``theta=8, pool_stride=8, dense_last=64,
+    min_recall=0.75, select_dtype="bfloat16"`` is 2.2x faster than dense at 16k and 32k with mean
+    recall 0.957 and 0.954 on a captured Qwen2.5-0.5B layer).
     """
 
     theta: float = 12.0
@@ -711,23 +712,23 @@ def anchor_attention(
 ) -> tuple[torch.Tensor, AnchorStats | None]:
     """AnchorAttention sparse prefill (arXiv 2505.23520, Sec. 3, Eq. 2-4), fast batched implementation.
 
-    Selection (anchors, pooled scores) is computed in fp32 on grouped query heads, without
-    repeating keys.  Attention over kept stripes gathers, per (batch, head, query block),
-    the kept keys padded to the largest kept set of a bucket of blocks sorted by kept count,
-    and runs batched fused attention; there is no Python loop over queries or heads.  On the
-    CPU the blocks' diagonal (causal) part and their gathered keys are two fused calls merged
-    by log-sum-exp (see ``_sparse_attend``).
+    Selection (anchors, pooled scores) is computed in fp32 (the stripe-scoring product in
+    bfloat16 with ``select_dtype="bfloat16"``) on grouped query heads, without repeating keys.
+    Attention over kept stripes: float32 CPU tensors run the compiled kernel (``cfg.kernel``; each
+    (batch, head, query block) gathers its kept keys tile by tile inside an online-softmax loop,
+    K/V never repeated or copied whole); other inputs gather, per (batch, head, query block), the
+    kept keys padded to the largest kept set of a bucket of blocks sorted by kept count, and run
+    batched fused attention.  There is no Python loop over queries or heads (see ``_sparse_attend``).
 
     Speed (BENCHMARKS.md, 2 CPU cores, q/k/v captured from Qwen2.5-0.5B layer 11), ratio to
     causal SDPA at 8k / 16k / 32k tokens with the mean recall: the defaults (chosen for
-    accuracy) 0.67x / 0.72x / 0.79x (recall 0.999 / 0.998 / 0.996); ``pool_stride=8`` with the
-    guard 0.83x / 0.95x / 1.07x (0.996 / 0.997 / 0.996); ``theta=8, pool_stride=8,
-    dense_last=64, min_recall=0.6`` 1.26x / 1.60x / 2.04x (0.973 / 0.956 / 0.932); the paper
-    setting (``pool_stride=None, dense_last=0, min_recall=0``) 1.76x / 2.42x / 3.49x (0.883 /
-    0.855 / 0.820).  Outside the selection a kept pair costs about 1.5x what it costs inside
-    PyTorch's fused causal attention (blocks of 128 queries over gathered keys; the CPU flash
-    kernel tiles such short query blocks 32 queries at a time); heads the recall guard makes
-    dense run PyTorch's fused causal attention (one call per key/value head, K/V not repeated).
+    accuracy) 0.76x / 0.91x / 1.05x (recall 0.999 / 0.998 / 0.996); ``pool_stride=8`` with the
+    guard 1.00x / 1.17x / 1.34x (0.996 / 0.997 / 0.996); ``theta=8, pool_stride=8,
+    dense_last=64, min_recall=0.75, select_dtype="bfloat16"`` 1.40x / 2.21x / 2.20x (0.973 /
+    0.957 / 0.954); the paper setting (``pool_stride=None, dense_last=0, min_recall=0``) 2.36x /
+    3.55x / 5.37x (0.883 / 0.855 / 0.820).  In the compiled kernel a kept pair costs about 1.2x
+    what it costs inside PyTorch's fused causal attention; heads the recall guard makes dense run
+    PyTorch's fused causal attention (one call per key/value head, K/V not repeated).
 
     Args:
         q: ``[B, H, Lq, D]`` queries at absolute positions ``q_offset .. q_offset+Lq-1``.

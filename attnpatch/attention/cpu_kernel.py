@@ -3,13 +3,16 @@
 Built on first use with :func:`torch.utils.cpp_extension.load` (a C++ compiler, the Python headers
 and ``ninja`` are needed; about 20 s once, then cached by PyTorch under ``TORCH_EXTENSIONS_DIR``).
 Where it cannot be built, :func:`stripe_kernel` returns ``None`` and says why in
-:func:`kernel_status`; AnchorAttention's ``kernel="auto"`` then runs its PyTorch path.
+:func:`kernel_status` (a failed build also warns once); AnchorAttention's ``kernel="auto"`` then
+runs its PyTorch path.
 """
 
 from __future__ import annotations
 
+import logging
 import platform
 import threading
+import warnings
 from pathlib import Path
 from types import ModuleType
 
@@ -48,17 +51,26 @@ def stripe_kernel() -> ModuleType | None:
             reason = kernel_supported()
             mod = None
             if reason is None:
+                # importing cpp_extension logs a warning about CUDA on machines without it; not ours to show
+                log = logging.getLogger("torch.utils.cpp_extension")
+                level = log.level
+                log.setLevel(logging.ERROR)
                 try:
                     from torch.utils.cpp_extension import load
 
                     mod = load(
-                        name="attnpatch_anchor_cpu",
+                        # -march=native: one build per CPU capability (a home folder shared by different machines)
+                        name=f"attnpatch_anchor_cpu_{torch.backends.cpu.get_cpu_capability().lower()}",
                         sources=[str(_SOURCE)],
                         extra_cflags=_flags(),
                         verbose=False,
                     )
                 except Exception as exc:  # a missing compiler, headers or ninja: the PyTorch path remains
                     reason = f"building {_SOURCE.name} failed: {type(exc).__name__}: {str(exc).strip()[-500:]}"
+                finally:
+                    log.setLevel(level)
+                if mod is None:
+                    warnings.warn(f"AnchorAttention runs its PyTorch path: {reason}", RuntimeWarning, stacklevel=3)
             _state["module"], _state["reason"] = mod, reason
         return _state["module"]  # type: ignore[return-value]
 

@@ -200,7 +200,8 @@ def print_table(rows: Sequence[dict[str, Any]], columns: Sequence[Column], title
 
 
 def machine_info() -> dict[str, Any]:
-    """CPU model, logical cores, torch threads, torch and transformers versions, Python version."""
+    """CPU model, PyTorch's CPU vector capability (``AVX512``, ``AVX2``, ...), logical cores, torch threads,
+    torch and transformers versions, Python version."""
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
@@ -214,6 +215,7 @@ def machine_info() -> dict[str, Any]:
 
     return {
         "cpu": cpu,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
