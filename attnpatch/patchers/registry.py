@@ -247,8 +247,8 @@ ANCHOR_OPTION_HELP = {
     "dense_heads": ("pair_list", "(layer, head) pairs that run dense attention"),
     "min_recall": ("float", "recall guard: heads whose kept keys carry less exact softmax mass than this on the probe blocks attend densely (0 = off)"),
     "recall_probes": ("int", "query blocks the recall guard measures per layer"),
-    "select_dtype": ("str", "precision of the stripe-scoring product: float32, or bfloat16 (faster on CPUs with native bfloat16)"),
-    "kernel": ("str", "attention over kept stripes: auto (compiled CPU kernel for float32 when it builds here), compiled, or torch"),
+    "select_dtype": ("str", "precision of the stripe-scoring product (bfloat16: faster selection on CPUs with native bfloat16)"),
+    "kernel": ("str", "attention over kept stripes: auto = the compiled CPU kernel for float32 where it builds, else PyTorch operations"),
 }
 
 def _anchor_config(options: dict[str, Any]) -> AnchorConfig:
