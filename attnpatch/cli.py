@@ -91,6 +91,17 @@ def _int_at_least(text: str, lo: int, what: str) -> int:
     return value
 
 
+class _Repeatable(argparse.Action):
+    """A ``nargs="+"`` option that may also be repeated: ``--method a --method b`` keeps both
+    (argparse's default keeps the last); the values replace the default, they do not extend it."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        current = getattr(namespace, self.dest, None)
+        if current is None or current is self.default:
+            current = []
+        setattr(namespace, self.dest, [*current, *values])
+
+
 def _positive_int(text: str) -> int:
     return _int_at_least(text, 1, "a positive integer")
 
@@ -580,11 +591,11 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--model", default=DEFAULT_MODEL, help="catalogue name, local directory or hub id (default: %(default)s)")
     pr.add_argument("--method", default="anchor_attention", help="registered method, or 'dense' for a baseline-only run")
     pr.add_argument("-o", "--option", action="append", default=[], metavar="NAME=VALUE", help="method option, repeatable (e.g. -o theta=12)")
-    pr.add_argument("--tasks", nargs="+", choices=list(ruler_tasks.TASKS) + ["all"], help="default: niah_single")
-    pr.add_argument("--lengths", nargs="+", type=_positive_int, default=[1024, 2048, 4096], help="context lengths in model tokens")
+    pr.add_argument("--tasks", nargs="+", action=_Repeatable, choices=list(ruler_tasks.TASKS) + ["all"], help="default: niah_single")
+    pr.add_argument("--lengths", nargs="+", action=_Repeatable, type=_positive_int, default=[1024, 2048, 4096], help="context lengths in model tokens")
     pr.add_argument("--samples", type=_positive_int, default=10, help="samples per (task, length) cell (default: %(default)s)")
     pr.add_argument("--seed", type=int, default=0)
-    pr.add_argument("--depths", nargs="+", type=_fraction, help="needle depths in [0, 1], cycled over samples")
+    pr.add_argument("--depths", nargs="+", action=_Repeatable, type=_fraction, help="needle depths in [0, 1], cycled over samples")
     pr.add_argument("--haystack", choices=["repeat", "essay"], default="repeat")
     pr.add_argument("--no-recall", action="store_true", help="skip the attention-recall measuring pass")
     pr.add_argument("--recall-samples", type=_positive_int, metavar="N", help="measure recall on the first N samples of each cell only (default: all)")
@@ -605,7 +616,7 @@ def build_parser() -> argparse.ArgumentParser:
         pv = esub.add_parser(name, help=f"{task.replace('_', ' ')} on frozen ViT features, dense vs patched")
         vision_common(pv)
         pv.add_argument(
-            "--method", nargs="+", default=["fna"], metavar="METHOD[:NAME=VALUE,...]",
+            "--method", nargs="+", action=_Repeatable, default=["fna"], metavar="METHOD[:NAME=VALUE,...]",
             help="registered method(s), each compared with dense in the same run; options per method after a colon "
             "(e.g. fna:s=32 fna:s=128,sample_layer=0 sink_mask); -o options apply to every method",
         )
@@ -623,9 +634,9 @@ def build_parser() -> argparse.ArgumentParser:
             help="open_clip ARCH:TAG (e.g. ViT-B-32:openai, ViT-L-14:openai), ARCH:random (random weights, offline), "
             "hf-hub:ORG/REPO, a Hugging Face id (e.g. openai/clip-vit-base-patch32) or a local directory (default: %(default)s)",
         )
-        q.add_argument("--method", nargs="+", default=["fna"], help="registered method(s); each is compared with dense in the same run")
+        q.add_argument("--method", nargs="+", action=_Repeatable, default=["fna"], help="registered method(s); each is compared with dense in the same run")
         q.add_argument("-o", "--option", action="append", default=[], metavar="NAME=VALUE", help="method option, repeatable (e.g. -o s=64)")
-        q.add_argument("--towers", nargs="+", metavar="TOWER", help="towers the patch routes: vision (default), text, or all (text takes only 'dense')")
+        q.add_argument("--towers", nargs="+", action=_Repeatable, metavar="TOWER", help="towers the patch routes: vision (default), text, or all (text takes only 'dense')")
         q.add_argument("--split", help="dataset split (default: train for a directory; zeroshot: train, clip-retrieval hub ids: test)")
         q.add_argument("--limit", type=_positive_int, help="use at most this many images")
         q.add_argument("--resolution", type=_positive_int, help="input size in pixels (square; position embeddings resampled)")
@@ -664,16 +675,16 @@ def build_parser() -> argparse.ArgumentParser:
         "(e.g. clip-benchmark/wds_flickr30k, clip-benchmark/wds_mscoco_captions)",
     )
     pt.add_argument("--caption-column", help="caption column (default: the first of caption, captions, sentences, txt, text, raw)")
-    pt.add_argument("--ks", nargs="+", type=_positive_int, default=[1, 5, 10], help="recall cut-offs (default: 1 5 10)")
+    pt.add_argument("--ks", nargs="+", action=_Repeatable, type=_positive_int, default=[1, 5, 10], help="recall cut-offs (default: 1 5 10)")
     pt.set_defaults(func=_cmd_eval_clip)
 
     pb = sub.add_parser("bench", help="speed and memory benchmarks, patched vs exact, measured side by side")
     bsub = pb.add_subparsers(dest="bench", required=True)
     ba = bsub.add_parser("attention", help="one attention layer: time, peak memory and ratio to SDPA per method and N")
     ba.add_argument("--mode", choices=["noncausal", "causal"], default="noncausal", help="ViT (noncausal, fna) or LLM prefill (causal, anchor_attention) (default: %(default)s)")
-    ba.add_argument("--method", nargs="+", metavar="METHOD[:NAME=VALUE,...]", help="fna and/or anchor_attention with options (default: fna / anchor_attention)")
+    ba.add_argument("--method", nargs="+", action=_Repeatable, metavar="METHOD[:NAME=VALUE,...]", help="fna and/or anchor_attention with options (default: fna / anchor_attention)")
     ba.add_argument("-o", "--option", action="append", default=[], metavar="NAME=VALUE", help="option applied to every method, repeatable")
-    ba.add_argument("--lengths", nargs="+", type=_positive_int, help="sequence lengths N in tokens (default: 256 512 ... 16384; with --qkv, up to the captured length)")
+    ba.add_argument("--lengths", nargs="+", action=_Repeatable, type=_positive_int, help="sequence lengths N in tokens (default: 256 512 ... 16384; with --qkv, up to the captured length)")
     ba.add_argument("--batch", type=_positive_int, help="random inputs: batch size (default: 1)")
     ba.add_argument("--heads", type=_positive_int, help="random inputs: query heads (default: 6, DINOv2-S)")
     ba.add_argument("--kv-heads", type=_positive_int, help="random inputs: key/value heads (GQA; default: = heads)")
@@ -695,7 +706,7 @@ def build_parser() -> argparse.ArgumentParser:
     bc = bsub.add_parser("capture", help="save a causal LM's q/k/v at some layers on a natural-prose prompt (input of bench attention --qkv)")
     bc.add_argument("--model", default=DEFAULT_MODEL, help="catalogue name, local directory or hub id (default: %(default)s)")
     bc.add_argument("--length", type=_positive_int, default=8192, help="prompt length in tokens (default: %(default)s)")
-    bc.add_argument("--layers", nargs="+", type=int, required=True, help="attention-layer indices, 0-based")
+    bc.add_argument("--layers", nargs="+", action=_Repeatable, type=int, required=True, help="attention-layer indices, 0-based")
     bc.add_argument("--output", "-O", required=True, help="file to write (torch.save)")
     bc.add_argument("--device", default="cpu", help="where the model runs: cpu, cuda or cuda:N (default: %(default)s)")
     bc.add_argument("--threads", type=_positive_int, help="torch CPU threads")
@@ -705,10 +716,10 @@ def build_parser() -> argparse.ArgumentParser:
     bm.add_argument("--model", default=DEFAULT_VISION_MODEL, help="catalogue name, local directory or hub id (default: %(default)s)")
     bm.add_argument("--kind", choices=["auto", "vision", "causal_lm"], default="auto", help="auto: from the catalogue")
     bm.add_argument("--backend", choices=["hf", "timm"], default="hf", help="ViT implementation (default: %(default)s)")
-    bm.add_argument("--method", nargs="+", metavar="METHOD[:NAME=VALUE,...]", help="settings (default: fna for a ViT, anchor_attention for an LLM)")
+    bm.add_argument("--method", nargs="+", action=_Repeatable, metavar="METHOD[:NAME=VALUE,...]", help="settings (default: fna for a ViT, anchor_attention for an LLM)")
     bm.add_argument("-o", "--option", action="append", default=[], metavar="NAME=VALUE", help="option applied to every method, repeatable")
-    bm.add_argument("--resolutions", nargs="+", type=_positive_int, help="ViT input sizes in pixels (default: 224 448 896)")
-    bm.add_argument("--lengths", nargs="+", type=_positive_int, help="LLM prompt lengths in tokens (default: 1024 2048 4096 8192)")
+    bm.add_argument("--resolutions", nargs="+", action=_Repeatable, type=_positive_int, help="ViT input sizes in pixels (default: 224 448 896)")
+    bm.add_argument("--lengths", nargs="+", action=_Repeatable, type=_positive_int, help="LLM prompt lengths in tokens (default: 1024 2048 4096 8192)")
     bm.add_argument("--batch", type=_positive_int, help="ViT: images per forward (default: 1)")
     bm.add_argument("--data", help="imagefolder or hub dataset the ViT batch is drawn from (default: the embedded image set)")
     bm.add_argument("--repeats", type=_positive_int, default=3, help="timed forwards per cell; the median is reported (default: %(default)s)")

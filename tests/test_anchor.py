@@ -254,21 +254,24 @@ def test_chunking_and_bucketing_do_not_change_the_result(monkeypatch, pad):
 
 
 @pytest.mark.parametrize(
-    "b,h,hkv,lq,lk,d,bq,kv_tile,theta",
+    "b,h,hkv,lq,lk,d,bq,kv_tile,q_tile,theta",
     [
-        (2, 4, 2, 40, 40, 8, 8, 3, 1.0),  # tiles of 3 gathered keys: many tiles, the last one partial
-        (1, 6, 2, 45, 53, 8, 8, 512, 0.5),  # a prompt continued on a cache; last block partial
-        (1, 14, 2, 700, 700, 64, 128, 100, 2.0),  # Qwen2.5-0.5B head geometry, vector-width rows
-        (2, 3, 3, 33, 33, 16, 16, 7, -math.inf),  # only the initial block and the window
+        (2, 4, 2, 40, 40, 8, 8, 3, 256, 1.0),  # tiles of 3 keys: many tiles, the last one partial, diagonal too
+        (1, 6, 2, 45, 53, 8, 8, 512, 256, 0.5),  # a prompt continued on a cache; last block partial
+        (1, 14, 2, 700, 700, 64, 128, 100, 256, 2.0),  # Qwen2.5-0.5B head geometry, vector-width rows
+        (2, 3, 3, 33, 33, 16, 16, 7, 256, -math.inf),  # only the initial block and the window
+        (1, 4, 2, 70, 90, 40, 32, 6, 5, 1.0),  # blocks of 32 queries taken 5 rows at a time, head dim 40
+        (1, 2, 1, 300, 300, 24, 4096, 64, 48, 1.0),  # one block longer than the prompt, rows and keys tiled
     ],
 )
-def test_compiled_kernel_matches_torch_path(monkeypatch, b, h, hkv, lq, lk, d, bq, kv_tile, theta):
-    """The compiled kernel (gather fused into an online-softmax loop, diagonal block last) gives the PyTorch
-    path's output for the same stripes, whatever the key tile."""
+def test_compiled_kernel_matches_torch_path(monkeypatch, b, h, hkv, lq, lk, d, bq, kv_tile, q_tile, theta):
+    """The compiled kernel (gather fused into an online-softmax loop, diagonal block last, long blocks taken a
+    few query rows at a time) gives the PyTorch path's output for the same stripes, whatever the tiles."""
     import attnpatch.attention.anchor as A
 
     _need_compiled()
     monkeypatch.setattr(A, "_KV_TILE", kv_tile)
+    monkeypatch.setattr(A, "_Q_TILE", q_tile)
     q, k, v, _ = _inputs(b, h, hkv, lq, lk, d, seed=5)
     k = k.transpose(2, 3).contiguous().transpose(2, 3)  # non-contiguous keys, as models hand them over
     kw = dict(theta=theta, block_size=bq, init_block=4, local_window=bq, min_len=0, dense_last=0, pool_stride=None)
@@ -324,3 +327,58 @@ def test_kernel_auto_falls_back_when_the_build_fails(monkeypatch, tmp_path):
     assert torch.equal(auto, anchor_attention(q, k, v, AnchorConfig(**kw, kernel="torch"), scale=8**-0.5)[0])
     with pytest.raises(RuntimeError, match="kernel='compiled': compiled CPU kernel: unavailable \\(building missing.cpp failed"):
         anchor_attention(q, k, v, AnchorConfig(**kw, kernel="compiled"), scale=8**-0.5)
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        (dict(q_offset=-5), r"q_offset=-5: the 40 queries sit at positions"),
+        (dict(q_offset=3), r"q_offset=3: .* within the 40 keys \(0 <= q_offset <= 0\)"),
+        (dict(v_keys=50), r"v \(1, 2, 50, 8\) must have the shape of k \(1, 2, 40, 8\)"),
+        (dict(key_valid=torch.ones(1, 30, dtype=torch.bool)), r"key_valid torch.bool \(1, 30\): must be bool \[batch, keys\] = \[1, 40\]"),
+        (dict(scale=0.0), r"scale=0.0: the logit scale must be a positive finite number"),
+        (dict(scale=-0.3), r"scale=-0.3"),
+    ],
+)
+@pytest.mark.parametrize("kernel", ["auto", "torch"])
+def test_bad_inputs_name_the_value_on_every_path(change, match, kernel):
+    """The same ValueError whichever kernel would run, for the fast function, the selection and the reference."""
+    q, k, v, _ = _inputs(1, 4, 2, 40, 40, 8)
+    if "v_keys" in change:
+        v = torch.randn(1, 2, change["v_keys"], 8)
+    cfg = AnchorConfig(theta=1.0, block_size=8, init_block=4, local_window=8, min_len=0, dense_last=0, kernel=kernel)
+    kw = dict(scale=change.get("scale", 8**-0.5), q_offset=change.get("q_offset", 0), key_valid=change.get("key_valid"))
+    with pytest.raises(ValueError, match=match):
+        anchor_attention(q, k, v, cfg, **kw)
+    with pytest.raises(ValueError, match=match):
+        anchor_attention_reference(q, k, v, cfg, **kw)
+    if "v_keys" not in change:
+        with pytest.raises(ValueError, match=match):
+            select_stripes(q, k, cfg, **kw)
+
+
+@pytest.mark.parametrize(
+    "b,h,hkv,lq,lk,d,bq,kv_tile,q_tile,probes",
+    [
+        (2, 4, 2, 64, 64, 8, 8, 5, 3, 3),  # key and row tiles that end inside blocks
+        (1, 6, 2, 45, 53, 40, 8, 512, 256, 4),  # a prompt continued on a cache; last block partial
+        (1, 14, 2, 700, 700, 64, 128, 512, 256, 4),  # Qwen2.5-0.5B head geometry
+    ],
+)
+def test_compiled_probe_matches_torch_probe(monkeypatch, b, h, hkv, lq, lk, d, bq, kv_tile, q_tile, probes):
+    """The recall guard's probe (exact softmax mass on the kept keys of a few query blocks) in the compiled
+    kernel, one pass of running sums over the causal keys, equals the PyTorch softmax per block."""
+    import attnpatch.attention.anchor as A
+
+    _need_compiled()
+    monkeypatch.setattr(A, "_KV_TILE", kv_tile)
+    monkeypatch.setattr(A, "_Q_TILE", q_tile)
+    q, k, _, _ = _inputs(b, h, hkv, lq, lk, d, seed=9)
+    kw = dict(theta=1.0, block_size=bq, init_block=4, local_window=bq, min_len=0, dense_last=3, pool_stride=None,
+              recall_probes=probes)
+    geo = A._geometry(q, k, AnchorConfig(**kw), lk - lq, None)
+    keep = A._select(q, k, AnchorConfig(**kw), d**-0.5, geo)
+    rec_c = A._probe_recall(q, k, keep, geo, AnchorConfig(**kw, kernel="compiled"), d**-0.5, lq - 3)
+    rec_t = A._probe_recall(q, k, keep, geo, AnchorConfig(**kw, kernel="torch"), d**-0.5, lq - 3)
+    assert 0.3 < float(rec_t.mean()) < 0.99  # kept stripes carry part of the mass, not all
+    assert (rec_c - rec_t).abs().max() < 1e-5

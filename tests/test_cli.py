@@ -66,3 +66,15 @@ def test_bad_option_fails_before_loading(capsys):
 def test_missing_model_dir_is_clear(capsys):
     assert main(["eval", "ruler", "--model", "/nonexistent/dir", "--samples", "1"]) == 2
     assert "/nonexistent/dir" in capsys.readouterr().err
+
+
+def test_repeated_list_options_accumulate():
+    """`--method a --method b` keeps both (argparse alone keeps the last); given values replace the default."""
+    from attnpatch.cli import build_parser
+
+    p = build_parser()
+    a = p.parse_args(["bench", "attention", "--method", "anchor_attention:kernel=torch", "--method", "fna:s=8", "fna",
+                      "--lengths", "64", "--lengths", "128"])
+    assert a.method == ["anchor_attention:kernel=torch", "fna:s=8", "fna"] and a.lengths == [64, 128]
+    assert p.parse_args(["eval", "ruler", "--model", "m"]).lengths == [1024, 2048, 4096]
+    assert p.parse_args(["eval", "ruler", "--model", "m", "--lengths", "512", "--lengths", "768"]).lengths == [512, 768]

@@ -52,8 +52,10 @@ _SELECT_CHUNK_ELEMENTS = 1 << 21
 _SELECT_ROWS = 512
 # Fewest keys per stripe-selection tile.
 _SELECT_MIN_TILE = 128
-# Keys gathered per step by the compiled kernel (its per-thread key, value and score buffers).
+# Keys and query rows per step of the compiled kernel (its per-thread buffers: _Q_TILE x _KV_TILE scores,
+# _KV_TILE keys and values, whatever the block size).
 _KV_TILE = 512
+_Q_TILE = 256
 _KERNELS = ("auto", "compiled", "torch")
 _SELECT_DTYPES = ("float32", "bfloat16")
 
@@ -97,7 +99,9 @@ class AnchorConfig:
             (:mod:`attnpatch.attention.cpu_kernel`, built on first use) for float32 CPU tensors without
             padding inside the keys when it can be built here, else PyTorch operations;
             ``"compiled"``: the compiled kernel, an error where it cannot run; ``"torch"``: PyTorch
-            operations only.  All three give the same result up to float rounding.
+            operations only.  All three give the same result up to float rounding (through a whole
+            model with ``select_dtype="bfloat16"``, such a rounding difference in one layer can flip
+            a stripe that sits at the threshold in a later one).
 
     Defaults, chosen by measurement on SmolLM2-135M-Instruct (offline catalogue, fp32, greedy,
     RULER-style prompts through the chat template, seed 0, needle depths 0.1/0.5/0.9/0.3/0.7):
@@ -285,6 +289,31 @@ def _grouped(q: torch.Tensor, hkv: int) -> torch.Tensor:
     return q.reshape(b, hkv, h // hkv, *q.shape[2:])
 
 
+def _check_inputs(q, k, v, scale: float, q_offset: int, key_valid) -> None:
+    """ValueError naming the first thing that does not fit: ranks, batch, head dim, ``H % Hkv``, ``v`` shaped
+    unlike ``k``, queries beyond the keys, a negative ``q_offset``, ``key_valid`` not ``[B, Lk]`` bool, a
+    logit scale that is not a positive finite number."""
+    if q.dim() != 4 or k.dim() != 4:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must be [batch, heads, tokens, head_dim]")
+    b, h, lq, d = q.shape
+    hkv, lk = k.shape[1], k.shape[2]
+    if k.shape[0] != b or k.shape[3] != d:
+        raise ValueError(f"k {tuple(k.shape)} does not fit q {tuple(q.shape)} (batch and head_dim must match)")
+    if v is not None and v.shape != k.shape:
+        raise ValueError(f"v {tuple(v.shape)} must have the shape of k {tuple(k.shape)}")
+    if hkv < 1 or h % hkv:
+        raise ValueError(f"query heads {h} not a multiple of key/value heads {hkv}")
+    if q_offset < 0 or q_offset + lq > lk:
+        raise ValueError(
+            f"q_offset={q_offset}: the {lq} queries sit at positions q_offset..q_offset+{lq - 1}, which must lie "
+            f"within the {lk} keys (0 <= q_offset <= {lk - lq})"
+        )
+    if key_valid is not None and (key_valid.dtype != torch.bool or tuple(key_valid.shape) != (b, lk)):
+        raise ValueError(f"key_valid {key_valid.dtype} {tuple(key_valid.shape)}: must be bool [batch, keys] = [{b}, {lk}]")
+    if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale={scale!r}: the logit scale must be a positive finite number (usually head_dim ** -0.5)")
+
+
 def select_stripes(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -310,12 +339,10 @@ def select_stripes(
         and the local window, never a padding key or a key after the block's last query.
 
     Raises:
-        ValueError: shapes that do not fit (``H`` not a multiple of ``Hkv``).
+        ValueError: inputs that do not fit (see ``_check_inputs``: shapes, ``H`` not a multiple of
+            ``Hkv``, ``q_offset``, ``key_valid``, a scale that is not positive).
     """
-    b, h, lq, d = q.shape
-    hkv = k.shape[1]
-    if h % hkv:
-        raise ValueError(f"query heads {h} not a multiple of key/value heads {hkv}")
+    _check_inputs(q, k, None, scale, q_offset, key_valid)
     geo = _geometry(q, k, cfg, q_offset, key_valid)
     return _select(q, k, cfg, scale, geo)
 
@@ -532,11 +559,9 @@ def _sparse_attend(q, k, v, keep, geo: _Geometry, cfg: AnchorConfig, scale: floa
     dev = q.device
     kern = _compiled(q, geo, cfg) if merge is None else None
     if kern is not None:
-        out = kern.stripe_attention(
-            _pad_rows(q, nb * bq).contiguous(), k.contiguous(), v.contiguous(), keep.contiguous(),
-            geo.q_offset, bq, scale, _KV_TILE,
+        return kern.stripe_attention(
+            q.contiguous(), k.contiguous(), v.contiguous(), keep.contiguous(), geo.q_offset, bq, scale, _KV_TILE, _Q_TILE
         )
-        return out[:, :, :lq]
     if merge is None:
         merge = _lse_path_ok(q, geo)
     n_groups = b * h * nb
@@ -681,16 +706,28 @@ def _probe_blocks(cfg: AnchorConfig, n_sparse: int) -> list[int]:
 
 
 def _probe_recall(q, k, keep, geo: _Geometry, cfg: AnchorConfig, scale: float, n_sparse: int) -> torch.Tensor:
-    """``[B, H]`` exact softmax mass on the kept keys, averaged over the valid sparse queries of the probe blocks."""
+    """``[B, H]`` exact softmax mass on the kept keys, averaged over the valid sparse queries of the probe blocks.
+
+    With the compiled CPU kernel (``cfg.kernel``) one pass over the probe blocks' causal keys keeps
+    running sums of exp over all and over the kept keys; otherwise a softmax per probe block.
+    """
     b, h, lq, d = q.shape
     bq = cfg.block_size
-    qpad = _pad_rows(q.float(), geo.nb * bq)
-    kf = k.float()
+    blocks = _probe_blocks(cfg, n_sparse)
+    kern = _compiled(q, geo, cfg)
+    if kern is not None and blocks:
+        masses = kern.kept_mass(
+            q.contiguous(), k.contiguous(), keep.contiguous(), torch.tensor(blocks), geo.q_offset, bq, scale,
+            _KV_TILE, _Q_TILE,
+        ).view(b, h, len(blocks), bq).unbind(2)
+    else:
+        qpad = _pad_rows(q.float(), geo.nb * bq)
+        kf = k.float()
+        masses = (_block_mass(qpad, kf, keep, geo, cfg, scale, blk, blk + 1) for blk in blocks)  # [B, H, bq] each
     tot = torch.zeros(b, h, dtype=torch.float64, device=q.device)
     cnt = torch.zeros(b, dtype=torch.float64, device=q.device)
-    for blk in _probe_blocks(cfg, n_sparse):
+    for blk, mass in zip(blocks, masses):
         r0 = blk * bq
-        mass = _block_mass(qpad, kf, keep, geo, cfg, scale, blk, blk + 1)  # [B, H, bq]
         rows = torch.arange(r0, r0 + bq, device=q.device) < n_sparse  # queries after n_sparse attend densely
         qv = (geo.query_valid[:, r0 : r0 + bq] & rows).double()
         tot += (mass * qv[:, None]).sum(-1)
@@ -748,15 +785,16 @@ def anchor_attention(
         (padding) give zeros.  ``stats`` is ``None`` unless requested.
 
     Raises:
-        ValueError: ``H`` not a multiple of ``Hkv`` or ``Lk < q_offset + Lq``.
-        OptionError: a ``dense_heads`` index outside ``0..H-1``.
+        ValueError: inputs that do not fit: ranks, batch or head dim of ``q`` and ``k``, ``v`` shaped
+            unlike ``k``, ``H`` not a multiple of ``Hkv``, ``q_offset < 0`` or ``Lk < q_offset + Lq``,
+            ``key_valid`` not bool ``[B, Lk]``, a scale that is not a positive finite number.
+        OptionError: a ``dense_heads`` index outside ``0..H-1``; ``kernel="compiled"`` for inputs
+            it does not take.
+        RuntimeError: ``kernel="compiled"`` where the compiled kernel cannot be built.
     """
+    _check_inputs(q, k, v, scale, q_offset, key_valid)
     b, h, lq, d = q.shape
     hkv = k.shape[1]
-    if h % hkv:
-        raise ValueError(f"query heads {h} not a multiple of key/value heads {hkv}")
-    if k.shape[2] < q_offset + lq:
-        raise ValueError(f"{k.shape[2]} keys cannot cover queries at positions {q_offset}..{q_offset + lq - 1}")
     want_stats = return_stats or compute_recall
     split = _split_padding(key_valid, q_offset, lq)
     if split is not None:
@@ -932,6 +970,7 @@ def anchor_attention_reference(
     """
     b, h, lq, d = q.shape
     hkv, lk = k.shape[1], k.shape[2]
+    _check_inputs(q, k, v, scale, q_offset, key_valid)
     split = _split_padding(key_valid, q_offset, lq)
     if split is not None:
         return _per_sequence(

@@ -66,7 +66,8 @@ def stripe_kernel() -> ModuleType | None:
                         verbose=False,
                     )
                 except Exception as exc:  # a missing compiler, headers or ninja: the PyTorch path remains
-                    reason = f"building {_SOURCE.name} failed: {type(exc).__name__}: {str(exc).strip()[-500:]}"
+                    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+                    reason = f"building {_SOURCE.name} failed: {type(exc).__name__}: {' | '.join(lines[-4:])}"
                 finally:
                     log.setLevel(level)
                 if mod is None:

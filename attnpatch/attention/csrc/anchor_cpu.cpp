@@ -2,10 +2,10 @@
 // key stripes, with the gather fused into a flash-attention loop (online softmax, Dao et al. 2022,
 // Alg. 1), so that no gathered copy of K/V and no [queries x kept keys] matrix is materialised.
 //
-// One work item is one (batch, query head, query block) group: the block's `block` queries attend
+// One work item is one (batch, query head, query block) group: the block's queries attend
 //   * the keys strictly before the block's first query that the stripe mask keeps, gathered
 //     `kv_tile` at a time into a per-thread buffer, then
-//   * the block's own (diagonal) keys, causally.
+//   * the block's own (diagonal) keys, causally, `kv_tile` at a time.
 // Groups are handed to the threads one at a time (dynamic schedule: kept counts differ a lot
 // between heads).  Key/value heads are shared by `H / Hkv` query heads and never repeated.
 // Matrix products are single-threaded sgemm calls inside the parallel region.
@@ -46,34 +46,41 @@ inline void accumulate(int M, int N, int K, const float* P, const float* V, floa
 
 }  // namespace
 
-// q:    [B, H, nb * block, D] float32, contiguous (query rows past the prompt are padding).
-// k, v: [B, Hkv, Lk, D] float32, contiguous.
-// keep: [B, H, nb, Lk] bool, contiguous: stripe mask; only keys before the block's first query are read.
-// q_offset: absolute position of query row 0.  scale: logit scale.  kv_tile: gathered keys per step.
-// Returns [B, H, nb * block, D] float32.
+// q:    [B, H, Lq, D] float32, contiguous; query row r is at absolute position q_offset + r.
+// k, v: [B, Hkv, Lk, D] float32, contiguous; Lk >= q_offset + Lq.
+// keep: [B, H, nb, Lk] bool, contiguous, nb = ceil(Lq / block): stripe mask; only keys before the
+//       block's first query are read (the diagonal block is always attended, causally).
+// scale: logit scale.  kv_tile: keys per step.  q_tile: query rows per step (a block longer than
+// q_tile is processed q_tile rows at a time), so the per-thread buffers are q_tile x kv_tile scores
+// plus kv_tile keys and values whatever the block size.
+// Returns [B, H, Lq, D] float32.
 torch::Tensor stripe_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                const torch::Tensor& keep, int64_t q_offset, int64_t block, double scale,
-                               int64_t kv_tile) {
+                               int64_t kv_tile, int64_t q_tile) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
               "stripe_attention: float32 q, k, v expected");
   TORCH_CHECK(keep.scalar_type() == at::kBool, "stripe_attention: bool keep expected");
   TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous() && keep.is_contiguous(),
               "stripe_attention: contiguous inputs expected");
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.sizes() == k.sizes() && keep.dim() == 4, "stripe_attention: bad ranks");
-  const int64_t B = q.size(0), H = q.size(1), NQ = q.size(2), D = q.size(3);
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && keep.dim() == 4 && v.sizes() == k.sizes(),
+              "stripe_attention: q, k, v, keep must be 4-d and v shaped like k");
+  TORCH_CHECK(block >= 1 && kv_tile >= 1 && q_tile >= 1, "stripe_attention: block, kv_tile, q_tile must be >= 1");
+  const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), D = q.size(3);
   const int64_t Hkv = k.size(1), Lk = k.size(2), nb = keep.size(2);
-  TORCH_CHECK(k.size(0) == B && k.size(3) == D && H % Hkv == 0, "stripe_attention: k shape does not fit q");
-  TORCH_CHECK(NQ == nb * block && keep.size(0) == B && keep.size(1) == H && keep.size(3) == Lk,
-              "stripe_attention: keep shape does not fit q and k");
-  TORCH_CHECK(q_offset >= 0 && q_offset < Lk && kv_tile >= 1 && block >= 1, "stripe_attention: bad sizes");
+  TORCH_CHECK(k.size(0) == B && k.size(3) == D && Hkv >= 1 && H % Hkv == 0, "stripe_attention: k does not fit q");
+  TORCH_CHECK(nb == (Lq + block - 1) / block && keep.size(0) == B && keep.size(1) == H && keep.size(3) == Lk,
+              "stripe_attention: keep does not fit q and k");
+  TORCH_CHECK(q_offset >= 0 && q_offset + Lq <= Lk, "stripe_attention: queries beyond the keys");
   const int64_t G = H / Hkv, n_groups = B * H * nb;
   auto out = torch::empty_like(q);
+  if (n_groups == 0 || D == 0) return out;
   const float* qp = q.data_ptr<float>();
   const float* kp = k.data_ptr<float>();
   const float* vp = v.data_ptr<float>();
   const bool* keepp = keep.data_ptr<bool>();
   float* op = out.data_ptr<float>();
-  const int KT = static_cast<int>(kv_tile), BQ = static_cast<int>(block), DI = static_cast<int>(D);
+  const int KT = static_cast<int>(kv_tile), DI = static_cast<int>(D);
+  const int QT = static_cast<int>(std::min(q_tile, block));
   const float sc = static_cast<float>(scale);
   const float NEG = -std::numeric_limits<float>::infinity();
   const int nth = at::get_num_threads();
@@ -81,84 +88,177 @@ torch::Tensor stripe_attention(const torch::Tensor& q, const torch::Tensor& k, c
 #pragma omp parallel num_threads(nth)
   {
     std::vector<float> kb(static_cast<size_t>(KT) * D), vb(static_cast<size_t>(KT) * D);
-    std::vector<float> s(static_cast<size_t>(BQ) * std::max(KT, BQ)), m(BQ), l(BQ);
+    std::vector<float> s(static_cast<size_t>(QT) * KT), m(QT), l(QT);
     std::vector<int64_t> idx(Lk);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t grp = 0; grp < n_groups; ++grp) {
       const int64_t bi = grp / (H * nb), hi = (grp / nb) % H, blk = grp % nb;
-      const int64_t p0 = q_offset + blk * block;  // absolute position of the block's first query
+      const int64_t row0 = blk * block;                        // the block's first query row
+      const int64_t nrows = std::min(block, Lq - row0);        // its query rows
+      const int64_t p0 = q_offset + row0;                      // absolute position of its first query
       const float* kh = kp + (bi * Hkv + hi / G) * Lk * D;
       const float* vh = vp + (bi * Hkv + hi / G) * Lk * D;
-      const float* qg = qp + grp * block * D;
-      float* acc = op + grp * block * D;
       // kept keys strictly before the block
       const bool* kr = keepp + grp * Lk;
       int64_t cnt = 0;
-      const int64_t before = std::min(p0, Lk);
-      for (int64_t j = 0; j < before; ++j) {
+      for (int64_t j = 0; j < p0; ++j) {
         if (kr[j]) idx[cnt++] = j;
       }
-      const int64_t dl = std::min<int64_t>(block, Lk - p0);  // diagonal keys
-      std::fill(m.begin(), m.end(), NEG);
-      std::fill(l.begin(), l.end(), 0.0f);
-      const int64_t ntile = (cnt + KT - 1) / KT;
-      bool first = true;
-      for (int64_t t = 0; t <= ntile; ++t) {
-        const bool diag = (t == ntile);
-        int n;
-        const float* kt;
-        const float* vt;
-        if (diag) {
-          n = static_cast<int>(dl);
-          kt = kh + p0 * D;
-          vt = vh + p0 * D;
-        } else {
-          const int64_t j0 = t * KT;
-          n = static_cast<int>(std::min<int64_t>(KT, cnt - j0));
+      for (int64_t r0 = 0; r0 < nrows; r0 += QT) {
+        const int nq = static_cast<int>(std::min<int64_t>(QT, nrows - r0));
+        const float* qg = qp + ((bi * H + hi) * Lq + row0 + r0) * D;
+        float* acc = op + ((bi * H + hi) * Lq + row0 + r0) * D;
+        std::fill(m.begin(), m.begin() + nq, NEG);
+        std::fill(l.begin(), l.begin() + nq, 0.0f);
+        std::fill(acc, acc + static_cast<size_t>(nq) * D, 0.0f);
+        // one tile of n keys; row i (0 <= i < nq) sees its first visible(i) of them
+        auto step = [&](int n, const float* kt, const float* vt, auto visible) {
+          scores(nq, n, DI, sc, qg, kt, s.data());
+          for (int i = 0; i < nq; ++i) {
+            float* si = s.data() + static_cast<size_t>(i) * n;
+            const int nn = visible(i);
+            if (nn <= 0) {
+              std::fill(si, si + n, 0.0f);
+              continue;
+            }
+            const float mx = at::vec::reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, si, nn);
+            const float mnew = std::max(m[i], mx);
+            const Vec vm(mnew);
+            Vec vsum(0.0f);
+            int jj = 0;
+            for (; jj + Vec::size() <= nn; jj += Vec::size()) {
+              const Vec x = (Vec::loadu(si + jj) - vm).exp_u20();
+              x.store(si + jj);
+              vsum = vsum + x;
+            }
+            float sum = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, vsum);
+            for (; jj < nn; ++jj) {
+              const float x = std::exp(si[jj] - mnew);
+              si[jj] = x;
+              sum += x;
+            }
+            std::fill(si + nn, si + n, 0.0f);  // causally masked
+            if (m[i] != NEG && m[i] != mnew) {  // rescale what earlier tiles accumulated
+              const float a = std::exp(m[i] - mnew);
+              l[i] *= a;
+              float* ai = acc + static_cast<size_t>(i) * D;
+              at::vec::map([a](Vec x) { return x * Vec(a); }, ai, ai, D);
+            }
+            l[i] += sum;
+            m[i] = mnew;
+          }
+          accumulate(nq, DI, n, s.data(), vt, 1.0f, acc);
+        };
+        for (int64_t j0 = 0; j0 < cnt; j0 += KT) {  // gathered keys before the block: every row sees all
+          const int n = static_cast<int>(std::min<int64_t>(KT, cnt - j0));
           for (int jj = 0; jj < n; ++jj) {
             std::memcpy(kb.data() + static_cast<size_t>(jj) * D, kh + idx[j0 + jj] * D, D * sizeof(float));
             std::memcpy(vb.data() + static_cast<size_t>(jj) * D, vh + idx[j0 + jj] * D, D * sizeof(float));
           }
-          kt = kb.data();
-          vt = vb.data();
+          step(n, kb.data(), vb.data(), [n](int) { return n; });
         }
-        scores(BQ, n, DI, sc, qg, kt, s.data());
-        for (int i = 0; i < BQ; ++i) {
-          float* si = s.data() + static_cast<size_t>(i) * n;
-          // diagonal block: query i sees its block's keys 0..i
-          const int nn = diag ? std::min(n, i + 1) : n;
-          const float mx = at::vec::reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, si, nn);
-          const float mnew = std::max(m[i], mx);
-          const Vec vm(mnew);
-          Vec vsum(0.0f);
-          int jj = 0;
-          for (; jj + Vec::size() <= nn; jj += Vec::size()) {
-            const Vec x = (Vec::loadu(si + jj) - vm).exp_u20();
-            x.store(si + jj);
-            vsum = vsum + x;
-          }
-          float sum = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, vsum);
-          for (; jj < nn; ++jj) {
-            const float x = std::exp(si[jj] - mnew);
-            si[jj] = x;
-            sum += x;
-          }
-          for (; jj < n; ++jj) si[jj] = 0.0f;  // causally masked
-          const float a = (m[i] == NEG) ? 0.0f : std::exp(m[i] - mnew);
-          l[i] = l[i] * a + sum;
-          m[i] = mnew;
-          if (!first && a != 1.0f) {
-            float* ai = acc + static_cast<size_t>(i) * D;
-            at::vec::map([a](Vec x) { return x * Vec(a); }, ai, ai, D);
-          }
+        // the diagonal block: row r0 + i sees block keys 0 .. r0 + i (contiguous, not gathered)
+        for (int64_t c0 = 0; c0 < r0 + nq; c0 += KT) {
+          const int n = static_cast<int>(std::min<int64_t>(KT, r0 + nq - c0));
+          step(n, kh + (p0 + c0) * D, vh + (p0 + c0) * D, [n, r0, c0](int i) {
+            return static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(n, r0 + i + 1 - c0)));
+          });
         }
-        accumulate(BQ, DI, n, s.data(), vt, first ? 0.0f : 1.0f, acc);
-        first = false;
+        for (int i = 0; i < nq; ++i) {
+          const float inv = l[i] > 0 ? 1.0f / l[i] : 0.0f;
+          float* ai = acc + static_cast<size_t>(i) * D;
+          at::vec::map([inv](Vec x) { return x * Vec(inv); }, ai, ai, D);
+        }
       }
-      for (int i = 0; i < BQ; ++i) {
-        const float inv = l[i] > 0 ? 1.0f / l[i] : 0.0f;
-        float* ai = acc + static_cast<size_t>(i) * D;
-        at::vec::map([inv](Vec x) { return x * Vec(inv); }, ai, ai, D);
+    }
+  }
+  return out;
+}
+
+// Exact softmax mass that each query's kept keys carry, for the query blocks listed in `blocks`
+// (AnchorAttention's recall guard): one pass over every causal key, `kv_tile` contiguous keys at a
+// time, keeping per query the running maximum logit, the sum of exp over all causal keys and the
+// sum over the kept ones (keep[b, h, block, j], which holds the initial block and the window).
+// q, k, keep, q_offset, block, scale as for stripe_attention; blocks: int64 [P] block indices.
+// Returns [B, H, P * block] float64: the mass of row r of the p-th listed block at p * block + r;
+// rows past the prompt get 0.
+torch::Tensor kept_mass(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& keep,
+                        const torch::Tensor& blocks, int64_t q_offset, int64_t block, double scale,
+                        int64_t kv_tile, int64_t q_tile) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat, "kept_mass: float32 q, k expected");
+  TORCH_CHECK(keep.scalar_type() == at::kBool && blocks.scalar_type() == at::kLong, "kept_mass: bool keep, int64 blocks expected");
+  TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && keep.is_contiguous() && blocks.is_contiguous(),
+              "kept_mass: contiguous inputs expected");
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && keep.dim() == 4 && blocks.dim() == 1, "kept_mass: bad ranks");
+  TORCH_CHECK(block >= 1 && kv_tile >= 1 && q_tile >= 1, "kept_mass: block, kv_tile, q_tile must be >= 1");
+  const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), D = q.size(3);
+  const int64_t Hkv = k.size(1), Lk = k.size(2), nb = keep.size(2), P = blocks.size(0);
+  TORCH_CHECK(k.size(0) == B && k.size(3) == D && Hkv >= 1 && H % Hkv == 0, "kept_mass: k does not fit q");
+  TORCH_CHECK(nb == (Lq + block - 1) / block && keep.size(0) == B && keep.size(1) == H && keep.size(3) == Lk,
+              "kept_mass: keep does not fit q and k");
+  TORCH_CHECK(q_offset >= 0 && q_offset + Lq <= Lk, "kept_mass: queries beyond the keys");
+  const int64_t* bp = blocks.data_ptr<int64_t>();
+  for (int64_t p = 0; p < P; ++p) TORCH_CHECK(bp[p] >= 0 && bp[p] < nb, "kept_mass: block index out of range");
+  auto out = torch::zeros({B, H, P * block}, q.options().dtype(at::kDouble));
+  const int64_t G = H / Hkv, n_groups = B * H * P;
+  if (n_groups == 0 || D == 0) return out;
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const bool* keepp = keep.data_ptr<bool>();
+  double* op = out.data_ptr<double>();
+  const int KT = static_cast<int>(kv_tile), DI = static_cast<int>(D);
+  const int QT = static_cast<int>(std::min(q_tile, block));
+  const float sc = static_cast<float>(scale);
+  const float NEG = -std::numeric_limits<float>::infinity();
+  const int nth = at::get_num_threads();
+
+#pragma omp parallel num_threads(nth)
+  {
+    std::vector<float> s(static_cast<size_t>(QT) * KT), m(QT), la(QT), lk(QT);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t grp = 0; grp < n_groups; ++grp) {
+      const int64_t bi = grp / (H * P), hi = (grp / P) % H, pi = grp % P, blk = bp[pi];
+      const int64_t row0 = blk * block, nrows = std::min(block, Lq - row0), p0 = q_offset + row0;
+      const float* kh = kp + (bi * Hkv + hi / G) * Lk * D;
+      const bool* kr = keepp + ((bi * H + hi) * nb + blk) * Lk;
+      for (int64_t r0 = 0; r0 < nrows; r0 += QT) {
+        const int nq = static_cast<int>(std::min<int64_t>(QT, nrows - r0));
+        const float* qg = qp + ((bi * H + hi) * Lq + row0 + r0) * D;
+        std::fill(m.begin(), m.begin() + nq, NEG);
+        std::fill(la.begin(), la.begin() + nq, 0.0f);
+        std::fill(lk.begin(), lk.begin() + nq, 0.0f);
+        const int64_t end = p0 + r0 + nq;  // keys at or after this are causal for no row
+        for (int64_t j0 = 0; j0 < end; j0 += KT) {
+          const int n = static_cast<int>(std::min<int64_t>(KT, end - j0));
+          scores(nq, n, DI, sc, qg, kh + j0 * D, s.data());
+          for (int i = 0; i < nq; ++i) {
+            const int nn = static_cast<int>(std::min<int64_t>(n, p0 + r0 + i + 1 - j0));  // causal keys of the tile
+            if (nn <= 0) continue;
+            float* si = s.data() + static_cast<size_t>(i) * n;
+            const float mx = at::vec::reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, si, nn);
+            const float mnew = std::max(m[i], mx);
+            if (m[i] != NEG && m[i] != mnew) {
+              const float a = std::exp(m[i] - mnew);
+              la[i] *= a;
+              lk[i] *= a;
+            }
+            m[i] = mnew;
+            const Vec vm(mnew);
+            int jj = 0;
+            for (; jj + Vec::size() <= nn; jj += Vec::size()) (Vec::loadu(si + jj) - vm).exp_u20().store(si + jj);
+            for (; jj < nn; ++jj) si[jj] = std::exp(si[jj] - mnew);
+            const bool* kt = kr + j0;
+            float sa = 0.0f, sk = 0.0f;
+            for (jj = 0; jj < nn; ++jj) {
+              sa += si[jj];
+              sk += kt[jj] ? si[jj] : 0.0f;
+            }
+            la[i] += sa;
+            lk[i] += sk;
+          }
+        }
+        double* o = op + (bi * H + hi) * P * block + pi * block + r0;
+        for (int i = 0; i < nq; ++i) o[i] = la[i] > 0 ? static_cast<double>(lk[i]) / la[i] : 0.0;
       }
     }
   }
@@ -167,4 +267,5 @@ torch::Tensor stripe_attention(const torch::Tensor& q, const torch::Tensor& k, c
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("stripe_attention", &stripe_attention, "AnchorAttention stripe attention (float32, CPU)");
+  m.def("kept_mass", &kept_mass, "softmax mass on the kept keys of some query blocks (float32, CPU)");
 }
