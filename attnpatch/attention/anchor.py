@@ -760,12 +760,12 @@ def anchor_attention(
 
     Speed (BENCHMARKS.md, 2 CPU cores, q/k/v captured from Qwen2.5-0.5B layer 11), ratio to
     causal SDPA at 8k / 16k / 32k tokens with the mean recall: the defaults (chosen for
-    accuracy) 0.76x / 0.91x / 1.05x (recall 0.999 / 0.998 / 0.996); ``pool_stride=8`` with the
-    guard 1.00x / 1.17x / 1.34x (0.996 / 0.997 / 0.996); ``theta=8, pool_stride=8,
-    dense_last=64, min_recall=0.75, select_dtype="bfloat16"`` 1.40x / 2.21x / 2.20x (0.973 /
-    0.957 / 0.954); the paper setting (``pool_stride=None, dense_last=0, min_recall=0``) 2.36x /
-    3.55x / 5.37x (0.883 / 0.855 / 0.820).  In the compiled kernel a kept pair costs about 1.2x
-    what it costs inside PyTorch's fused causal attention; heads the recall guard makes dense run
+    accuracy) 0.78x / 0.96x / 1.07x (recall 0.999 / 0.998 / 0.996); ``pool_stride=8`` with the
+    guard 1.04x / 1.16x / 1.39x (0.996 / 0.997 / 0.996); ``theta=8, pool_stride=8,
+    dense_last=64, min_recall=0.75, select_dtype="bfloat16"`` 1.65x / 2.18x / 2.16x (0.973 /
+    0.957 / 0.954); the paper setting (``pool_stride=None, dense_last=0, min_recall=0``) 2.29x /
+    3.36x / 5.13x (0.883 / 0.855 / 0.820).  In the compiled kernel a kept pair costs about 1.15x
+    what it costs inside PyTorch's fused causal attention (2x in the PyTorch path); heads the recall guard makes dense run
     PyTorch's fused causal attention (one call per key/value head, K/V not repeated).
 
     Args:
