@@ -44,6 +44,21 @@ inline void accumulate(int M, int N, int K, const float* P, const float* V, floa
   sgemm_(&n, &n, &N, &M, &K, &one, V, &N, P, &K, &beta, C, &N);
 }
 
+// The shapes and layouts both entry points take (see stripe_attention).
+void check_inputs(const char* fn, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& keep,
+                  int64_t q_offset, int64_t block, int64_t kv_tile, int64_t q_tile) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && keep.scalar_type() == at::kBool,
+              fn, ": float32 q, k and bool keep expected");
+  TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && keep.is_contiguous(), fn, ": contiguous inputs expected");
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && keep.dim() == 4, fn, ": q, k, keep must be 4-d");
+  TORCH_CHECK(block >= 1 && kv_tile >= 1 && q_tile >= 1, fn, ": block, kv_tile, q_tile must be >= 1");
+  const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), Lk = k.size(2);
+  TORCH_CHECK(k.size(0) == B && k.size(3) == q.size(3) && k.size(1) >= 1 && H % k.size(1) == 0, fn, ": k does not fit q");
+  TORCH_CHECK(keep.size(2) == (Lq + block - 1) / block && keep.size(0) == B && keep.size(1) == H && keep.size(3) == Lk,
+              fn, ": keep does not fit q and k");
+  TORCH_CHECK(q_offset >= 0 && q_offset + Lq <= Lk, fn, ": queries beyond the keys");
+}
+
 }  // namespace
 
 // q:    [B, H, Lq, D] float32, contiguous; query row r is at absolute position q_offset + r.
@@ -57,20 +72,11 @@ inline void accumulate(int M, int N, int K, const float* P, const float* V, floa
 torch::Tensor stripe_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                const torch::Tensor& keep, int64_t q_offset, int64_t block, double scale,
                                int64_t kv_tile, int64_t q_tile) {
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
-              "stripe_attention: float32 q, k, v expected");
-  TORCH_CHECK(keep.scalar_type() == at::kBool, "stripe_attention: bool keep expected");
-  TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous() && keep.is_contiguous(),
-              "stripe_attention: contiguous inputs expected");
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && keep.dim() == 4 && v.sizes() == k.sizes(),
-              "stripe_attention: q, k, v, keep must be 4-d and v shaped like k");
-  TORCH_CHECK(block >= 1 && kv_tile >= 1 && q_tile >= 1, "stripe_attention: block, kv_tile, q_tile must be >= 1");
+  check_inputs("stripe_attention", q, k, keep, q_offset, block, kv_tile, q_tile);
+  TORCH_CHECK(v.scalar_type() == at::kFloat && v.is_contiguous() && v.sizes() == k.sizes(),
+              "stripe_attention: v must be float32, contiguous and shaped like k");
   const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), D = q.size(3);
   const int64_t Hkv = k.size(1), Lk = k.size(2), nb = keep.size(2);
-  TORCH_CHECK(k.size(0) == B && k.size(3) == D && Hkv >= 1 && H % Hkv == 0, "stripe_attention: k does not fit q");
-  TORCH_CHECK(nb == (Lq + block - 1) / block && keep.size(0) == B && keep.size(1) == H && keep.size(3) == Lk,
-              "stripe_attention: keep does not fit q and k");
-  TORCH_CHECK(q_offset >= 0 && q_offset + Lq <= Lk, "stripe_attention: queries beyond the keys");
   const int64_t G = H / Hkv, n_groups = B * H * nb;
   auto out = torch::empty_like(q);
   if (n_groups == 0 || D == 0) return out;
@@ -185,18 +191,11 @@ torch::Tensor stripe_attention(const torch::Tensor& q, const torch::Tensor& k, c
 torch::Tensor kept_mass(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& keep,
                         const torch::Tensor& blocks, int64_t q_offset, int64_t block, double scale,
                         int64_t kv_tile, int64_t q_tile) {
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat, "kept_mass: float32 q, k expected");
-  TORCH_CHECK(keep.scalar_type() == at::kBool && blocks.scalar_type() == at::kLong, "kept_mass: bool keep, int64 blocks expected");
-  TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && keep.is_contiguous() && blocks.is_contiguous(),
-              "kept_mass: contiguous inputs expected");
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && keep.dim() == 4 && blocks.dim() == 1, "kept_mass: bad ranks");
-  TORCH_CHECK(block >= 1 && kv_tile >= 1 && q_tile >= 1, "kept_mass: block, kv_tile, q_tile must be >= 1");
+  check_inputs("kept_mass", q, k, keep, q_offset, block, kv_tile, q_tile);
+  TORCH_CHECK(blocks.scalar_type() == at::kLong && blocks.is_contiguous() && blocks.dim() == 1,
+              "kept_mass: blocks must be a contiguous int64 vector");
   const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), D = q.size(3);
   const int64_t Hkv = k.size(1), Lk = k.size(2), nb = keep.size(2), P = blocks.size(0);
-  TORCH_CHECK(k.size(0) == B && k.size(3) == D && Hkv >= 1 && H % Hkv == 0, "kept_mass: k does not fit q");
-  TORCH_CHECK(nb == (Lq + block - 1) / block && keep.size(0) == B && keep.size(1) == H && keep.size(3) == Lk,
-              "kept_mass: keep does not fit q and k");
-  TORCH_CHECK(q_offset >= 0 && q_offset + Lq <= Lk, "kept_mass: queries beyond the keys");
   const int64_t* bp = blocks.data_ptr<int64_t>();
   for (int64_t p = 0; p < P; ++p) TORCH_CHECK(bp[p] >= 0 && bp[p] < nb, "kept_mass: block index out of range");
   auto out = torch::zeros({B, H, P * block}, q.options().dtype(at::kDouble));
