@@ -968,9 +968,9 @@ def anchor_attention_reference(
         the keys each query attended.  Left-padded sequences are computed with their padding
         stripped (blocks relative to the first real token), exactly as :func:`anchor_attention`.
     """
+    _check_inputs(q, k, v, scale, q_offset, key_valid)
     b, h, lq, d = q.shape
     hkv, lk = k.shape[1], k.shape[2]
-    _check_inputs(q, k, v, scale, q_offset, key_valid)
     split = _split_padding(key_valid, q_offset, lq)
     if split is not None:
         return _per_sequence(

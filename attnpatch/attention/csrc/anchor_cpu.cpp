@@ -44,6 +44,29 @@ inline void accumulate(int M, int N, int K, const float* P, const float* V, floa
   sgemm_(&n, &n, &N, &M, &K, &one, V, &N, P, &K, &beta, C, &N);
 }
 
+// Largest of si[0 .. n), n >= 1.
+inline float row_max(const float* si, int n) {
+  return at::vec::reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, si, n);
+}
+
+// si[j] = exp(si[j] - m) for 0 <= j < n, in place; returns their sum (one row of an online softmax).
+inline float exp_sum(float* si, int n, float m) {
+  const Vec vm(m);
+  Vec vsum(0.0f);
+  int j = 0;
+  for (; j + Vec::size() <= n; j += Vec::size()) {
+    const Vec x = (Vec::loadu(si + j) - vm).exp_u20();
+    x.store(si + j);
+    vsum = vsum + x;
+  }
+  float sum = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, vsum);
+  for (; j < n; ++j) {
+    si[j] = std::exp(si[j] - m);
+    sum += si[j];
+  }
+  return sum;
+}
+
 // The shapes and layouts both entry points take (see stripe_attention).
 void check_inputs(const char* fn, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& keep,
                   int64_t q_offset, int64_t block, int64_t kv_tile, int64_t q_tile) {
@@ -127,22 +150,8 @@ torch::Tensor stripe_attention(const torch::Tensor& q, const torch::Tensor& k, c
               std::fill(si, si + n, 0.0f);
               continue;
             }
-            const float mx = at::vec::reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, si, nn);
-            const float mnew = std::max(m[i], mx);
-            const Vec vm(mnew);
-            Vec vsum(0.0f);
-            int jj = 0;
-            for (; jj + Vec::size() <= nn; jj += Vec::size()) {
-              const Vec x = (Vec::loadu(si + jj) - vm).exp_u20();
-              x.store(si + jj);
-              vsum = vsum + x;
-            }
-            float sum = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, vsum);
-            for (; jj < nn; ++jj) {
-              const float x = std::exp(si[jj] - mnew);
-              si[jj] = x;
-              sum += x;
-            }
+            const float mnew = std::max(m[i], row_max(si, nn));
+            const float sum = exp_sum(si, nn, mnew);
             std::fill(si + nn, si + n, 0.0f);  // causally masked
             if (m[i] != NEG && m[i] != mnew) {  // rescale what earlier tiles accumulated
               const float a = std::exp(m[i] - mnew);
@@ -234,25 +243,17 @@ torch::Tensor kept_mass(const torch::Tensor& q, const torch::Tensor& k, const to
             const int nn = static_cast<int>(std::min<int64_t>(n, p0 + r0 + i + 1 - j0));  // causal keys of the tile
             if (nn <= 0) continue;
             float* si = s.data() + static_cast<size_t>(i) * n;
-            const float mx = at::vec::reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, si, nn);
-            const float mnew = std::max(m[i], mx);
+            const float mnew = std::max(m[i], row_max(si, nn));
             if (m[i] != NEG && m[i] != mnew) {
               const float a = std::exp(m[i] - mnew);
               la[i] *= a;
               lk[i] *= a;
             }
             m[i] = mnew;
-            const Vec vm(mnew);
-            int jj = 0;
-            for (; jj + Vec::size() <= nn; jj += Vec::size()) (Vec::loadu(si + jj) - vm).exp_u20().store(si + jj);
-            for (; jj < nn; ++jj) si[jj] = std::exp(si[jj] - mnew);
+            la[i] += exp_sum(si, nn, mnew);
             const bool* kt = kr + j0;
-            float sa = 0.0f, sk = 0.0f;
-            for (jj = 0; jj < nn; ++jj) {
-              sa += si[jj];
-              sk += kt[jj] ? si[jj] : 0.0f;
-            }
-            la[i] += sa;
+            float sk = 0.0f;
+            for (int jj = 0; jj < nn; ++jj) sk += kt[jj] ? si[jj] : 0.0f;
             lk[i] += sk;
           }
         }
