@@ -42,9 +42,21 @@ def kernel_supported() -> str | None:
 
 
 def stripe_kernel() -> ModuleType | None:
-    """The built extension (its ``stripe_attention`` function), or ``None`` if it cannot be built here.
+    """The built extension, or ``None`` if it cannot be built here (the reason: :func:`kernel_status`).
 
-    Thread-safe; the build is attempted once per process.
+    The extension has two functions, float32 CPU tensors only (AnchorAttention, arXiv 2505.23520, Sec. 3;
+    online softmax as in FlashAttention, Dao et al. 2022, Alg. 1):
+
+    * ``stripe_attention(q, k, v, keep, q_offset, block, scale, kv_tile, q_tile)``: ``q`` ``[B, H, Lq, D]``,
+      ``k, v`` ``[B, Hkv, Lk, D]``, ``keep`` ``[B, H, ceil(Lq / block), Lk]`` bool, all contiguous;
+      returns ``[B, H, Lq, D]``: each query block's exact attention over its kept keys before the block
+      and its own keys causally.  ``q_offset``, ``block``, ``kv_tile``, ``q_tile`` in tokens.
+    * ``kept_mass(q, k, keep, blocks, q_offset, block, scale, kv_tile, q_tile)``: ``blocks`` int64 ``[P]``;
+      returns float64 ``[B, H, P * block]``: each query's exact softmax mass on its kept causal keys.
+
+    Both raise ``RuntimeError`` for inputs of another dtype, layout or shape.  This function raises
+    nothing: a failed build warns once (``RuntimeWarning``) and returns ``None``.  Thread-safe; the
+    build is attempted once per process.
     """
     with _lock:
         if "module" not in _state:
