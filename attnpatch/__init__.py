@@ -8,6 +8,7 @@
 from .errors import (
     AttnpatchError,
     DataError,
+    InferenceOnlyError,
     ModelNotFoundError,
     OptionError,
     PatchStateError,
@@ -22,5 +23,5 @@ __version__ = "0.1.0"
 __all__ = [
     "patch", "unpatch", "patched", "is_patched", "patch_info", "list_methods", "record_stats", "time_attention", "sink_diagnostic",
     "AttnpatchError", "OptionError", "UnknownMethodError", "UnsupportedModelError", "PatchStateError",
-    "ModelNotFoundError", "DataError",
+    "ModelNotFoundError", "DataError", "InferenceOnlyError",
 ]

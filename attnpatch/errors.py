@@ -30,3 +30,8 @@ class ModelNotFoundError(AttnpatchError, OSError):
 
 class DataError(AttnpatchError, ValueError):
     """A dataset, task or eval configuration that cannot be built (e.g. a context length too short for the task)."""
+
+
+class InferenceOnlyError(AttnpatchError, RuntimeError):
+    """An approximate method called where it would be silently wrong at run time: with autograd on
+    inputs that require grad (its gradients are not implemented), or with attention dropout in training mode."""

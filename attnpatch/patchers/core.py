@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from ..errors import PatchStateError, UnsupportedModelError
+from ..errors import InferenceOnlyError, PatchStateError, UnsupportedModelError
 from .registry import Method, get_method, validate_options
 from .state import ForwardState, LayerContext, LayerRecord
 
@@ -83,9 +83,25 @@ class PatchHandle:
         self.recorders: list[_Recorder] = []
         self._hooks: list[Any] = []
         self._undo: Any = None
+        self._repr_modules: list[torch.nn.Module] = []
         self.num_layers = 0  # set by the adapter
         self.prefix_tokens = 0  # set by the adapter (CLS + registers for ViTs)
         self._depth = 0
+        self._said: set[str] = set()
+
+    def say(self, message: str) -> None:
+        """Warn once per patch (``UserWarning``, prefixed ``attnpatch:``) about what the patch did instead."""
+        if message not in self._said:
+            self._said.add(message)
+            import warnings
+
+            warnings.warn(f"attnpatch: {message}", UserWarning, stacklevel=3)
+
+    def describe(self) -> str:
+        """One line for ``repr``: method and the options that differ from the defaults."""
+        defaults = {n: o.default for n, o in self.method.options.items()}
+        changed = ", ".join(f"{k}={v!r}" for k, v in self.options.items() if defaults.get(k) != v)
+        return f"attnpatch={self.method.name}({changed})"
 
     # forward hooks: one ForwardState per top-level call (nested roots share it)
     def _pre(self, module, args, kwargs):
@@ -120,8 +136,14 @@ class PatchHandle:
         return None
 
     def install(self) -> None:
-        """Apply the adapter and the per-forward hooks."""
+        """Apply the adapter and the per-forward hooks; routed modules and the model show the patch in ``repr``."""
         self._undo = self.adapter.apply(self)
+        text = self.describe()
+        for m in [self.model] + [m for m in self.model.modules() if m.__dict__.get("_attnpatch") is self]:
+            if "extra_repr" not in m.__dict__:
+                layer = m.__dict__.get("_attnpatch_layer")
+                m.extra_repr = _PatchRepr(m, text if layer is None else f"{text}, layer={layer}")
+                self._repr_modules.append(m)
         roots = getattr(self.adapter, "roots", None)
         for root in roots(self) if roots is not None else [self.model]:
             self._hooks.append(root.register_forward_pre_hook(self._pre, with_kwargs=True))
@@ -132,9 +154,24 @@ class PatchHandle:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        for m in self._repr_modules:
+            m.__dict__.pop("extra_repr", None)
+        self._repr_modules.clear()
         self.adapter.restore(self, self._undo)
         self.state = None
         self._depth = 0
+
+
+class _PatchRepr:
+    """A patched module's ``extra_repr``: its class's own text, then the patch (picklable, unlike a closure)."""
+
+    def __init__(self, module: torch.nn.Module, line: str):
+        self.module = module
+        self.line = line
+
+    def __call__(self) -> str:
+        own = type(self.module).extra_repr(self.module)
+        return ", ".join(x for x in (own, self.line) if x)
 
 
 def _count_pairs(key_valid: torch.Tensor | None, q_offset: int, lq: int, lk: int, b: int, h: int, causal: bool) -> torch.Tensor:
@@ -164,6 +201,8 @@ def run_layer(
     q_offset: int = 0,
     key_valid: torch.Tensor | None = None,
     causal: bool = False,
+    dropout: float = 0.0,
+    decline: str | None = None,
 ) -> torch.Tensor:
     """Run the patch's method for one attention call; what every adapter calls.
 
@@ -174,11 +213,22 @@ def run_layer(
         scale: attention scale.
         exact: computes the model's own exact attention for this call, ``[B, H, Lq, D]``.
         q_offset, key_valid, causal: see :class:`~attnpatch.patchers.state.LayerContext`.
+        dropout: the attention dropout probability of this call (non-zero only in training mode).
+        decline: a reason to run ``exact()`` for this call without asking the method (the adapter
+            found something the method cannot represent, e.g. an attention mask that is not causal
+            + padding); recorded as the layer's mode ``"dense:<reason>"``.
 
     Returns:
         ``[B, H, Lq, D]``: the method's output, or ``exact()`` where the method declines (and
         always ``exact()`` in a teacher-forced run, after recording the method's error).
+
+    Raises:
+        InferenceOnlyError: an approximate method called with autograd recording on inputs that
+            require grad, or with attention dropout (training mode): its gradients and dropout are
+            not implemented, so it refuses rather than return wrong gradients.
     """
+    if not handle.method.exact:
+        _check_inference(handle, layer, q, k, v, dropout)
     state = handle.state
     record = state is not None and state.record
     shared = state.shared if state is not None else {}
@@ -193,7 +243,10 @@ def run_layer(
     if timing:
         _sync(q.device)
         t0 = time.perf_counter()
-    out, rec = handle.method_forward(handle.config, q, k, v, ctx)
+    if decline is None:
+        out, rec = handle.method_forward(handle.config, q, k, v, ctx)
+    else:
+        out, rec = None, LayerRecord(layer, f"dense:{decline}", q.shape[2], k.shape[2])
     if state is not None and state.teacher_forced:
         ref = exact()
         if out is not None and rec is not None:
@@ -216,6 +269,57 @@ def run_layer(
     if state is not None and state.capture:
         state.outputs[layer] = out.detach()
     return out
+
+
+def needs_attention_tensors(handle: "PatchHandle") -> bool:
+    """Whether the current forward asks for per-layer ``q, k, v`` or attention outputs (capture,
+    teacher forcing, a probe); when it does not, an adapter may run an exact method (``dense``) as
+    the model's own module forward, bit for bit, through :func:`run_module`."""
+    state = handle.state
+    return state is not None and (state.capture or state.teacher_forced or state.probe is not None)
+
+
+def run_module(
+    handle: "PatchHandle", layer: int, forward: Callable[[], Any], *, batch: int, heads: int, queries: int, keys: int,
+    causal: bool = False,
+) -> Any:
+    """Run an exact method's layer as the model's own attention-module forward (``forward()``,
+    projections included), with the patch's timing and records (mode ``"dense"``, every pair kept).
+
+    Returns:
+        Whatever ``forward()`` returns.
+    """
+    state = handle.state
+    timing = state is not None and state.timing
+    if timing:
+        t0 = time.perf_counter()
+    out = forward()
+    if timing:
+        first = out[0] if isinstance(out, tuple) else out
+        if isinstance(first, torch.Tensor):
+            _sync(first.device)
+        state.attention_seconds += time.perf_counter() - t0
+    if state is not None and state.record:
+        rec = LayerRecord(layer, "dense", queries, keys)
+        rec.causal_pairs = _count_pairs(None, keys - queries if causal else 0, queries, keys, batch, heads, causal)
+        rec.kept_pairs = rec.causal_pairs.clone()
+        state.layers[layer] = rec
+    return out
+
+
+def _check_inference(handle: "PatchHandle", layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float) -> None:
+    name = handle.method.name
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        raise InferenceOnlyError(
+            f"{type(handle.model).__name__} patched with {name!r}: the method is inference-only (its gradients are not "
+            f"implemented), but layer {layer} runs with autograd on inputs that require grad; run the model under "
+            "torch.no_grad() or torch.inference_mode(), or use method 'dense' (the model's own attention) for training"
+        )
+    if dropout > 0:
+        raise InferenceOnlyError(
+            f"{type(handle.model).__name__} patched with {name!r}: layer {layer} is called with attention dropout "
+            f"p={dropout} (training mode), which the method does not implement; call model.eval() first, or use method 'dense'"
+        )
 
 
 def undo_class_swap(undo: Any) -> None:
@@ -286,7 +390,10 @@ def _find_adapter(model: torch.nn.Module):
 
 _KIND_NOTE = {
     "vision": " (bidirectional attention; this method is causal-only)",
-    "text": " (a text encoder, e.g. CLIP's causal 77-token text transformer; only 'dense' fits it)",
+    "text": (
+        " (a text encoder: BERT-style bidirectional, or CLIP's / SigLIP's text transformer; the approximate methods "
+        "are built for ViT image tokens (CLS + patches) and causal LM prefill, so only 'dense' fits it)"
+    ),
 }
 
 
@@ -338,7 +445,23 @@ def _choose_towers(model: torch.nn.Module, adapter, kinds: dict[str, str], tower
 
 
 def _fits(method: Method, kind: str) -> bool:
-    return kind in method.model_kinds or method.name == "dense"  # dense is exact attention: it fits every tower
+    return method.fits(kind)
+
+
+def _check_features(model: torch.nn.Module, method: Method, adapter, handle: "PatchHandle") -> None:
+    """Refuse a model whose routed attention uses a feature (sliding windows, soft-capping, ...) the method lacks."""
+    fn = getattr(adapter, "features", None)
+    lacking = method.lacks(fn(handle) if fn is not None else {})
+    if lacking:
+        from .registry import MODEL_FEATURES
+
+        what = "; ".join(f"{MODEL_FEATURES.get(f, f)}: {d}" for f, d in lacking.items())
+        supported = ", ".join(MODEL_FEATURES[f] for f in sorted(method.supports)) or "none of them"
+        raise UnsupportedModelError(
+            f"{type(model).__name__} uses {what}. Method {method.name!r} implements full attention without these "
+            f"features (of the model features it checks, it supports {supported}), so its output would be silently "
+            "different from the model's; use method 'dense' (the model's own attention), or a model without them"
+        )
 
 
 def patch(model: torch.nn.Module, method: str = "anchor_attention", *, towers: Any = None, **options: Any) -> torch.nn.Module:
@@ -400,6 +523,7 @@ def patch(model: torch.nn.Module, method: str = "anchor_attention", *, towers: A
         kind = "+".join(dict.fromkeys(kinds[t] for t in chosen))
     handle = PatchHandle(model, m, full, adapter, kind, towers=chosen, tower_kinds=kinds)
     adapter.check(handle)
+    _check_features(model, m, adapter, handle)
     if m.check is not None:
         m.check(handle.config, adapter.layer_count(handle))
     handle.install()

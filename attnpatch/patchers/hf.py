@@ -53,19 +53,24 @@ def attention_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module
 _SUB_TOWERS = {"vision_config": "vision", "text_config": "text"}
 
 
-def _tower_of(module: torch.nn.Module) -> str:
-    """``"vision"`` / ``"text"`` from the module's config (``base_config_key``), else from its causality."""
+def _tower_of(module: torch.nn.Module, image_model: bool) -> str:
+    """``"vision"`` / ``"text"`` from the module's config (``base_config_key``), else ``"vision"`` for
+    the bidirectional attention of an image model (``main_input_name == "pixel_values"``) and
+    ``"text"`` for everything else (causal LMs, and text encoders such as BERT)."""
     key = getattr(getattr(module, "config", None), "base_config_key", "") or ""
     if key in _SUB_TOWERS:
         return _SUB_TOWERS[key]
-    return "text" if bool(getattr(module, "is_causal", False)) else "vision"
+    if bool(getattr(module, "is_causal", False)):
+        return "text"
+    return "vision" if image_model else "text"
 
 
 def _towers(model: torch.nn.Module) -> dict[str, list[tuple[str, torch.nn.Module]]]:
     """Tower name -> its attention modules (in model order); the vision tower first, as in open_clip."""
+    image_model = getattr(model, "main_input_name", None) == "pixel_values"
     out: dict[str, list] = {}
     for n, m in attention_modules(model):
-        out.setdefault(_tower_of(m), []).append((n, m))
+        out.setdefault(_tower_of(m, image_model), []).append((n, m))
     return dict(sorted(out.items(), key=lambda kv: kv[0] != "vision"))
 
 
@@ -122,6 +127,94 @@ def _key_layout(attention_mask: torch.Tensor | None, lq: int, lk: int) -> tuple[
     return last_pos + 1 - lq, last
 
 
+def _allowed(attention_mask: torch.Tensor) -> torch.Tensor:
+    """A 4-D mask as bool "may attend" (an additive float mask: entries above half the dtype's minimum)."""
+    if attention_mask.dtype == torch.bool:
+        return attention_mask
+    return attention_mask > torch.finfo(attention_mask.dtype).min / 2
+
+
+def _mask_is_layout(attention_mask: torch.Tensor, lq: int, lk: int, q_offset: int, key_valid: torch.Tensor, causal: bool) -> bool:
+    """Whether the 4-D mask is exactly what ``(q_offset, key_valid, causal)`` describes.
+
+    The methods see a call only as causal (or bidirectional) attention over the valid keys; any
+    other mask (packed documents, sliding windows, bidirectional image spans, per-head masks) is
+    not representable. A query row with no valid key (a padding query) may be fully masked or fully
+    open. Checked in query chunks (no second ``[B, Lq, Lk]`` buffer at long prompts).
+    """
+    b = attention_mask.shape[0]
+    valid = key_valid[:, None, None, :]  # [B, 1, 1, Lk]
+    cols = torch.arange(lk, device=attention_mask.device)
+    for i in range(0, lq, 1024):
+        rows = torch.arange(i, min(lq, i + 1024), device=attention_mask.device)
+        got = _allowed(attention_mask[:, :, i : i + 1024, :lk])
+        want = valid.expand(b, 1, len(rows), lk)
+        if causal:
+            want = want & (cols[None, :] <= (q_offset + rows)[:, None])[None, None]
+        # a row with no valid key (a padding query) may come fully masked or fully open (some
+        # versions unmask such rows for SDPA); any other row must match exactly
+        empty = ~want.any(-1, keepdim=True)
+        ok = (got == want).all(-1, keepdim=True) | (empty & (got.all(-1, keepdim=True) | ~got.any(-1, keepdim=True)))
+        if not bool(ok.all()):
+            return False
+    return True
+
+
+def _mask_checked(handle: PatchHandle, attention_mask, lq: int, lk: int, q_offset: int, key_valid, causal: bool) -> bool:
+    """:func:`_mask_is_layout`, once per mask tensor and forward call (the layers share the model's mask)."""
+    state = handle.state
+    key = (attention_mask.data_ptr(), tuple(attention_mask.shape), lq, lk, q_offset, causal)
+    cache = state.shared.setdefault("_mask_layout", {}) if state is not None else {}
+    if key not in cache:
+        cache[key] = _mask_is_layout(attention_mask, lq, lk, q_offset, key_valid, causal)
+    return cache[key]
+
+
+def _eager_mask(attention_mask: torch.Tensor | None, lq: int, lk: int, causal: bool, dtype: torch.dtype, device) -> torch.Tensor | None:
+    """The additive float mask ``transformers``' eager implementation gets (``masking_utils.eager_mask``:
+    0 where attending, the dtype's minimum elsewhere) from the bool mask built for the patch
+    (``sdpa_mask``, which may skip a plain causal mask: ``None`` with several queries means causal)."""
+    if attention_mask is None:
+        if not causal or lq == 1:
+            return None
+        attention_mask = torch.ones(lq, lk, dtype=torch.bool, device=device).tril(lk - lq)[None, None]
+    if attention_mask.dtype != torch.bool:
+        return attention_mask
+    return torch.where(attention_mask, torch.zeros((), device=attention_mask.device, dtype=dtype), torch.finfo(dtype).min)
+
+
+def _original_attention(module, original: str | None):
+    """``(function, mask_kind)`` of the model's own attention implementation ``original``: the
+    module's ``eager_attention_forward`` (``"eager"``, additive float mask), or the function
+    registered under that name in ``AttentionInterface`` (bool mask as built for the patch; exact
+    for ``"sdpa"``; other registered implementations get the same mask SDPA does)."""
+    import sys
+
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if original == "eager" or original is None:
+        fn = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+        if fn is not None:
+            return fn, "eager"
+    if original and original not in ("eager", ATTN_NAME) and original in ALL_ATTENTION_FUNCTIONS:
+        return ALL_ATTENTION_FUNCTIONS[original], "bool"
+    return sdpa_attention_forward, "bool"
+
+
+def _attentions_requested() -> bool:
+    """Whether the current ``transformers`` forward collects attention weights (``output_attentions=True``)."""
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:  # pragma: no cover - older transformers
+        return False
+    try:
+        collected = _active_collector.get()
+    except LookupError:
+        return False
+    return isinstance(collected, dict) and "attentions" in collected
+
+
 def _dispatch(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None, **kwargs):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -131,18 +224,46 @@ def _dispatch(module, query, key, value, attention_mask, dropout: float = 0.0, s
     lq, lk, d = query.shape[2], key.shape[2], query.shape[3]
     scale = scaling if scaling is not None else d**-0.5
     q_offset, key_valid = _key_layout(attention_mask, lq, lk)
-
-    def exact() -> torch.Tensor:
-        out = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)[0]
-        return out.transpose(1, 2)
-
     # CLIP's text attention modules say is_causal=False but are called with is_causal=True and a causal mask
     causal = bool(getattr(module, "is_causal", True)) or bool(kwargs.get("is_causal", False))
+    fn, mask_kind = _original_attention(module, getattr(module, "_attnpatch_original", None))
+    weights: list[Any] = [None]
+
+    def exact() -> torch.Tensor:
+        mask = attention_mask
+        if mask_kind == "eager":
+            mask = _eager_mask(attention_mask, lq, lk, causal, query.dtype, query.device)
+        out, w = fn(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
+        weights[0] = w
+        return out.transpose(1, 2)
+
+    decline = None
+    if not handle.method.exact:
+        found = {n: kwargs.get(n) for n in ("sliding_window", "softcap") if kwargs.get(n) is not None}
+        if found:  # patch() refuses such models; a model that sets them only at call time is refused here
+            raise UnsupportedModelError(
+                f"{type(handle.model).__name__} layer {module._attnpatch_layer} is called with "
+                + ", ".join(f"{n}={v}" for n, v in found.items())
+                + f", which method {handle.method.name!r} does not implement; use method 'dense'"
+            )
+        if attention_mask is not None and not _mask_checked(handle, attention_mask, lq, lk, q_offset, key_valid, causal):
+            decline = "mask"
+            handle.say(
+                f"{type(handle.model).__name__} was called with an attention mask that is not "
+                f"{'causal' if causal else 'bidirectional'} attention over the non-padding keys (e.g. packed documents, "
+                f"a custom 4-D mask); method {handle.method.name!r} cannot represent it, so such calls run the model's "
+                "own attention (recorded as mode 'dense:mask')"
+            )
     out = run_layer(
         handle, module._attnpatch_layer, query, key, value, scale=scale, exact=exact, q_offset=q_offset,
-        key_valid=key_valid, causal=causal,
+        key_valid=key_valid, causal=causal, dropout=float(dropout or 0.0), decline=decline,
     )
-    return out.transpose(1, 2).contiguous(), None
+    if weights[0] is None and _attentions_requested():
+        handle.say(
+            f"output_attentions=True: method {handle.method.name!r} forms no attention matrix, so the patched layers "
+            "return None for their attention weights (method 'dense' on a model loaded with attn_implementation='eager' returns them)"
+        )
+    return out.transpose(1, 2).contiguous(), weights[0]
 
 
 def _block_of(model: torch.nn.Module, name: str) -> torch.nn.Module | None:
@@ -224,11 +345,38 @@ class HFAdapter:
         return len(routed_modules(handle))
 
     @staticmethod
+    def features(handle: PatchHandle) -> dict[str, str]:
+        """Model features (keys of :data:`~attnpatch.patchers.registry.MODEL_FEATURES`) the routed
+        attention modules use, each with where it was found: sliding windows (a module's
+        ``sliding_window``, or ``config.sliding_window`` where the model applies it to every layer,
+        as Mistral and Phi-3 do, unless ``use_sliding_window`` is false), layer types other than
+        full attention (``config.layer_types``), and logit soft-capping (``attn_logit_softcapping``)."""
+        found: dict[str, list[str]] = {}
+        for name, m in routed_modules(handle):
+            cfg = getattr(m, "config", None) or handle.model.config
+            li = getattr(m, "layer_idx", None)
+            types = getattr(cfg, "layer_types", None)
+            ltype = types[li] if isinstance(types, (list, tuple)) and isinstance(li, int) and li < len(types) else None
+            if "sliding_window" in m.__dict__ or hasattr(type(m), "sliding_window"):
+                window = getattr(m, "sliding_window", None)
+            elif getattr(cfg, "use_sliding_window", True) is False:
+                window = None
+            else:
+                window = getattr(cfg, "sliding_window", None)
+            if window is not None:
+                found.setdefault("sliding_window", []).append(f"{name} (window {window} tokens)")
+            elif ltype is not None and ltype != "full_attention":
+                found.setdefault("layer_types", []).append(f"{name} ({ltype!r})")
+            cap = getattr(m, "attn_logit_softcapping", getattr(cfg, "attn_logit_softcapping", None))
+            if cap is not None:
+                found.setdefault("softcap", []).append(f"{name} (cap {cap})")
+        return {f: (v[0] if len(v) == 1 else f"{v[0]} and {len(v) - 1} more layers") for f, v in found.items()}
+
+    @staticmethod
     def check(handle: PatchHandle) -> None:
         """Method-specific checks against the model geometry.
 
         Raises:
-            UnsupportedModelError: sliding-window layers under a method that assumes full causal attention.
             OptionError: layer or head indices out of range.
         """
         from ..errors import OptionError
@@ -238,13 +386,6 @@ class HFAdapter:
         text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
         n_layers = len(routed_modules(handle))
         n_heads = getattr(text_cfg, "num_attention_heads", None)
-        types = getattr(text_cfg, "layer_types", None) or []
-        routes_lm = any(handle.tower_kinds.get(t) == "causal_lm" for t in handle.towers) if handle.tower_kinds else True
-        if handle.method.name != "dense" and routes_lm and any(t != "full_attention" for t in types):
-            raise UnsupportedModelError(
-                f"{type(model).__name__} has layer types {sorted(set(types))}; method {handle.method.name!r} "
-                "supports full causal attention layers only (no sliding-window layers)"
-            )
         opts = handle.options
         for li in opts.get("dense_layers", ()):
             if not 0 <= li < n_layers:
@@ -298,6 +439,7 @@ class HFAdapter:
         hooks = []
         for i, (name, m, tower) in enumerate(routed):
             m._attnpatch = handle
+            m._attnpatch_original = getattr(getattr(m, "config", None), "_attn_implementation", None) or model.config._attn_implementation
             li = getattr(m, "layer_idx", None)
             # encoders often carry no layer_idx; with several towers, number the routed modules in order
             m._attnpatch_layer = int(li) if isinstance(li, int) and not multi else i
@@ -316,7 +458,8 @@ class HFAdapter:
         )
         if not switched or not others_kept:
             for _, m in mods:
-                del m._attnpatch, m._attnpatch_layer
+                for attr in ("_attnpatch", "_attnpatch_layer", "_attnpatch_original"):
+                    m.__dict__.pop(attr, None)
             for h in hooks:
                 h.remove()
             try:
@@ -338,5 +481,5 @@ class HFAdapter:
             h.remove()
         handle.model.set_attn_implementation(original)
         for _, m in mods:
-            for attr in ("_attnpatch", "_attnpatch_layer"):
+            for attr in ("_attnpatch", "_attnpatch_layer", "_attnpatch_original"):
                 m.__dict__.pop(attr, None)

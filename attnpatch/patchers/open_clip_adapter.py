@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import UnsupportedModelError
-from .core import PatchHandle, input_hook, run_layer, undo_class_swap
+from .core import PatchHandle, input_hook, needs_attention_tensors, run_layer, run_module, undo_class_swap
 
 __all__ = ["OpenClipAdapter", "tower_modules"]
 
@@ -128,20 +128,26 @@ def _mha_forward(
         key is query and value is query and key_padding_mask is None and not need_weights
         and self._qkv_same_embed_dim and self.bias_k is None and self.bias_v is None and not self.add_zero_attn
     )
-    if not plain:
-        if handle.method.name != "dense":
-            _refuse_mask(handle, self._attnpatch_tower, "cross-attention, a key padding mask, attention weights or bias_k/bias_v")
+    def own():
         return original.forward(
             self, query, key, value, key_padding_mask=key_padding_mask, need_weights=need_weights, attn_mask=attn_mask,
             average_attn_weights=average_attn_weights, is_causal=is_causal,
         )
+
+    if not plain:
+        if not handle.method.exact:
+            _refuse_mask(handle, self._attnpatch_tower, "cross-attention, a key padding mask, attention weights or bias_k/bias_v")
+        return own()
     x = query if self.batch_first else query.transpose(0, 1)
     b, n, e = x.shape
     h = self.num_heads
+    if handle.method.exact and not needs_attention_tensors(handle):  # the module's own forward, bit for bit
+        causal = attn_mask is not None or bool(is_causal)
+        return run_module(handle, self._attnpatch_layer, own, batch=b, heads=h, queries=n, keys=n, causal=causal)
     q, k, v = F.linear(x, self.in_proj_weight, self.in_proj_bias).reshape(b, n, 3, h, e // h).permute(2, 0, 3, 1, 4).unbind(0)
     mask = _additive_mask(attn_mask, b, h, n, q.dtype)
     causal = mask is not None or bool(is_causal)
-    if causal and handle.method.name != "dense" and self._attnpatch_tower == "vision":
+    if causal and not handle.method.exact and self._attnpatch_tower == "vision":
         _refuse_mask(handle, "vision", "an attention mask or is_causal=True")
 
     def exact() -> torch.Tensor:
@@ -149,7 +155,8 @@ def _mha_forward(
             q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0, is_causal=bool(is_causal) and mask is None
         )
 
-    out = run_layer(handle, self._attnpatch_layer, q, k, v, scale=(e // h) ** -0.5, exact=exact, causal=causal)
+    dropout = self.dropout if self.training else 0.0
+    out = run_layer(handle, self._attnpatch_layer, q, k, v, scale=(e // h) ** -0.5, exact=exact, causal=causal, dropout=dropout)
     out = self.out_proj(out.transpose(1, 2).reshape(b, n, e))
     if not self.batch_first:
         out = out.transpose(0, 1)
@@ -161,10 +168,13 @@ def _attention_forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = N
     handle: PatchHandle = self._attnpatch
     b, n, c = x.shape
     h = self.num_heads
+    if handle.method.exact and not needs_attention_tensors(handle):  # the module's own forward, bit for bit
+        own = lambda: self._attnpatch_original_class.forward(self, x, attn_mask=attn_mask)  # noqa: E731
+        return run_module(handle, self._attnpatch_layer, own, batch=b, heads=h, queries=n, keys=n, causal=attn_mask is not None)
     q, k, v = F.linear(x, self.in_proj_weight, self.in_proj_bias).chunk(3, dim=-1)
     q, k, v = (t.reshape(b, n, h, -1).transpose(1, 2) for t in (q, k, v))
     mask = _additive_mask(attn_mask, b, h, n, q.dtype)
-    if mask is not None and handle.method.name != "dense" and self._attnpatch_tower == "vision":
+    if mask is not None and not handle.method.exact and self._attnpatch_tower == "vision":
         _refuse_mask(handle, "vision", "an attention mask")
     if self.logit_scale is not None:  # scaled cosine attention: fold the per-head logit scale into q
         q = F.normalize(q, dim=-1) * torch.clamp(self.logit_scale, max=self.logit_scale_max).exp()
@@ -179,7 +189,8 @@ def _attention_forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = N
             q, k, v, attn_mask=mask, dropout_p=self.attn_drop.p if self.training else 0.0, scale=scale
         )
 
-    out = run_layer(handle, self._attnpatch_layer, q, k, v, scale=scale, exact=exact, causal=mask is not None)
+    dropout = self.attn_drop.p if self.training else 0.0
+    out = run_layer(handle, self._attnpatch_layer, q, k, v, scale=scale, exact=exact, causal=mask is not None, dropout=dropout)
     if self.head_scale is not None:
         out = out * self.head_scale
     out = out.transpose(1, 2).reshape(b, n, c)
@@ -265,11 +276,14 @@ class OpenClipAdapter:
             UnsupportedModelError: the vision tower is routed but is a ``ModifiedResNet`` or a timm trunk.
         """
         if "vision" in handle.towers and _vision_root(handle.model) is None:
+            from .timm_adapter import TimmAdapter
+
             visual = getattr(handle.model, "visual", None)
             trunk = getattr(visual, "trunk", None)
             hint = (
-                f"; its timm trunk ({type(trunk).__name__}) can be patched directly: attnpatch.patch(model.visual.trunk, ...)"
-                if trunk is not None else ""
+                f"; its timm trunk ({type(trunk).__name__}) is a ViT and can be patched directly: attnpatch.patch(model.visual.trunk, ...)"
+                if trunk is not None and TimmAdapter.detect(trunk) is not None
+                else f"; its trunk ({type(trunk).__name__}) has no softmax attention layers to patch" if trunk is not None else ""
             )
             raise UnsupportedModelError(
                 f"open_clip {type(handle.model).__name__}: the image tower is a {type(visual).__module__}.{type(visual).__name__}, "

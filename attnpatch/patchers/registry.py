@@ -21,7 +21,7 @@ from ..attention.anchor import _KERNELS, _SELECT_DTYPES, AnchorConfig, anchor_at
 from ..errors import OptionError, UnknownMethodError
 from .state import LayerContext, LayerRecord
 
-__all__ = ["Option", "Method", "register_method", "get_method", "list_methods", "validate_options", "METHODS"]
+__all__ = ["Option", "Method", "register_method", "get_method", "list_methods", "validate_options", "METHODS", "MODEL_FEATURES"]
 
 
 @dataclass(frozen=True)
@@ -145,6 +145,10 @@ class Method:
             the model's exact attention for this call.
         check: ``check(config, num_layers)`` run at patch time against the model's depth
             (raises :class:`~attnpatch.errors.OptionError`), or ``None``.
+        exact: the method computes the model's own attention (``dense``): it fits every tower
+            and every model feature, and keeps autograd.
+        supports: the model features of :data:`MODEL_FEATURES` the method implements exactly;
+            ``patch()`` refuses a model that uses any other one (an exact method supports all).
     """
 
     name: str
@@ -155,6 +159,18 @@ class Method:
     make_config: Callable[[dict[str, Any]], Any]
     forward: Callable[..., tuple[torch.Tensor | None, LayerRecord]]
     check: Callable[[Any, int], None] | None = None
+    exact: bool = False
+    supports: frozenset[str] = frozenset()
+
+    def fits(self, kind: str) -> bool:
+        """Whether the method fits a tower of model kind ``kind`` (an exact method fits every kind)."""
+        return self.exact or kind in self.model_kinds
+
+    def lacks(self, features: dict[str, str]) -> dict[str, str]:
+        """The entries of ``features`` (model feature -> description) this method does not implement."""
+        if self.exact:
+            return {}
+        return {f: d for f, d in features.items() if f not in self.supports}
 
     def describe(self) -> dict[str, Any]:
         """Plain-data description: name, summary, source, model kinds, options with defaults and help."""
@@ -163,6 +179,8 @@ class Method:
             "summary": self.summary,
             "source": self.source,
             "model_kinds": sorted(self.model_kinds),
+            "exact": self.exact,
+            "supports": sorted(MODEL_FEATURES) if self.exact else sorted(self.supports),
             "options": {
                 o.name: {"kind": o.kind, "default": o.default, "help": o.help, **({"choices": list(o.choices)} if o.choices else {})}
                 for o in self.options.values()
@@ -171,6 +189,14 @@ class Method:
 
 
 METHODS: dict[str, Method] = {}
+
+#: Model features an attention method may or may not implement; the adapters report which ones a
+#: model uses (``adapter.features``) and :func:`attnpatch.patch` refuses a method that lacks one.
+MODEL_FEATURES: dict[str, str] = {
+    "sliding_window": "sliding-window (local) attention layers",
+    "softcap": "attention logit soft-capping (tanh(logits / cap) * cap)",
+    "layer_types": "attention layer types other than full attention",
+}
 
 
 def register_method(method: Method) -> Method:
@@ -322,5 +348,6 @@ register_method(
         model_kinds=frozenset({"causal_lm", "vision"}),
         make_config=_dense_config,
         forward=dense_forward,
+        exact=True,
     )
 )

@@ -63,12 +63,13 @@ def _patched_forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = Non
         attn = self.attn_drop(attn.softmax(dim=-1))
         return attn @ v
 
-    if (attn_mask is not None or is_causal) and handle.method.name != "dense":
+    if (attn_mask is not None or is_causal) and not handle.method.exact:
         raise UnsupportedModelError(
             f"method {handle.method.name!r} on a timm attention call with an attention mask or is_causal=True: "
             "only unmasked bidirectional attention is supported"
         )
-    out = run_layer(handle, self._attnpatch_layer, q, k, v, scale=self.scale, exact=exact, causal=False)
+    dropout = self.attn_drop.p if self.training else 0.0
+    out = run_layer(handle, self._attnpatch_layer, q, k, v, scale=self.scale, exact=exact, causal=False, dropout=dropout)
     out = out.transpose(1, 2).reshape(b, n, -1)
     out = self.norm(out)
     if gate is not None:

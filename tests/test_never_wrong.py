@@ -1,0 +1,258 @@
+"""Never silently wrong: model features and call patterns the approximate methods do not implement are
+refused at patch() time (or, for a call's own mask, run exactly and said so), autograd is refused, and
+``dense`` runs the model's own attention implementation bit for bit."""
+
+import warnings
+
+import pytest
+import torch
+
+from attnpatch import InferenceOnlyError, UnsupportedModelError, patch, patch_info, patched, record_stats, unpatch
+
+# every key kept: AnchorAttention's exact limit on a 200-token prompt
+ALL_KEYS = dict(theta=1e9, min_len=64, block_size=32, init_block=32, local_window=32, dense_last=32)
+
+
+def _tiny(model_cls, config_cls, seed=0, **kw):
+    base = dict(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+    )
+    base.update(kw)
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**base)).eval()
+    with torch.no_grad():  # sharp attention, so that a wrong mask or a missing cap shows in the logits
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(6.0)
+            layer.self_attn.k_proj.weight.mul_(6.0)
+    return model
+
+
+def _ids(n=200, b=1, seed=1):
+    return torch.randint(0, 128, (b, n), generator=torch.Generator().manual_seed(seed))
+
+
+def _mistral(window=48):
+    from transformers import MistralConfig, MistralForCausalLM
+
+    return _tiny(MistralForCausalLM, MistralConfig, sliding_window=window, attn_implementation="sdpa")
+
+
+def _llama(impl="sdpa"):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return _tiny(LlamaForCausalLM, LlamaConfig, attn_implementation=impl)
+
+
+def _gemma2(**kw):
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    return _tiny(Gemma2ForCausalLM, Gemma2Config, attn_implementation="eager", **kw)
+
+
+# --------------------------------------------------------------------------- 1. sliding windows
+
+
+@torch.no_grad()
+def test_sliding_window_without_layer_types_is_refused_and_dense_is_exact():
+    model = _mistral(48)
+    assert getattr(model.config, "layer_types", None) is None  # declared only as config.sliding_window
+    ids = _ids()
+    ref = model(ids).logits
+    with pytest.raises(UnsupportedModelError, match=r"MistralForCausalLM uses sliding-window .*window 48 tokens.*'anchor_attention'"):
+        patch(model, "anchor_attention", **ALL_KEYS)
+    assert patch_info(model) is None  # nothing half-applied
+    assert torch.equal(model(ids).logits, ref)
+    with patched(model, "dense"):
+        assert torch.equal(model(ids).logits, ref)
+    without = _mistral(None)  # the same architecture without a window is patched, and exact at its limit
+    ref = without(ids).logits
+    with patched(without, "anchor_attention", **ALL_KEYS):
+        assert torch.allclose(without(ids).logits, ref, atol=1e-5)
+
+
+def test_sliding_window_layer_types_are_refused_but_disabled_windows_are_not():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    sliding = _tiny(Qwen2ForCausalLM, Qwen2Config, use_sliding_window=True, sliding_window=32, max_window_layers=1)
+    with pytest.raises(UnsupportedModelError, match=r"Qwen2ForCausalLM uses sliding-window .*window 32 tokens"):
+        patch(sliding, "anchor_attention")
+    off = _tiny(Qwen2ForCausalLM, Qwen2Config, use_sliding_window=False, sliding_window=32)
+    patch(off, "anchor_attention")
+    unpatch(off)
+
+
+# --------------------------------------------------------------------------- 1. arbitrary 4-D masks
+
+
+@torch.no_grad()
+def test_block_diagonal_4d_mask_runs_exactly_and_says_so():
+    model = _llama()
+    n = 350
+    ids = _ids(n)
+    i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    packed = (((i < 200) == (j < 200)) & (j <= i))[None, None]  # two documents, 200 + 150 tokens
+    ref = model(ids, attention_mask=packed).logits
+    with patched(model, "dense"):
+        assert torch.equal(model(ids, attention_mask=packed).logits, ref)
+    with patched(model, "anchor_attention", **ALL_KEYS), record_stats(model) as rec:
+        with pytest.warns(UserWarning, match=r"attention mask that is not causal .*'dense:mask'"):
+            out = model(ids, attention_mask=packed).logits
+        plain = model(ids).logits  # a plain causal call is still sparse
+    assert (out - ref).abs().max() < 1e-5  # the first document's rows were all zero before (0.75)
+    assert {r.mode for r in rec.forwards[0].values()} == {"dense:mask"}
+    assert {r.mode for r in rec.forwards[1].values()} == {"sparse"}
+    assert torch.allclose(plain, model(ids).logits, atol=1e-5)
+
+
+# --------------------------------------------------------------------------- 1. soft-capping
+
+
+@torch.no_grad()
+def test_softcap_is_refused_and_dense_runs_the_eager_cap():
+    model = _gemma2(attn_logit_softcapping=5.0, layer_types=["full_attention", "full_attention"])
+    ids = _ids()
+    ref = model(ids).logits
+    with pytest.raises(UnsupportedModelError, match=r"Gemma2ForCausalLM uses attention logit soft-capping.*cap 5.0"):
+        patch(model, "anchor_attention", **ALL_KEYS)
+    with patched(model, "dense"):  # crashed before: the fallback was SDPA, which has no soft-capping
+        assert torch.equal(model(ids).logits, ref)
+
+
+@torch.no_grad()
+def test_default_gemma2_dense_is_bit_exact():
+    model = _gemma2(sliding_window=16)  # default layer types: sliding and full layers, soft-capping on
+    ids = _ids(100)
+    ref = model(ids).logits
+    with patched(model, "dense"):
+        assert torch.equal(model(ids).logits, ref)
+    with pytest.raises(UnsupportedModelError, match="sliding-window"):
+        patch(model, "anchor_attention")
+
+
+# --------------------------------------------------------------------------- 1. text encoders
+
+
+@torch.no_grad()
+def test_bert_is_a_text_encoder_only_dense_fits():
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    bert = BertModel(BertConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128)).eval()
+    ids = _ids(40, b=2)
+    mask = torch.ones_like(ids)
+    mask[1, 30:] = 0
+    ref = bert(ids, attention_mask=mask).last_hidden_state
+    for method in ("fna", "sink_mask", "fna+sink_mask", "anchor_attention"):
+        with pytest.raises(UnsupportedModelError, match=r"BertModel is a 'text' model \(a text encoder"):
+            patch(bert, method)
+    with patched(bert, "dense"):
+        assert patch_info(bert)["kind"] == "text"
+        assert torch.equal(bert(ids, attention_mask=mask).last_hidden_state, ref)
+
+
+# --------------------------------------------------------------------------- 2. autograd
+
+
+@pytest.mark.parametrize("method,opts", [("anchor_attention", dict(theta=8.0, min_len=64, block_size=32, init_block=32, local_window=32)),
+                                         ("anchor_attention", dict(theta=8.0, min_len=64, block_size=32, init_block=32, local_window=32, kernel="torch"))])
+def test_autograd_through_an_approximate_causal_method_is_refused(method, opts):
+    model = _llama()
+    ids = _ids()
+    with patched(model, method, **opts):
+        with pytest.raises(InferenceOnlyError, match=r"inference-only .*torch.no_grad\(\)"):
+            model(ids, labels=ids)
+        with torch.no_grad():
+            assert torch.isfinite(model(ids).logits).all()
+
+
+def test_autograd_through_vision_methods_is_refused_and_dense_keeps_gradients():
+    from transformers import Dinov2Config, Dinov2Model
+
+    torch.manual_seed(0)
+    vit = Dinov2Model(Dinov2Config(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, intermediate_size=128, image_size=112, patch_size=14)).eval()
+    x = torch.randn(2, 3, 112, 112)
+    for method, opts in (("fna", dict(s=16, sample_layer=0)), ("sink_mask", {})):
+        with patched(vit, method, **opts):
+            with pytest.raises(InferenceOnlyError, match=method):
+                vit(pixel_values=x).pooler_output.sum().backward()
+    vit.zero_grad()
+    vit(pixel_values=x).pooler_output.sum().backward()
+    ref = {n: p.grad.clone() for n, p in vit.named_parameters() if p.grad is not None}
+    vit.zero_grad()
+    with patched(vit, "dense"):
+        vit(pixel_values=x).pooler_output.sum().backward()
+    got = {n: p.grad for n, p in vit.named_parameters() if p.grad is not None}
+    assert got.keys() == ref.keys() and len(ref) > 20
+    assert all(torch.equal(got[n], ref[n]) for n in ref)
+
+
+def test_attention_dropout_in_training_mode_is_refused():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = _tiny(LlamaForCausalLM, LlamaConfig, attention_dropout=0.1, attn_implementation="sdpa").train()
+    with patched(model, "anchor_attention", **ALL_KEYS), torch.no_grad():
+        with pytest.raises(InferenceOnlyError, match=r"attention dropout p=0.1 .*model.eval\(\)"):
+            model(_ids())
+
+
+# --------------------------------------------------------------------------- 6. dense is the model's own attention
+
+
+@torch.no_grad()
+def test_dense_on_eager_llama_is_bit_exact_and_returns_attention_weights():
+    model = _llama("eager")
+    ids = _ids()
+    ref = model(ids, output_attentions=True)
+    with patched(model, "dense"):
+        out = model(ids, output_attentions=True)
+    assert torch.equal(out.logits, ref.logits)
+    assert len(out.attentions) == 2 and all(torch.equal(a, b) for a, b in zip(out.attentions, ref.attentions, strict=True))
+
+
+@torch.no_grad()
+def test_output_attentions_under_an_approximate_method_warns():
+    model = _llama("eager")
+    ids = _ids()
+    with patched(model, "anchor_attention", theta=8.0, min_len=64, block_size=32, init_block=32, local_window=32):
+        with pytest.warns(UserWarning, match=r"output_attentions=True: method 'anchor_attention' forms no attention matrix"):
+            out = model(ids, output_attentions=True)
+    assert all(a is None for a in out.attentions)
+
+
+@torch.no_grad()
+def test_dense_on_open_clip_vit_b32_is_bit_exact():
+    open_clip = pytest.importorskip("open_clip")
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = open_clip.create_model("ViT-B-32").eval()
+    x = torch.randn(2, 3, 224, 224)
+    ref = model.encode_image(x)
+    with patched(model, "dense"):
+        assert torch.equal(model.encode_image(x), ref)
+        with record_stats(model) as rec:  # the per-layer records still come
+            model.encode_image(x)
+    assert len(rec.forwards[0]) == 12 and {r.mode for r in rec.forwards[0].values()} == {"dense"}
+
+
+def test_repr_shows_the_patch_and_unpatch_removes_it():
+    model = _llama()
+    before = repr(model)
+    patch(model, "anchor_attention", theta=8.0)
+    text = repr(model)
+    assert "attnpatch=anchor_attention(theta=8.0)" in text.splitlines()[1]
+    assert "attnpatch=anchor_attention(theta=8.0), layer=1" in text
+    unpatch(model)
+    assert repr(model) == before
+
+
+def test_open_clip_convnext_refusal_does_not_suggest_patching_the_trunk():
+    open_clip = pytest.importorskip("open_clip")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = open_clip.create_model("convnext_tiny").eval()
+    with pytest.raises(UnsupportedModelError) as err:
+        patch(model, "fna")
+    assert "has no softmax attention layers to patch" in str(err.value)
+    assert "patch(model.visual.trunk" not in str(err.value)
