@@ -23,8 +23,10 @@ def _tiny(model_cls, config_cls, seed=0, **kw):
     model = model_cls(config_cls(**base)).eval()
     with torch.no_grad():  # sharp attention, so that a wrong mask or a missing cap shows in the logits
         for layer in model.model.layers:
-            layer.self_attn.q_proj.weight.mul_(6.0)
-            layer.self_attn.k_proj.weight.mul_(6.0)
+            attn = layer.self_attn
+            for proj in ("q_proj", "k_proj", "qkv_proj"):  # Phi-3 packs q, k, v in one projection
+                if hasattr(attn, proj):
+                    getattr(attn, proj).weight.mul_(6.0)
     return model
 
 
@@ -256,3 +258,48 @@ def test_open_clip_convnext_refusal_does_not_suggest_patching_the_trunk():
         patch(model, "fna")
     assert "has no softmax attention layers to patch" in str(err.value)
     assert "patch(model.visual.trunk" not in str(err.value)
+
+
+# --------------------------------------------------------------------------- families
+
+
+def _family(name):
+    import transformers as T
+
+    families = {
+        "phi3": (T.Phi3ForCausalLM, T.Phi3Config, {"pad_token_id": 0}),
+        "gemma": (T.GemmaForCausalLM, T.GemmaConfig, {}),
+        "gemma2": (T.Gemma2ForCausalLM, T.Gemma2Config, {"attn_implementation": "eager"}),
+        "gemma3": (T.Gemma3ForCausalLM, T.Gemma3TextConfig, {"attn_implementation": "eager"}),
+        "mixtral": (T.MixtralForCausalLM, T.MixtralConfig, {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None}),
+        "qwen2_moe": (T.Qwen2MoeForCausalLM, T.Qwen2MoeConfig, {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32}),
+        "olmo2": (T.Olmo2ForCausalLM, T.Olmo2Config, {}),
+    }
+    model_cls, config_cls, kw = families[name]
+    return _tiny(model_cls, config_cls, **{"attn_implementation": "sdpa", **kw})
+
+
+@pytest.mark.parametrize("family,refused", [
+    ("phi3", None), ("gemma", None), ("gemma2", "sliding-window"), ("gemma3", "sliding-window"), ("mixtral", None),
+    ("qwen2_moe", None), ("olmo2", None),
+])
+@torch.no_grad()
+def test_families_dense_bit_exact_and_anchor_exact_limit_or_refused(family, refused):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = _family(family)
+    ids = _ids(200, b=2)
+    mask = torch.ones_like(ids)
+    mask[1, :23] = 0  # left padding
+    ref = model(ids, attention_mask=mask).logits
+    with patched(model, "dense"):
+        assert torch.equal(model(ids, attention_mask=mask).logits, ref)
+    if refused:
+        with pytest.raises(UnsupportedModelError, match=refused):
+            patch(model, "anchor_attention", **ALL_KEYS)
+        return
+    with patched(model, "anchor_attention", **ALL_KEYS), record_stats(model) as rec:
+        out = model(ids, attention_mask=mask).logits
+    assert {r.mode for r in rec.forwards[0].values()} == {"sparse"}
+    valid = mask.bool()
+    assert (out[valid] - ref[valid]).abs().max() < 1e-5

@@ -185,20 +185,18 @@ def _eager_mask(attention_mask: torch.Tensor | None, lq: int, lk: int, causal: b
 
 def _original_attention(module, original: str | None):
     """``(function, mask_kind)`` of the model's own attention implementation ``original``: the
-    module's ``eager_attention_forward`` (``"eager"``, additive float mask), or the function
-    registered under that name in ``AttentionInterface`` (bool mask as built for the patch; exact
-    for ``"sdpa"``; other registered implementations get the same mask SDPA does)."""
+    module's ``eager_attention_forward`` for ``"eager"`` (with the additive float mask eager gets),
+    and ``transformers``' SDPA function otherwise (the bool mask built for the patch). Both are the
+    unpatched model's computation bit for bit; other implementations (flash, flex: their masks
+    have other formats) run as SDPA, the same attention up to rounding."""
     import sys
 
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     if original == "eager" or original is None:
         fn = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
         if fn is not None:
             return fn, "eager"
-    if original and original not in ("eager", ATTN_NAME) and original in ALL_ATTENTION_FUNCTIONS:
-        return ALL_ATTENTION_FUNCTIONS[original], "bool"
     return sdpa_attention_forward, "bool"
 
 
