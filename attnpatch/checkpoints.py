@@ -55,6 +55,12 @@ class ChecksumError(AttnpatchError, OSError):
     """A GGUF file (downloaded or assembled from parts) whose size or sha256 is not the catalogue's."""
 
 
+class ModelFileError(ModelNotFoundError):
+    """A file of a local model folder that cannot be used, named in the message: a JSON file
+    (``config.json``, tokenizer or processor config) that does not parse, a truncated or corrupt
+    weights file, a causal LM folder without tokenizer files, or a folder of another kind of model."""
+
+
 @dataclass(frozen=True)
 class Part:
     """One file of a catalogue entry: ``path`` inside the folder of package ``module``."""
@@ -499,6 +505,111 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 _COMPANION_FILES = {"causal_lm": "tokenizer files", "vision": "preprocessor_config.json"}
 
 
+#: JSON files a saved transformers / open_clip folder may hold; each one present must parse.
+_JSON_FILES = (
+    "config.json", "generation_config.json", "tokenizer_config.json", "tokenizer.json", "special_tokens_map.json",
+    "added_tokens.json", "vocab.json", "preprocessor_config.json", "processor_config.json",
+    "model.safetensors.index.json", "pytorch_model.bin.index.json", "open_clip_config.json",
+)
+#: Files that hold a tokenizer's vocabulary (one of them, or a ``*.tiktoken``, must be present for a causal LM).
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model", "sentencepiece.bpe.model")
+_CLIP_TYPES = ("clip", "siglip", "siglip2", "chinese_clip", "altclip", "metaclip_2", "owlvit", "owlv2", "blip", "x_clip")
+_KIND_WORDS = {
+    "causal_lm": ("a causal LM", "load_causal_lm (CLI: attnpatch eval ruler)"),
+    "vision": ("a ViT image encoder", "load_vision_model (CLI: attnpatch eval fidelity|knn|linear-probe|retrieval)"),
+    "clip": ("a CLIP-style dual encoder", "attnpatch.clip_models.load_clip (CLI: attnpatch eval zeroshot|clip-retrieval)"),
+}
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def _check_safetensors(path: Path, fix: str) -> None:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:  # reads and checks the header only
+            f.keys()
+    except Exception as err:  # noqa: BLE001 - SafetensorError, OSError ...: all mean the file is unusable
+        raise ModelFileError(
+            f"{path}: not a readable safetensors file ({type(err).__name__}: {_first_line(err)}); "
+            f"it is truncated or corrupt: {fix}"
+        ) from None
+
+
+def check_model_files(folder: str | os.PathLike, fix: str = "re-save or re-download it") -> None:
+    """Check the files of a local model folder before loading it, naming the first bad file.
+
+    Cheap (nothing is loaded): every JSON file of :data:`_JSON_FILES` present must parse, every
+    ``*.safetensors`` file must have a complete header covering the file (``safetensors.safe_open``;
+    a truncated file fails here), a ``*.bin`` that is a zip archive (torch's format) must have its
+    central directory (a truncated one has none), and the shards a ``*.index.json`` names must exist.
+
+    Args:
+        folder: the model folder.
+        fix: what the message tells the user to do about a bad file.
+
+    Raises:
+        ModelFileError: the first bad file, named, with what is wrong with it.
+    """
+    import zipfile
+
+    folder = Path(os.path.abspath(os.path.expanduser(os.fspath(folder))))
+    for name in _JSON_FILES:
+        f = folder / name
+        if not f.is_file():
+            continue
+        try:
+            data = json.loads(f.read_text(encoding="utf-8"))
+        except (ValueError, UnicodeDecodeError) as err:
+            raise ModelFileError(f"{f}: not valid JSON ({_first_line(err)}); the file is truncated or corrupt: {fix}") from None
+        except OSError as err:
+            raise ModelFileError(f"{f}: cannot be read ({err.strerror or _first_line(err)})") from None
+        if name.endswith(".index.json"):
+            shards = sorted(set((data.get("weight_map") or {}).values())) if isinstance(data, dict) else []
+            missing = [sh for sh in shards if not (folder / sh).is_file()]
+            if missing:
+                raise ModelFileError(f"{f}: names weight shard(s) that are not in the folder: {', '.join(missing[:5])}; {fix}")
+    for f in sorted(folder.glob("*.safetensors")):
+        _check_safetensors(f, fix)
+    for f in sorted(folder.glob("*.bin")):
+        with open(f, "rb") as fh:
+            is_zip = fh.read(2) == b"PK"
+        if is_zip and not zipfile.is_zipfile(f):
+            raise ModelFileError(f"{f}: a truncated or corrupt torch weights file (zip archive without its directory); {fix}")
+
+
+def _config_kind(folder: Path) -> tuple[str | None, str]:
+    """``(kind, architecture)`` a saved model's ``config.json`` declares: ``"clip"`` (a dual encoder),
+    ``"causal_lm"``, ``"vision"`` (a ViT image encoder), or ``None`` when it cannot tell."""
+    try:
+        cfg = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None, "?"
+    if not isinstance(cfg, dict):
+        return None, "?"
+    archs = [str(a) for a in (cfg.get("architectures") or [])]
+    mtype = str(cfg.get("model_type", ""))
+    arch = archs[0] if archs else (mtype or "?")
+    if mtype.endswith("_vision_model") or any(a.endswith(("VisionModel", "VisionModelWithProjection")) for a in archs):
+        return "vision", arch  # e.g. CLIPVisionModel: the image tower alone is a ViT image encoder
+    if mtype in _CLIP_TYPES or ("vision_config" in cfg and "text_config" in cfg) or any("CLIP" in a or "Siglip" in a for a in archs):
+        return "clip", arch
+    if any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs):
+        return "causal_lm", arch
+    if "patch_size" in cfg and "image_size" in cfg and "vocab_size" not in cfg:
+        return "vision", arch
+    return None, arch
+
+
+def _wrong_kind(where: str, got: str, arch: str, kind: str) -> UnsupportedModelError:
+    what, loader = _KIND_WORDS[got]
+    want, _ = _KIND_WORDS[kind]
+    return UnsupportedModelError(f"{where} is {what} ({arch}), not {want}; load it with {loader}")
+
+
 def _resolve(name_or_path: str | os.PathLike, kind: str, log: Log) -> tuple[str, str | Path, str, dict]:
     """Where to load ``name_or_path`` from: ``(name, folder or hub id, description, from_pretrained kwargs)``.
 
@@ -511,7 +622,9 @@ def _resolve(name_or_path: str | os.PathLike, kind: str, log: Log) -> tuple[str,
     path = Path(name).expanduser()
     if name in CATALOGUE:
         _check_kind(name, kind)
-        return name, prepare(name, log=log), f"catalogue {name}", kwargs
+        folder = prepare(name, log=log)
+        check_model_files(folder, fix=f"delete {folder} to have it prepared again")
+        return name, folder, f"catalogue {name}", kwargs
     if path.exists() or not _HUB_ID.match(name):
         if not path.is_dir():
             raise ModelNotFoundError(
@@ -519,10 +632,16 @@ def _resolve(name_or_path: str | os.PathLike, kind: str, log: Log) -> tuple[str,
                 f"directory" + (" (it is a file)" if path.exists() else f": {path.resolve()} does not exist")
             )
         if not (path / "config.json").is_file():
+            if (path / "open_clip_config.json").is_file():
+                raise _wrong_kind(f"{path.resolve()} (an open_clip folder)", "clip", "open_clip", kind)
             raise ModelNotFoundError(
                 f"{path.resolve()} holds no config.json, so it is not a saved transformers model "
                 f"(expected config.json + model weights + {_COMPANION_FILES[kind]}, as written by save_pretrained)"
             )
+        check_model_files(path)
+        got, arch = _config_kind(path)
+        if got is not None and got != kind:
+            raise _wrong_kind(str(path.resolve()), got, arch, kind)
         return name, path, f"directory {path}", kwargs
     if _env_true("HF_HUB_OFFLINE") or _env_true("TRANSFORMERS_OFFLINE") or not _hub_cached_or_reachable(name):
         # huggingface_hub reads HF_HUB_OFFLINE once at import (honour a later setting too), and an
@@ -585,27 +704,60 @@ def load_causal_lm(name_or_path: str | os.PathLike, dtype=None, device="cpu", lo
             that cannot be downloaded (hub unreachable, offline mode, repo not found) -- the
             message lists the catalogue names as offline alternatives; a catalogue package that
             cannot be downloaded.
+        ModelFileError: a local folder (or prepared catalogue folder) with a bad file, named in
+            the message and checked before anything is loaded (:func:`check_model_files`: a JSON file
+            that does not parse, a truncated ``*.safetensors``); no tokenizer files (``tokenizer.json``,
+            ``tokenizer.model``, ``vocab.json`` ...), or a tokenizer that encodes text to no tokens;
+            any other failure of ``from_pretrained`` on a local folder (one line, naming the folder).
         ChecksumError: a catalogue GGUF with the wrong size or sha256.
-        UnsupportedModelError: a catalogue name of a vision model (use :func:`load_vision_model`).
+        UnsupportedModelError: a catalogue name of a vision model (use :func:`load_vision_model`),
+            or a local folder whose ``config.json`` is a ViT or a CLIP-style model (the message
+            says which loader takes it).
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dtype = torch.float32 if dtype is None else dtype
     name, folder, source, kwargs = _resolve(name_or_path, "causal_lm", log)
+    local = isinstance(folder, Path)
+    if local and not any((folder / f).is_file() for f in _TOKENIZER_FILES) and not any(folder.glob("*.tiktoken")):
+        raise ModelFileError(
+            f"{folder.resolve()} holds no tokenizer files ({', '.join(_TOKENIZER_FILES[:3])} ...): a causal LM folder "
+            f"needs its tokenizer; save it next to the model (tokenizer.save_pretrained(folder))"
+        )
 
     log(f"loading {source} ({dtype}, {device}) ...")
     t0 = time.perf_counter()
+    what = "tokenizer"
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, **kwargs)
+        what = "model"
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kwargs)
-    except OSError as err:
-        if source.startswith("hub id"):
+    except Exception as err:  # noqa: BLE001 - transformers raises OSError, ValueError, SafetensorError ...
+        if source.startswith("hub id") and isinstance(err, OSError):
             raise _hub_error(name, err) from err
-        raise
+        if not local:
+            raise
+        raise ModelFileError(f"{folder.resolve()}: could not load the {what} ({type(err).__name__}: {_first_line(err)})") from err
+    _check_lm_tokenizer(tokenizer, folder.resolve() if local else name)
     model = model.to(device).eval()
     log(f"loaded {type(model).__name__} in {time.perf_counter() - t0:.2f} s")
     return model, tokenizer
+
+
+def _check_lm_tokenizer(tokenizer, where) -> None:
+    """A loaded tokenizer must encode text to tokens (``AutoTokenizer`` builds an empty one, which
+    encodes everything to ``[]``, for some model types whose folder lacks the tokenizer files)."""
+    try:
+        ids = tokenizer("The grass is green. 1234567", add_special_tokens=False)["input_ids"]
+    except Exception as err:  # noqa: BLE001
+        raise ModelFileError(f"{where}: the tokenizer cannot encode text ({type(err).__name__}: {_first_line(err)})") from err
+    if not ids:
+        raise ModelFileError(
+            f"{where}: the tokenizer ({type(tokenizer).__name__}) has a vocabulary of {len(tokenizer)} token(s) and encodes "
+            f"text to no tokens; the tokenizer files are missing or empty: save the model's tokenizer next to it "
+            f"(tokenizer.save_pretrained(folder))"
+        )
 
 
 # --------------------------------------------------------------------------- vision: DINOv2 from ONNX
@@ -1161,6 +1313,10 @@ def load_vision_model(
         UnsupportedModelError: ``backend="timm"`` for anything but the catalogue entry; a causal-LM
             catalogue name.
         ModelNotFoundError: as for :func:`load_causal_lm`; also a directory without ``preprocessor_config.json``.
+        ModelFileError: a local folder with a bad file (see :func:`check_model_files`; named), or
+            any other failure of ``from_pretrained`` on it (one line, naming the folder).
+        UnsupportedModelError: also a local folder whose ``config.json`` is a causal LM or a
+            CLIP-style dual encoder (the message says which loader takes it).
         ChecksumError: the catalogue ONNX file has the wrong size or sha256.
     """
     if backend not in BACKENDS:
@@ -1178,21 +1334,31 @@ def load_vision_model(
             f"use backend='hf' for a local directory or hub id"
         )
     name, folder, source, kwargs = _resolve(name_or_path, "vision", log)
-    if isinstance(folder, Path) and not (folder / "preprocessor_config.json").is_file():
+    local = isinstance(folder, Path)
+    if local and not (folder / "preprocessor_config.json").is_file():
+        _, arch = _config_kind(folder)
+        hint = (
+            "e.g. attnpatch.checkpoints.dinov2_image_processor() for DINOv2" if "dinov2" in arch.lower()
+            else "e.g. AutoImageProcessor.from_pretrained(<the model's hub id>).save_pretrained(folder)"
+        )
         raise ModelNotFoundError(
-            f"{folder.resolve()} holds no preprocessor_config.json: save the image processor next to the model "
-            f"(image_processor.save_pretrained(folder)), e.g. attnpatch.checkpoints.dinov2_image_processor() for DINOv2"
+            f"{folder.resolve()} holds no preprocessor_config.json: save the model's image processor next to it "
+            f"(image_processor.save_pretrained(folder)), {hint}"
         )
 
     log(f"loading {source} (backend {backend}, {dtype}, {device}) ...")
     t0 = time.perf_counter()
+    what = "image processor"
     try:
         processor = AutoImageProcessor.from_pretrained(folder, **kwargs)
+        what = "model"
         hf = AutoModel.from_pretrained(folder, dtype=torch.float32 if backend == "timm" else dtype, **kwargs)
-    except OSError as err:
-        if source.startswith("hub id"):
+    except Exception as err:  # noqa: BLE001 - transformers raises OSError, ValueError, SafetensorError ...
+        if source.startswith("hub id") and isinstance(err, OSError):
             raise _hub_error(name, err, kind="vision") from err
-        raise
+        if not local:
+            raise
+        raise ModelFileError(f"{folder.resolve()}: could not load the {what} ({type(err).__name__}: {_first_line(err)})") from err
     if backend == "timm":
         model = _timm_dinov2(hf.config, hf.state_dict())
         del hf

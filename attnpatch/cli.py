@@ -40,12 +40,18 @@ def _cmd_methods(args) -> int:
         print(json.dumps(methods, indent=2, default=str))
         return 0
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     con = Console(width=140)
     for m in methods:
         t = Table(
-            title=f"{m['name']} — {m['summary']}\n[dim]{m['source']}; model kinds: {', '.join(m['model_kinds'])}[/dim]",
+            title=(
+                f"{escape(m['name'])} — {escape(m['summary'])}\n[dim]{escape(m['source'])}; model kinds: "
+                f"{escape('any (exact)' if m['exact'] else ', '.join(m['model_kinds']))}; model features supported: "
+                f"{escape(', '.join(m['supports']) or 'none (sliding windows, soft-capping and other layer types are refused)')}; "
+                f"{'keeps autograd' if m['exact'] else 'inference only'}[/dim]"
+            ),
             expand=True,
         )
         t.add_column("option")
@@ -54,7 +60,7 @@ def _cmd_methods(args) -> int:
         t.add_column("meaning")
         for name, o in m["options"].items():
             help_ = o["help"] + (f" (one of {', '.join(o['choices'])})" if "choices" in o else "")
-            t.add_row(name, o["kind"], repr(o["default"]), help_)
+            t.add_row(escape(name), escape(str(o["kind"])), escape(repr(o["default"])), escape(help_))
         if not m["options"]:
             t.add_row("-", "-", "-", "no options")
         con.print(t)
@@ -69,6 +75,7 @@ def _cmd_models(args) -> int:
         print(json.dumps(entries, indent=2, default=str))
         return 0
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     t = Table(title="offline catalogue (any local directory or Hugging Face hub id is accepted as well)")
@@ -76,7 +83,7 @@ def _cmd_models(args) -> int:
     for k in keys:
         t.add_column(k)
     for e in entries:
-        t.add_row(*(", ".join(e[k]) if isinstance(e[k], (list, tuple)) else str(e[k]) for k in keys))
+        t.add_row(*(escape(", ".join(e[k]) if isinstance(e[k], (list, tuple)) else str(e[k])) for k in keys))
     Console(width=160).print(t)
     return 0
 
@@ -123,11 +130,12 @@ def _slug(s: str) -> str:
 
 def _cmd_eval_ruler(args) -> int:
     import torch
+    from rich.markup import escape
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from .checkpoints import load_causal_lm
     from .evals import ruler_tasks
-    from .evals.report import RULER_COLUMNS, machine_info, print_table, rows_to_markdown, write_json
+    from .evals.report import RULER_COLUMNS, EvalInterrupted, machine_info, print_table, rows_to_markdown, write_json, write_text
     from .evals.ruler import run_ruler
     from .patchers.registry import get_method, validate_options
 
@@ -139,6 +147,8 @@ def _cmd_eval_ruler(args) -> int:
     tasks = args.tasks or ["niah_single"]
     if tasks == ["all"]:
         tasks = list(ruler_tasks.TASKS)
+    path = args.json or f"ruler_{_slug(args.model)}_{_slug(args.method)}.json"
+    _check_outputs(("--json", path), ("--markdown", args.markdown))  # before the long work, not after it
     model, tok = load_causal_lm(args.model)
     total = len(tasks) * len(args.lengths) * args.samples
     with Progress(
@@ -148,48 +158,121 @@ def _cmd_eval_ruler(args) -> int:
         bar = prog.add_task("", total=total)
 
         def progress(msg: str) -> None:
-            prog.update(bar, advance=1, description=msg)
+            prog.update(bar, advance=1, description=escape(msg))  # task text, not rich markup
             if not prog.console.is_terminal:  # a log file gets one plain line per sample
                 done = int(prog.tasks[0].completed)
                 print(f"[{done}/{total}] {msg}", file=sys.stderr, flush=True)
 
-        path = args.json or f"ruler_{_slug(args.model)}_{_slug(args.method)}.json"
         machine = machine_info()
 
         def save(partial: dict[str, Any], complete: bool = False) -> None:
             write_json(path, {**partial, "model": args.model, "machine": machine, "complete": complete})
 
-        result = run_ruler(
-            model, tok, method=args.method, options=options, tasks=tasks, lengths=args.lengths,
-            num_samples=args.samples, seed=args.seed, depths=args.depths, haystack=args.haystack,
-            recall=not args.no_recall, recall_samples=args.recall_samples, progress=progress, on_cell=save,
-        )
+        try:
+            result = run_ruler(
+                model, tok, method=args.method, options=options, tasks=tasks, lengths=args.lengths,
+                num_samples=args.samples, seed=args.seed, depths=args.depths, haystack=args.haystack,
+                recall=not args.no_recall, recall_samples=args.recall_samples, progress=progress, on_cell=save,
+            )
+        except EvalInterrupted as stop:
+            result = stop.partial
+            if result is not None:
+                save(result)  # "interrupted": true is in the partial result
+            return _interrupted(args, stop, path, result and (
+                f"### RULER-style eval — {args.model} — {args.method} {_fmt_opts(result['options'])} (interrupted: {stop.done})\n\n"
+                + rows_to_markdown(result["cells"], RULER_COLUMNS) + "\n"
+            ))
     save(result, complete=True)
     title = f"RULER-style eval — {args.model} — {args.method} {_fmt_opts(result['options'])}"
     print_table(result["cells"], RULER_COLUMNS, title=title)
     print(f"wrote {path}")
     if args.markdown:
-        from pathlib import Path
-
-        Path(args.markdown).write_text(f"### {title}\n\n" + rows_to_markdown(result["cells"], RULER_COLUMNS) + "\n")
+        write_text(args.markdown, f"### {title}\n\n" + rows_to_markdown(result["cells"], RULER_COLUMNS) + "\n")
         print(f"wrote {args.markdown}")
     return 0
 
 
-def _report(args, title: str, rows, columns, result: dict[str, Any]) -> int:
-    """Print the table, write the JSON (``--json``, default ``<eval>_<model>_<methods>.json``) and the optional Markdown."""
-    from .evals.report import print_table, rows_to_markdown, write_json
+def _interrupted(args, stop, json_path: str | None, markdown: str | None) -> int:
+    """After Ctrl-C in an eval: the finished part is in ``stop.partial`` (its JSON already written to
+    ``json_path`` by the caller); write ``markdown`` to ``--markdown``, say so in one line, return 130."""
+    from .evals.report import write_text
 
+    if stop.partial is None:
+        print(f"attnpatch: interrupted (Ctrl-C) before any result was finished ({stop.done or 'nothing done'}); nothing written", file=sys.stderr)
+        return 130
+    wrote = [json_path] if json_path else []
+    if markdown and getattr(args, "markdown", None):
+        write_text(args.markdown, markdown)
+        wrote.append(args.markdown)
+    print(
+        f"attnpatch: interrupted (Ctrl-C) after {stop.done}; wrote the finished part to {' and '.join(wrote) or 'nothing'} "
+        f"(marked \"interrupted\": true)",
+        file=sys.stderr,
+    )
+    return 130
+
+
+def _json_path(args) -> str:
+    """``--json``, or the default ``<eval>_<model>_<methods>.json``."""
+    return args.json or f"{_slug(args.eval)}_{_slug(args.model)}_{_slug('+'.join(args.method))}.json"
+
+
+def _report(args, title: str, rows, columns, result: dict[str, Any], interrupted=None) -> int:
+    """Print the table, write the JSON (``--json``, default ``<eval>_<model>_<methods>.json``) and the optional Markdown.
+
+    With ``interrupted`` (an :class:`~attnpatch.evals.report.EvalInterrupted`), ``result`` is the
+    finished part: it is written (no table printed), and the exit status is 130."""
+    from .evals.report import print_table, rows_to_markdown, write_json, write_text
+
+    path = _json_path(args)
+    if interrupted is not None:
+        write_json(path, result)
+        return _interrupted(args, interrupted, path, f"### {title} (interrupted: {interrupted.done})\n\n" + rows_to_markdown(rows, columns) + "\n")
     print_table(rows, columns, title=title)
-    path = args.json or f"{_slug(args.eval)}_{_slug(args.model)}_{_slug('+'.join(args.method))}.json"
     write_json(path, result)
     print(f"wrote {path}")
     if args.markdown:
-        from pathlib import Path
-
-        Path(args.markdown).write_text(f"### {title}\n\n" + rows_to_markdown(rows, columns) + "\n")
+        write_text(args.markdown, f"### {title}\n\n" + rows_to_markdown(rows, columns) + "\n")
         print(f"wrote {args.markdown}")
     return 0
+
+
+def _check_outputs(*flags: tuple[str, str | None]) -> None:
+    """Fail before any work when an output file cannot be written: it is a directory, it lies under
+    a file, its folder (or the nearest existing folder above a missing one, which will be created)
+    does not accept a new file, the file exists and cannot be written, or two outputs share a path.
+
+    ``flags`` are ``(flag, path)`` pairs, e.g. ``("--json", "r.json")``; ``None`` paths are skipped.
+    Nothing is left behind by the check.
+    """
+    import os
+    import tempfile
+    from pathlib import Path
+
+    seen: dict[str, str] = {}
+    for flag, path in flags:
+        if not path:
+            continue
+        p = Path(path).expanduser()
+        if p.is_dir():
+            raise AttnpatchError(f"{flag} {path}: is a directory; give a file path")
+        key = os.path.abspath(p)
+        if key in seen:
+            raise AttnpatchError(f"{flag} {path}: the same file as {seen[key]}; give different paths")
+        seen[key] = f"{flag} {path}"
+        parent = next((x for x in Path(key).parents if x.exists()), None)
+        if parent is not None and not parent.is_dir():
+            raise AttnpatchError(f"{flag} {path}: {parent} is a file, not a folder")
+        try:
+            if p.exists():
+                with open(p, "a"):
+                    pass
+            else:
+                with tempfile.NamedTemporaryFile(dir=parent, prefix=".attnpatch-write-test-"):
+                    pass
+        except OSError as err:
+            what = f"cannot write {p}" if p.exists() else f"cannot create a file in {parent}"
+            raise AttnpatchError(f"{flag} {path}: {what} ({err.strerror or err})") from None
 
 
 def _method_spec(spec: str, common: Sequence[str]) -> tuple[str, dict[str, Any]]:
@@ -201,17 +284,20 @@ def _method_spec(spec: str, common: Sequence[str]) -> tuple[str, dict[str, Any]]
 
 def _load_images_and_model(args):
     from .checkpoints import load_vision_model
-    from .evals.images import load_image_set, make_preprocess
+    from .evals.images import fit_resolution, load_image_set, make_preprocess
+    from .evals.vision import patch_size
+    from .fetch import _stderr
 
     images = load_image_set(args.data, limit=args.limit)
     model, processor = load_vision_model(args.model, backend=args.backend)
-    return images, model, make_preprocess(processor, args.resolution)
+    resolution = fit_resolution(args.resolution, patch_size(model), log=_stderr, what="--resolution")
+    return images, model, make_preprocess(processor, resolution)
 
 
 def _cmd_eval_vision(args) -> int:
     import torch
 
-    from .evals.report import VISION_COLUMNS, machine_info, vision_rows
+    from .evals.report import VISION_COLUMNS, EvalInterrupted, machine_info, vision_rows
     from .evals.vision import run_feature_eval
     from .patchers.registry import get_method, validate_options
 
@@ -224,16 +310,23 @@ def _cmd_eval_vision(args) -> int:
         method, opts = _method_spec(spec, args.option)
         validate_options(get_method(method), opts)  # fail before loading anything
         settings.append((method, opts))
+    _check_outputs(("--json", _json_path(args)), ("--markdown", args.markdown))
     images, model, preprocess = _load_images_and_model(args)
+    stop = None
     with _image_progress(args.eval, len(images)) as progress:
-        result = run_feature_eval(
-            model, images, preprocess, settings=settings, tasks=tasks, batch_size=args.batch_size,
-            layer_error_images=args.layer_error_images, knn_k=args.k, progress=progress,
-        )
+        try:
+            result = run_feature_eval(
+                model, images, preprocess, settings=settings, tasks=tasks, batch_size=args.batch_size,
+                layer_error_images=args.layer_error_images, knn_k=args.k, progress=progress,
+            )
+        except EvalInterrupted as exc:
+            stop, result = exc, exc.partial
+    if stop is not None and result is None:
+        return _interrupted(args, stop, None, None)
     result.update(model=args.model, backend=args.backend, data=args.data or "default", eval=args.eval, machine=machine_info())
     rows = vision_rows(result)
-    title = f"{args.eval} — {args.model} ({args.backend}) — {images.name}, {len(images)} images, {result['resolution']} px"
-    return _report(args, title, rows, VISION_COLUMNS, result)
+    title = f"{args.eval} — {args.model} ({args.backend}) — {images.name}, {result['n_images']} images, {result['resolution']} px"
+    return _report(args, title, rows, VISION_COLUMNS, result, interrupted=stop)
 
 
 def _cmd_sinks(args) -> int:
@@ -244,20 +337,22 @@ def _cmd_sinks(args) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    _check_outputs(("--json", args.json))
     images, model, preprocess = _load_images_and_model(args)
     x = preprocess([images[i][0] for i in range(min(args.images, len(images)))])
     rep = sink_diagnostic(model, x, norm_ratio=args.norm_ratio, mass_ratio=args.mass_ratio)
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
-    t = Table(title=f"sink diagnostic — {args.model} — {x.shape[0]} images, {x.shape[-1]} px, N={rep['tokens']} tokens")
+    t = Table(title=escape(f"sink diagnostic — {args.model} — {x.shape[0]} images, {x.shape[-1]} px, N={rep['tokens']} tokens"))
     for c in ("layer", "median norm", "max/median norm", "images w/ massive", "massive tokens (img 0)", "CLS recv x uniform", "top receivers (img 0: token, x uniform)"):
         t.add_column(c)
     for e in rep["layers"]:
         t.add_row(
             str(e["layer"]), f"{e.get('norm_median', float('nan')):.2f}", f"{e.get('norm_max_over_median', float('nan')):.2f}",
-            str(sum(bool(m) for m in e.get("massive", []))), str(e.get("massive", [[]])[0][:8]),
-            f"{e['cls_received_x_uniform']:.1f}", str(e["top_received"][0]),
+            str(sum(bool(m) for m in e.get("massive", []))), escape(str(e.get("massive", [[]])[0][:8])),
+            f"{e['cls_received_x_uniform']:.1f}", escape(str(e["top_received"][0])),
         )
     Console(width=160).print(t)
     first = rep["first_massive_layer"]
@@ -274,7 +369,9 @@ def _image_progress(label: str, total: int):
     (plain lines on stderr when the output is not a terminal)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    with Progress(TextColumn(f"[bold]{label}[/bold]"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()) as prog:
+    from rich.markup import escape
+
+    with Progress(TextColumn(f"[bold]{escape(label)}[/bold]"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()) as prog:
         bar = prog.add_task("", total=total)
 
         def progress(done: int, total: int) -> None:
@@ -312,7 +409,7 @@ def _cmd_eval_clip(args) -> int:
 
     from .clip_models import load_clip
     from .evals import clip as clip_eval
-    from .evals.report import CLIP_RETRIEVAL_COLUMNS, ZEROSHOT_COLUMNS, clip_rows, machine_info
+    from .evals.report import CLIP_RETRIEVAL_COLUMNS, ZEROSHOT_COLUMNS, EvalInterrupted, clip_rows, machine_info
     from .patchers.registry import get_method, validate_options
 
     if args.threads:
@@ -323,6 +420,7 @@ def _cmd_eval_clip(args) -> int:
         opts = _parse_options(args.option)
         validate_options(get_method(method), opts)  # fail before loading anything
         settings.append((method, opts))
+    _check_outputs(("--json", _json_path(args)), ("--markdown", args.markdown))
     templates = None
     if zeroshot and args.templates != "auto":
         templates = clip_eval.resolve_templates(args.templates)  # fail early on a bad name
@@ -335,14 +433,20 @@ def _cmd_eval_clip(args) -> int:
             templates = clip_eval.resolve_templates("openai" if names_source == "imagenet1k" else "photo")
     else:
         data = clip_eval.load_caption_set(args.data, split=args.split, caption_column=args.caption_column, limit=args.limit)
-    bundle = load_clip(args.model, device=_device(args.device), resolution=args.resolution)
+    bundle = load_clip(args.model, device=_device(args.device), resolution=args.resolution, resolution_flag="--resolution")
     towers = args.towers
+    stop = None
     with _image_progress(args.eval, len(data)) as progress:
         common = dict(settings=settings, towers=towers, batch_size=args.batch_size, text_batch_size=args.text_batch_size, progress=progress)
-        if zeroshot:
-            result = clip_eval.run_zeroshot_eval(bundle, data, classnames, templates, ks=(1, 5), **common)
-        else:
-            result = clip_eval.run_retrieval_eval(bundle, data, ks=tuple(args.ks), **common)
+        try:
+            if zeroshot:
+                result = clip_eval.run_zeroshot_eval(bundle, data, classnames, templates, ks=(1, 5), **common)
+            else:
+                result = clip_eval.run_retrieval_eval(bundle, data, ks=tuple(args.ks), **common)
+        except EvalInterrupted as exc:
+            stop, result = exc, exc.partial
+    if stop is not None and result is None:
+        return _interrupted(args, stop, None, None)
     result.update(
         model=args.model, model_kind=bundle.kind, random_init=bundle.random_init, data=args.data or "default",
         split=getattr(data, "split", None), machine=machine_info(),
@@ -362,7 +466,7 @@ def _cmd_eval_clip(args) -> int:
         if zeroshot else f"{result['n_images']} images, {result['n_texts']} captions"
     )
     title = f"{args.eval} — {args.model}{' (random weights)' if bundle.random_init else ''} — {getattr(data, 'name', args.data)}, {what}, {result['resolution']} px"
-    return _report(args, title, rows, columns, result)
+    return _report(args, title, rows, columns, result, interrupted=stop)
 
 
 def _bench_out(args, title: str, rows, columns, result: dict[str, Any], footer: str = "") -> None:
@@ -533,7 +637,7 @@ def _cmd_bench_model(args) -> int:
     settings = _unique_settings(args.method or (["fna"] if vision else ["anchor_attention"]), args.option)
     for name, opts in settings:
         method = get_method(name)
-        if kind not in method.model_kinds:
+        if not method.fits(kind):
             raise AttnpatchError(f"method {name!r} does not fit a {kind.replace('_', ' ')} model (it fits: {', '.join(sorted(method.model_kinds))})")
         validate_options(method, opts)  # fail before loading anything
     if vision:
@@ -748,6 +852,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except AttnpatchError as exc:
         print(f"attnpatch: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C outside an eval's own handling (loading, writing): one line, no traceback
+        print("attnpatch: interrupted (Ctrl-C); nothing more written", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":  # pragma: no cover

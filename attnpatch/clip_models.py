@@ -340,13 +340,15 @@ def _load_hf(source: str | Path, *, device, dtype, resolution, log: Log, name: s
     try:
         processor = AutoProcessor.from_pretrained(source, local_files_only=local_files_only)
         model = AutoModel.from_pretrained(source, dtype=dtype, local_files_only=local_files_only)
-    except OSError as err:
+    except Exception as err:  # noqa: BLE001 - transformers raises OSError, ValueError, SafetensorError ...
         if isinstance(source, Path):
             raise ModelNotFoundError(
                 f"{source}: could not load a transformers model and its processor ({type(err).__name__}: "
                 f"{str(err).strip().splitlines()[0] if str(err).strip() else ''}); expected config.json + weights + "
                 f"preprocessor_config.json + tokenizer files (model.save_pretrained(d); processor.save_pretrained(d))"
             ) from err
+        if not isinstance(err, OSError):
+            raise
         raise ModelNotFoundError(
             f"could not load {name!r} from the Hugging Face hub ({type(err).__name__}: "
             f"{str(err).strip().splitlines()[0] if str(err).strip() else ''}). {_OFFLINE_HINT}"
@@ -380,7 +382,7 @@ def _load_hf(source: str | Path, *, device, dtype, resolution, log: Log, name: s
 
 def load_clip(
     name: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
-    resolution: int | None = None, log: Log = _stderr,
+    resolution: int | None = None, log: Log = _stderr, resolution_flag: str = "resolution",
 ) -> ClipBundle:
     """Load a CLIP-style dual encoder, its image preprocessing and its tokenizer.
 
@@ -394,8 +396,11 @@ def load_clip(
         resolution: input side in pixels; ``None`` keeps the model's. open_clip builds the tower at
             that size (pretrained position embeddings are resampled by open_clip on load);
             Hugging Face models interpolate their position embeddings
-            (``interpolate_pos_encoding=True``). The preprocessing follows.
+            (``interpolate_pos_encoding=True``). The preprocessing follows. A side that is not a
+            multiple of the image tower's patch size is rounded to the nearest multiple (``log``
+            says so; see :func:`attnpatch.evals.images.fit_resolution`); one below it is refused.
         log: receives one line per step (defaults to stderr).
+        resolution_flag: how messages name ``resolution`` (the CLI passes ``"--resolution"``).
 
     Returns:
         :class:`ClipBundle`.
@@ -404,23 +409,42 @@ def load_clip(
         ModelNotFoundError: an unknown name; an open_clip tag the architecture does not have (the
             message lists its tags); weights that are neither cached nor reachable (hub or download
             host unreachable -- probed with a 5 s TCP connect, so this fails fast -- or offline
-            mode); a directory without a loadable model.
-        UnsupportedModelError: a transformers model that is not a dual encoder.
-        OptionError: ``resolution`` not a positive int.
+            mode); a directory without a loadable model; a file of a local directory that is corrupt
+            or truncated (:class:`attnpatch.checkpoints.ModelFileError`, naming the file).
+        UnsupportedModelError: a transformers model that is not a dual encoder (a causal LM or a ViT
+            image encoder folder: the message says which loader takes it).
+        OptionError: ``resolution`` not a positive int, or smaller than the image tower's patch size.
     """
     import time
 
     if resolution is not None and (isinstance(resolution, bool) or not isinstance(resolution, int) or resolution < 1):
         raise OptionError(f"resolution={resolution!r}: must be a positive int (square side in pixels) or None")
+    from .checkpoints import _config_kind, _wrong_kind, check_model_files
+    from .evals.images import fit_resolution
+
     dtype = torch.float32 if dtype is None else dtype
     raw = os.fspath(name)
     t0 = time.perf_counter()
     path = Path(raw).expanduser()
+    if path.is_dir() and ((path / "open_clip_config.json").is_file() or (path / "config.json").is_file()):
+        check_model_files(path)  # a truncated weights file or a broken JSON fails here, named
+        if not (path / "open_clip_config.json").is_file():
+            got, arch = _config_kind(path)
+            if got is not None and got != "clip":
+                raise _wrong_kind(str(path.resolve()), got, arch, "clip")
+    resolution = fit_resolution(resolution, _patch_size_hint(raw, path), log=log, what=resolution_flag)
     common = dict(device=device, dtype=dtype, resolution=resolution, log=log, name=raw)
     if path.is_dir():
         if (path / "open_clip_config.json").is_file():
             log(f"loading open_clip directory {path} ...")
-            bundle = _load_open_clip(f"local-dir:{path}", None, {}, random_init=False, **common)
+            try:
+                bundle = _load_open_clip(f"local-dir:{path}", None, {}, random_init=False, **common)
+            except Exception as err:  # noqa: BLE001 - open_clip / torch raise many kinds on a bad folder
+                raise ModelNotFoundError(
+                    f"{path.resolve()}: could not load the open_clip model ({type(err).__name__}: "
+                    f"{str(err).strip().splitlines()[0] if str(err).strip() else ''}); expected open_clip_config.json "
+                    f"+ open_clip_model.safetensors or open_clip_pytorch_model.bin"
+                ) from err
         elif (path / "config.json").is_file():
             log(f"loading transformers directory {path} ...")
             bundle = _load_hf(path, local_files_only=True, **common)
@@ -476,8 +500,53 @@ def load_clip(
             f"hf-hub:ORG/REPO) or a Hugging Face model id (ORG/NAME)"
             + (f": {path.resolve()} does not exist" if raw.startswith((".", "/", "~")) else "")
         )
+    patch = _bundle_patch(bundle)
+    if patch and bundle.resolution < patch:  # the patch size was not known before building
+        raise OptionError(f"{resolution_flag} {bundle.resolution}: smaller than the model's patch size ({patch} px)")
     log(f"loaded {type(bundle.model).__name__} ({bundle.kind}, {bundle.resolution} px) in {time.perf_counter() - t0:.2f} s")
     return bundle
+
+
+def _bundle_patch(bundle: ClipBundle) -> int | None:
+    try:
+        if bundle.kind == "open_clip":
+            p = bundle.model.visual.patch_size
+        else:
+            p = (getattr(bundle.model.config, "vision_config", None) or bundle.model.config).patch_size
+    except AttributeError:
+        return None
+    return int(p[0] if isinstance(p, (tuple, list)) else p)
+
+
+def _patch_size_hint(raw: str, path: Path) -> int | None:
+    """The image tower's patch side in pixels, read from a config before the model is built (``None``
+    when it cannot be told cheaply, e.g. an uncached hub model, or a timm-tower open_clip model)."""
+    import json
+
+    def pick(vcfg) -> int | None:
+        p = vcfg.get("patch_size") if isinstance(vcfg, dict) else None
+        p = p[0] if isinstance(p, (tuple, list)) and p else p
+        return int(p) if isinstance(p, (int, float)) and p > 0 else None
+
+    try:
+        if path.is_dir() and (path / "open_clip_config.json").is_file():
+            cfg = json.loads((path / "open_clip_config.json").read_text())
+            return pick(cfg.get("model_cfg", {}).get("vision_cfg", {}))
+        cfg_file = path / "config.json" if path.is_dir() else None
+        if cfg_file is None and _HF_ID.match(raw) and not raw.startswith((".", "~")) and ":" not in raw:
+            cached = _cached_hub_file(raw, ["config.json"])
+            cfg_file = Path(cached) if cached else None
+        if cfg_file is not None and cfg_file.is_file():
+            cfg = json.loads(cfg_file.read_text())
+            return pick(cfg.get("vision_config") or cfg)
+        split = _split_open_clip_name(raw) if not raw.startswith("hf-hub:") else None
+        if split is not None:
+            import open_clip
+
+            return pick((open_clip.get_model_config(split[0]) or {}).get("vision_cfg", {}))
+    except (OSError, ValueError, AttributeError, TypeError):
+        return None
+    return None
 
 
 # --------------------------------------------------------------------------- open_clip -> Hugging Face

@@ -49,6 +49,7 @@ import torch
 
 from ..errors import DataError, OptionError
 from ..fetch import _stderr
+from .report import EvalInterrupted
 from .vision import count_sampled_at
 
 __all__ = [
@@ -88,6 +89,16 @@ def imagenet_classnames() -> list[str]:
     return list(IMAGENET_CLASSNAMES)
 
 
+def _read_text(path: Path, what: str) -> str:
+    """A UTF-8 text file given as ``what``, or an :class:`OptionError` naming it."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise OptionError(f"{what}={str(path)!r}: not a UTF-8 text file ({err.reason} at byte {err.start})") from None
+    except OSError as err:
+        raise OptionError(f"{what}={str(path)!r}: cannot be read ({err.strerror or err})") from None
+
+
 def resolve_templates(spec: str | Sequence[str]) -> list[str]:
     """Prompt templates with a ``{}`` placeholder for the class name.
 
@@ -107,7 +118,7 @@ def resolve_templates(spec: str | Sequence[str]) -> list[str]:
         if spec in sets:
             out = list(sets[spec])
         elif Path(spec).expanduser().is_file():
-            lines = Path(spec).expanduser().read_text(encoding="utf-8").splitlines()
+            lines = _read_text(Path(spec).expanduser(), "templates").splitlines()
             out = [ln.strip() for ln in lines if ln.strip() and not ln.strip().startswith("#")]
         else:
             raise OptionError(f"templates={spec!r}: allowed values are {', '.join(map(repr, TEMPLATE_SETS))} or a text file (one template per line)")
@@ -176,7 +187,7 @@ def resolve_classnames(spec: str, image_set) -> tuple[list[str], str]:
     elif spec == "dataset":
         names, source = list(image_set.class_names), "dataset"
     elif Path(spec).expanduser().is_file():
-        text = Path(spec).expanduser().read_text(encoding="utf-8")
+        text = _read_text(Path(spec).expanduser(), "classnames")
         try:
             loaded = json.loads(text)
             names = [str(n) for n in loaded] if isinstance(loaded, list) else None
@@ -397,6 +408,7 @@ class CaptionSet:
         dataset: the underlying ``datasets.Dataset`` (restricted to ``rows``).
         image_column: name of the image column.
         caption_column: name of the caption column.
+        file_paths: ``[N]`` the image file of each image (``None`` where stored as bytes), to name it in errors.
     """
 
     name: str
@@ -407,6 +419,7 @@ class CaptionSet:
     dataset: Any = field(repr=False)
     image_column: str = "image"
     caption_column: str = "caption"
+    file_paths: list | None = field(default=None, repr=False)
 
     def __len__(self) -> int:
         return len(self.captions)
@@ -416,8 +429,9 @@ class CaptionSet:
 
         Raises:
             IndexError: ``i`` out of range.
+            DataError: the image cannot be decoded (e.g. a truncated JPEG); the message names its file.
         """
-        from .images import _to_rgb
+        from .images import decode_image
 
         n = len(self)
         if isinstance(i, bool) or not isinstance(i, numbers.Integral):
@@ -425,7 +439,7 @@ class CaptionSet:
         j = int(i) + n if i < 0 else int(i)
         if not 0 <= j < n:
             raise IndexError(f"image index {i} out of range for {n} images")
-        return _to_rgb(self.dataset[j][self.image_column])
+        return decode_image(self, j)
 
     @property
     def texts(self) -> list[str]:
@@ -484,10 +498,11 @@ def load_caption_set(
 
     Raises:
         DataError: not a directory nor a loadable hub id (hub unreachable, unknown split), no image
-            column, no caption column (the message lists the columns), an image without captions.
+            column, no caption column (the message lists the columns), an image without captions, an
+            image file that is missing, not an image or truncated (the message names it).
         OptionError: ``limit`` not a positive int.
     """
-    from .images import _HUB_ID, _check_limit, _env_true, _hub_reachable, _load_hf
+    from .images import _HUB_ID, _check_limit, _env_true, _hub_reachable, _load_hf, check_image_files, image_files
 
     import datasets
 
@@ -525,14 +540,16 @@ def load_caption_set(
     n = ds.num_rows if limit is None else min(limit, ds.num_rows)
     if n == 0:
         raise DataError(f"{name}: split {split!r} holds no images")
+    files = image_files(ds, image_cols[0])[:n]
     if n < ds.num_rows:
         ds = ds.select(range(n))
-    values = ds.data.column(caption_column).to_pylist()
+    values = ds.data.column(caption_column).to_pylist()[:n]
     captions = [_captions_of(v, i, caption_column, name) for i, v in enumerate(values)]
+    check_image_files(files, name)  # a missing, unreadable or truncated file fails now, not mid-run
     log(f"{name}: {n} images, {sum(map(len, captions))} captions")
     return CaptionSet(
         name=name, source=source, split=split, captions=captions, rows=np.arange(n, dtype=np.int64), dataset=ds,
-        image_column=image_cols[0], caption_column=caption_column,
+        image_column=image_cols[0], caption_column=caption_column, file_paths=files,
     )
 
 
@@ -563,35 +580,51 @@ def _image_pass(bundle, images, settings, towers, batch_size: int, warmup: bool,
         raise OptionError(f"batch_size={batch_size!r}: must be a positive int (images per forward call)")
     n = len(images)
     dense, dense_t = [], 0.0
-    runs = [{"emb": [], "t": 0.0, "sampled_at": {}, "towers": None} for _ in settings]
+    runs = [{"emb": [], "t": 0.0, "sampled_at": {}, "towers": None, "modes": set()} for _ in settings]
     tokens = resolution = None
     done = 0
-    for start in range(0, n, batch_size):
-        items = [images[i] for i in range(start, min(n, start + batch_size))]
-        x = bundle.preprocess([it[0] if isinstance(it, tuple) else it for it in items])  # ImageSet items are (image, label)
-        resolution = int(x.shape[-1])
-        if warmup and start == 0:
-            bundle.encode_image(x[:1])
+    interrupted = False
+    try:
+        for start in range(0, n, batch_size):
+            items = [images[i] for i in range(start, min(n, start + batch_size))]
+            x = bundle.preprocess([it[0] if isinstance(it, tuple) else it for it in items])  # ImageSet items are (image, label)
+            resolution = int(x.shape[-1])
+            if warmup and start == 0:
+                bundle.encode_image(x[:1])
+                for m, o in settings:
+                    with patched(bundle.model, m, towers=towers, **o):
+                        bundle.encode_image(x[:1])
+            # a batch is kept only once complete, so a Ctrl-C leaves whole batches
+            t0 = time.perf_counter()
+            dense_b = bundle.encode_image(x)
+            dt = time.perf_counter() - t0
+            per_run = []
             for m, o in settings:
-                with patched(bundle.model, m, towers=towers, **o):
-                    bundle.encode_image(x[:1])
-        t0 = time.perf_counter()
-        dense.append(bundle.encode_image(x))
-        dense_t += time.perf_counter() - t0
-        for (m, o), r in zip(settings, runs):
-            with patched(bundle.model, m, towers=towers, **o), record_stats(bundle.model) as rec:
-                r["towers"] = patch_info(bundle.model)["towers"]
-                t0 = time.perf_counter()
-                r["emb"].append(bundle.encode_image(x))
-                r["t"] += time.perf_counter() - t0
-            lay = rec.forwards[0] if rec.forwards else {}
-            tokens = next((lr.queries for lr in lay.values()), tokens)
-            count_sampled_at(lay, r["sampled_at"])
-        done += x.shape[0]
-        if progress:
-            progress(done, n)
+                with patched(bundle.model, m, towers=towers, **o), record_stats(bundle.model) as rec:
+                    tw = patch_info(bundle.model)["towers"]
+                    t0 = time.perf_counter()
+                    emb = bundle.encode_image(x)
+                    t_run = time.perf_counter() - t0
+                per_run.append((tw, emb, t_run, rec.forwards[0] if rec.forwards else {}))
+            dense.append(dense_b)
+            dense_t += dt
+            for r, (tw, emb, t_run, lay) in zip(runs, per_run):
+                r["towers"] = tw
+                r["emb"].append(emb)
+                r["t"] += t_run
+                tokens = next((lr.queries for lr in lay.values()), tokens)
+                count_sampled_at(lay, r["sampled_at"])
+                r["modes"].update(lr.mode for lr in lay.values())
+            done += x.shape[0]
+            if progress:
+                progress(done, n)
+    except KeyboardInterrupt as exc:
+        if isinstance(exc, EvalInterrupted) or done == 0:
+            raise EvalInterrupted(None, f"0/{n} images") from None
+        interrupted = True
     return {
-        "n": n, "resolution": resolution, "tokens": tokens if tokens is not None else bundle.vision_tokens(),
+        "n": done, "n_planned": n, "interrupted": interrupted, "resolution": resolution,
+        "tokens": tokens if tokens is not None else bundle.vision_tokens(),
         "dense": torch.cat(dense), "dense_t": dense_t, "runs": runs,
     }
 
@@ -617,12 +650,32 @@ def _cos(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def _row_common(m, o, g, r, emb, dense_emb, dense_t, n) -> dict[str, Any]:
     cc = _cos(emb, dense_emb)
-    return {
+    row = {
         "method": m, "options": o, "shown_options": g, "towers": r["towers"],
         "seconds": r["t"], "images_per_s": n / r["t"] if r["t"] else None, "speedup": dense_t / r["t"] if r["t"] else None,
         "embed_cosine": float(cc.mean()), "embed_cosine_min": float(cc.min()),
         "sampled_at": {str(k): v for k, v in sorted(r["sampled_at"].items())},
     }
+    if r.get("modes") == {"dense:s>=N"}:  # every patched layer ran exact attention (s >= N), as in the vision evals
+        row["note"] = "exact attention: s >= N tokens"
+    return row
+
+
+def _finish(result: dict[str, Any], ip: dict[str, Any]) -> dict[str, Any]:
+    """Return ``result``, or raise :class:`EvalInterrupted` carrying it when the image pass was interrupted."""
+    if ip["interrupted"]:
+        result.update(interrupted=True, n_images_planned=ip["n_planned"])
+        raise EvalInterrupted(result, f"{ip['n']}/{ip['n_planned']} images")
+    return result
+
+
+def _text_or_interrupt(fn, *args):
+    try:
+        return fn(*args)
+    except KeyboardInterrupt as exc:
+        if isinstance(exc, EvalInterrupted):
+            raise
+        raise EvalInterrupted(None, "text embeddings") from None
 
 
 def run_zeroshot_eval(
@@ -668,6 +721,9 @@ def run_zeroshot_eval(
         OptionError: bad templates, ks or batch sizes; UnknownMethodError / OptionError /
             UnsupportedModelError for a bad setting (checked before any image is encoded).
         DataError: fewer class names than labels.
+        EvalInterrupted: Ctrl-C (a ``KeyboardInterrupt``); its ``partial`` is the result over the
+            images of the finished batches (``"interrupted": True``, ``"n_images_planned"``), or
+            ``None`` before the first batch finished.
     """
     settings, given = _settings(settings, bundle, towers)
     templates = resolve_templates(list(templates))
@@ -678,7 +734,7 @@ def run_zeroshot_eval(
     ks = _check_ks(ks)
     prompts = [t.replace("{}", c) for c in names for t in templates]
     log(f"zero-shot classifier: {len(names)} classes x {len(templates)} templates = {len(prompts)} prompts ...")
-    text, text_s, per_text = _text_pass(bundle, prompts, settings, towers, text_batch_size)
+    text, text_s, per_text = _text_or_interrupt(_text_pass, bundle, prompts, settings, towers, text_batch_size)
     clf = zeroshot_classifier(text, len(names))
     log(f"text embeddings in {text_s:.1f} s")
     ip = _image_pass(bundle, images, settings, towers, batch_size, warmup, progress)
@@ -700,7 +756,7 @@ def run_zeroshot_eval(
         row.update({f"top{k}": acc[f"top{k}"] for k in ks})
         row["agreement"] = float(np.mean(acc["predictions"] == dense["predictions"]))
         result["runs"].append(row)
-    return result
+    return _finish(result, ip)
 
 
 def run_retrieval_eval(
@@ -740,15 +796,22 @@ def run_retrieval_eval(
     Raises:
         OptionError: bad ks or batch sizes; UnknownMethodError / OptionError /
             UnsupportedModelError for a bad setting.
+        EvalInterrupted: Ctrl-C (a ``KeyboardInterrupt``); its ``partial`` is the result over the
+            images of the finished batches and their captions (``"interrupted": True``,
+            ``"n_images_planned"``), or ``None`` before the first batch finished.
     """
     settings, given = _settings(settings, bundle, towers)
     ks = _check_ks(ks)
     texts, t2i = captions.texts, captions.text_to_image
     log(f"text embeddings of {len(texts)} captions ...")
-    text, text_s, per_text = _text_pass(bundle, texts, settings, towers, text_batch_size)
+    text, text_s, per_text = _text_or_interrupt(_text_pass, bundle, texts, settings, towers, text_batch_size)
     log(f"text embeddings in {text_s:.1f} s")
     ip = _image_pass(bundle, captions, settings, towers, batch_size, warmup, progress)
     n = ip["n"]
+    if n < len(captions):  # interrupted: the captions of the finished images only
+        keep = torch.from_numpy(t2i < n)
+        texts, t2i, text = [t for t, k in zip(texts, keep.tolist()) if k], t2i[t2i < n], text[keep]
+        per_text = [None if pt is None else pt[keep] for pt in per_text]
     metric_keys = [f"t2i_recall@{k}" for k in ks] + [f"i2t_recall@{k}" for k in ks]
     dense = retrieval_recall(ip["dense"], text, t2i, ks)
     dense_top1 = (text @ ip["dense"].T).argmax(1)
@@ -767,4 +830,4 @@ def run_retrieval_eval(
         row.update({k: rec[k] for k in metric_keys})
         row["t2i_top1_agreement"] = float(((tx @ emb.T).argmax(1) == dense_top1).float().mean())
         result["runs"].append(row)
-    return result
+    return _finish(result, ip)

@@ -72,7 +72,13 @@ __all__ = [
     "DEFAULT_PACKAGES",
     "ImageSet",
     "Preprocess",
+    "WIDE_GRAY_MODES",
+    "check_image_files",
+    "check_metadata_files",
+    "decode_image",
     "default_image_set_dir",
+    "fit_resolution",
+    "image_files",
     "iter_batches",
     "load_image_set",
     "make_preprocess",
@@ -199,13 +205,138 @@ def default_image_set_dir(log: Log = _stderr) -> Path:
     return final
 
 
+# ----------------------------------------------------------------------------- image files
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def decode_image(image_set, j: int):
+    """Row ``j`` of ``image_set.dataset`` decoded as an RGB PIL image, or a :class:`DataError` naming its file."""
+    try:
+        return _to_rgb(image_set.dataset[j][image_set.image_column])
+    except (KeyboardInterrupt, AttnpatchError):
+        raise
+    except Exception as err:  # noqa: BLE001 - PIL raises OSError, SyntaxError, ValueError ... on a bad file
+        files = getattr(image_set, "file_paths", None)
+        where = files[j] if files and files[j] else f"{image_set.name}: image {j} (row {int(image_set.rows[j])})"
+        raise DataError(
+            f"{where}: cannot decode the image ({type(err).__name__}: {_first_line(err)}); remove it from the set "
+            f"(or replace it) and run again"
+        ) from None
+
+
+def image_files(ds, column: str) -> list:
+    """The file path of each row's image (``None`` where it is stored as bytes), without decoding anything.
+
+    Reads the ``path`` field of the image column's Arrow storage (the rows of ``ds.data``, so call it
+    before ``select``)."""
+    col = ds.data.column(column)
+    out: list = []
+    for chunk in col.chunks:
+        try:
+            paths = chunk.field("path").to_pylist()
+            stored = chunk.field("bytes").is_valid().to_pylist()
+        except (KeyError, AttributeError, TypeError):
+            return [None] * len(ds.data)
+        out.extend(None if has_bytes else p for p, has_bytes in zip(paths, stored))
+    return out
+
+
+_TAIL = 4096
+
+
+def _looks_truncated(path: str, fmt: str | None) -> bool:
+    """Whether the end of the file lacks the format's end marker (cheap: reads the last few KB)."""
+    with open(path, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        size = f.tell()
+        f.seek(max(0, size - _TAIL))
+        tail = f.read()
+        if fmt == "JPEG":
+            return b"\xff\xd9" not in tail
+        if fmt == "PNG":
+            return b"IEND" not in tail[-64:]
+        if fmt == "GIF":
+            return not tail.rstrip(b"\x00").endswith(b"\x3b")
+        if fmt == "WEBP":
+            f.seek(4)
+            riff = int.from_bytes(f.read(4), "little")
+            return riff + 8 > size
+    return False
+
+
+def check_image_files(files: Sequence, name: str = "") -> None:
+    """Check image files before a run, without decoding them all: each must exist and open as an
+    image (its header is read), and a JPEG / PNG / GIF / WebP must end with its format's end marker
+    (a truncated file does not). Only a file whose end looks wrong is decoded, to confirm (so
+    trailing bytes after a valid image are accepted). Damage in the middle of a file is caught when
+    the image is decoded (:func:`decode_image` names the file then).
+
+    Args:
+        files: image paths; ``None`` entries (images stored as bytes) are skipped.
+        name: the set's name, for the message.
+
+    Raises:
+        DataError: one line naming the first bad file, what is wrong, and how many bad files there are.
+    """
+    from PIL import Image
+
+    bad: list[tuple[str, str]] = []
+    for path in files:
+        if not path:
+            continue
+        why = None
+        if not os.path.isfile(path):
+            why = "the file does not exist"
+        elif os.path.getsize(path) == 0:
+            why = "an empty file (0 bytes)"
+        else:
+            try:
+                with Image.open(path) as im:
+                    fmt = im.format
+                    if _looks_truncated(path, fmt):
+                        try:
+                            im.load()
+                        except Exception as err:  # noqa: BLE001
+                            why = f"a truncated or corrupt {fmt} file ({_first_line(err)})"
+            except (KeyboardInterrupt, AttnpatchError):
+                raise
+            except Exception as err:  # noqa: BLE001 - PIL.UnidentifiedImageError, OSError, SyntaxError ...
+                why = f"not an image file PIL can read ({type(err).__name__}: {_first_line(err)})"
+        if why:
+            bad.append((str(path), why))
+    if bad:
+        path, why = bad[0]
+        more = f"; {len(bad) - 1} more bad image file(s): {', '.join(Path(p).name for p, _ in bad[1:4])}" if len(bad) > 1 else ""
+        meta = " and its row in metadata.jsonl" if (Path(path).parent / "metadata.jsonl").is_file() else ""
+        raise DataError(f"{path}: {why}; remove it{meta} from the set (or replace it) and run again{more}")
+
+
 # ----------------------------------------------------------------------------- image sets
 
 
+#: PIL modes of 16-bit (and 32-bit integer) grayscale images, e.g. a 16-bit PNG or TIFF.
+WIDE_GRAY_MODES = ("I;16", "I;16B", "I;16L", "I;16N", "I")
+
+
 def _to_rgb(img):
-    """RGB copy of a PIL image; alpha is composited onto opaque white (as in ``shared/data``)."""
+    """RGB copy of a PIL image; alpha is composited onto opaque white (as in ``shared/data``).
+
+    16-bit grayscale (PIL modes :data:`WIDE_GRAY_MODES`: ``I;16``, ``I;16B``, ``I;16L``, ``I;16N``,
+    and ``I``, as which older Pillow opens a 16-bit PNG) is scaled to 8 bits as ``round(v / 257)``
+    (0 -> 0, 65535 -> 255; values above 65535 of a 32-bit ``I`` image clip to 255), then copied to
+    the three channels. (PIL's own ``convert("RGB")`` clips instead of scaling, which turns a
+    typical 16-bit image almost entirely white.)
+    """
     from PIL import Image
 
+    if img.mode in WIDE_GRAY_MODES:
+        wide = np.asarray(img).astype(np.float64)
+        gray = np.clip(np.rint(wide / 257.0), 0, 255).astype(np.uint8)
+        return Image.fromarray(gray, mode="L").convert("RGB")
     if img.mode in ("RGBA", "LA", "PA", "RGBa", "La") or (img.mode == "P" and "transparency" in img.info):
         rgba = img.convert("RGBA")
         bg = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
@@ -233,6 +364,8 @@ class ImageSet:
             when ``limit`` selected a subset).
         dataset: the underlying ``datasets.Dataset`` (already restricted to ``rows``).
         image_column: name of the image column in ``dataset``.
+        file_paths: ``[N]`` the image file of each image (``None`` where the image is stored as
+            bytes, e.g. in a hub dataset), read once at load; used to name the file in errors.
     """
 
     name: str
@@ -243,6 +376,7 @@ class ImageSet:
     rows: np.ndarray
     dataset: Any = field(repr=False)
     image_column: str = "image"
+    file_paths: list | None = field(default=None, repr=False)
 
     def __len__(self) -> int:
         return int(self.labels.shape[0])
@@ -252,6 +386,7 @@ class ImageSet:
 
         Raises:
             IndexError: ``i`` out of range.
+            DataError: the image cannot be decoded (e.g. a truncated JPEG); the message names its file.
         """
         n = len(self)
         if not isinstance(i, numbers.Integral) or isinstance(i, bool):
@@ -259,8 +394,7 @@ class ImageSet:
         j = int(i) + n if i < 0 else int(i)
         if not 0 <= j < n:
             raise IndexError(f"image index {i} out of range for {n} images")
-        img = self.dataset[j][self.image_column]
-        return _to_rgb(img), int(self.labels[j])
+        return decode_image(self, j), int(self.labels[j])
 
     def __iter__(self) -> Iterator[tuple[Any, int]]:
         for i in range(len(self)):
@@ -325,9 +459,35 @@ def _env_true(var: str) -> bool:
     return os.environ.get(var, "").strip().upper() in {"1", "ON", "YES", "TRUE"}
 
 
+def check_metadata_files(folder: str | os.PathLike) -> None:
+    """Each ``metadata.jsonl`` of an imagefolder (in the folder or one level down) must hold one JSON
+    object per line; the message names the file and line (``datasets`` names neither)."""
+    folder = Path(folder)
+    for meta in [folder / "metadata.jsonl", *sorted(folder.glob("*/metadata.jsonl"))]:
+        if not meta.is_file():
+            continue
+        try:
+            with open(meta, encoding="utf-8") as f:
+                for i, line in enumerate(f, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        row = json.loads(line.strip())
+                    except ValueError as err:
+                        raise DataError(f"{meta}: line {i} is not valid JSON ({err})") from None
+                    if not isinstance(row, dict):
+                        raise DataError(f"{meta}: line {i} is not a JSON object (got {type(row).__name__})")
+        except UnicodeDecodeError as err:
+            raise DataError(f"{meta}: not a UTF-8 text file ({err.reason} at byte {err.start})") from None
+        except OSError as err:
+            raise DataError(f"{meta}: cannot be read ({err.strerror or err})") from None
+
+
 def _load_hf(data: str, split: str, is_dir: bool):
     import datasets
 
+    if is_dir:
+        check_metadata_files(data)
     try:
         if is_dir:
             return datasets.load_dataset("imagefolder", data_dir=data, split=split)
@@ -378,8 +538,10 @@ def load_image_set(
     Raises:
         DataError: ``data`` looks like a path but is no directory; a hub id that cannot be loaded
             (hub unreachable, not found, offline and not cached); an unknown ``split``; no image
-            column; no ``label`` column; negative labels; no images; fewer than 2 distinct classes
-            (after ``limit``).
+            column; no ``label`` column (for a folder with a single class sub-folder the message
+            says so: the evals need at least two classes); negative labels; no images; fewer than 2
+            distinct classes (after ``limit``); an image file (of the kept rows) that is missing,
+            not an image, or truncated (see :func:`check_image_files`; the message names it).
         OptionError: ``limit`` is not a positive int.
     """
     limit = _check_limit(limit)
@@ -415,13 +577,11 @@ def load_image_set(
     image_cols = [c for c, f in ds.features.items() if isinstance(f, datasets.Image)]
     if not image_cols:
         raise DataError(f"{name}: no image column (features: {dict(ds.features)})")
-    if "label" not in ds.column_names:
-        raise DataError(
-            f"{name}: no 'label' column (columns: {ds.column_names}); an imagefolder needs either a "
-            f"metadata.jsonl with an int 'label' field or one sub-folder per class"
-        )
     if ds.num_rows == 0:
         raise DataError(f"{name}: split {split!r} holds no images")
+    files = image_files(ds, image_cols[0])
+    if "label" not in ds.column_names:
+        raise DataError(_no_label_message(name, ds.column_names, files, path if is_dir else None))
     labels = np.asarray(ds.data.column("label").to_numpy(zero_copy_only=False), dtype=np.int64)
     if labels.min() < 0:
         raise DataError(f"{name}: negative labels ({int((labels < 0).sum())} images, e.g. {int(labels.min())}); unlabelled images are not supported")
@@ -430,17 +590,46 @@ def load_image_set(
         rows = _stratified_first(labels, limit)
         ds = ds.select(rows.tolist())
         labels = labels[rows]
+    files = [files[int(r)] for r in rows]
     if np.unique(labels).size < 2:
         raise DataError(
             f"{name}: {np.unique(labels).size} distinct class(es) in {labels.shape[0]} images"
             + (f" (limit={limit})" if limit is not None else "")
             + "; the frozen-feature evals need at least 2 classes"
         )
+    check_image_files(files, name)  # a missing, unreadable or truncated file fails now, not mid-run
     class_names = _class_names(path if is_dir else None, ds.features["label"], labels, name)
     log(f"{name}: {labels.shape[0]} images, {np.unique(labels).size} classes")
     return ImageSet(
         name=name, labels=labels, class_names=class_names, source=str(source), split=split,
-        rows=rows, dataset=ds, image_column=image_cols[0],
+        rows=rows, dataset=ds, image_column=image_cols[0], file_paths=files,
+    )
+
+
+def _no_label_message(name: str, columns: list, files: list, folder: Path | None) -> str:
+    """Why a set has no ``label`` column; an imagefolder infers one only from two or more class sub-folders."""
+    parents = sorted({str(Path(f).parent) for f in files if f})
+    has_meta = folder is not None and ((folder / "metadata.jsonl").is_file() or any(folder.glob("*/metadata.jsonl")))
+    if has_meta:
+        return (
+            f"{name}: no 'label' column (columns: {columns}): its metadata.jsonl has no int 'label' field; "
+            f"add one (the class index of each image), or lay the images out in one sub-folder per class (at least two)"
+        )
+    if folder is not None and len(parents) == 1:
+        parent = Path(parents[0])
+        split_dirs = {"train", "test", "val", "valid", "validation", "dev", "eval"}
+        where = (
+            f"all {len(files)} images sit in one class sub-folder ({parent.name}/)"
+            if parent.resolve() != folder.resolve() and parent.name.lower() not in split_dirs
+            else f"all {len(files)} images sit in {parent}, with no class sub-folders"
+        )
+        return (
+            f"{name}: no 'label' column, as there is only one class: {where}; the evals need at least two classes: "
+            f"one sub-folder per class (at least two), or a metadata.jsonl with an int 'label' field"
+        )
+    return (
+        f"{name}: no 'label' column (columns: {columns}); an imagefolder needs either a metadata.jsonl with an int "
+        f"'label' field or one sub-folder per class (at least two classes)"
     )
 
 
@@ -473,6 +662,44 @@ def _check_resolution(resolution) -> int | None:
     if isinstance(resolution, bool) or not isinstance(resolution, numbers.Integral) or resolution < 1:
         raise OptionError(f"resolution={resolution!r}: must be a positive int (square side in pixels) or None")
     return int(resolution)
+
+
+def fit_resolution(resolution: int | None, patch: int | None, log: Log = _stderr, what: str = "resolution") -> int | None:
+    """Fit an input side to a ViT's patch size.
+
+    A ViT cuts its input into ``patch x patch`` pixel squares and drops what is left over at the
+    right and bottom edges, so a side that is not a multiple of the patch is rounded here to the
+    nearest multiple (at least one patch), and ``log`` says so once. A side smaller than one patch
+    is refused (the patch embedding's convolution cannot run on it).
+
+    Args:
+        resolution: the requested side in pixels (``None``: the model's own; returned as is).
+        patch: the model's patch side in pixels (``None`` or 0 when unknown: returned as is).
+        log: receives the one line saying what the side was rounded to.
+        what: how the message names the value (e.g. ``"--resolution"``).
+
+    Returns:
+        The side to use: ``resolution`` if a multiple of ``patch``, else ``patch * round(resolution / patch)``.
+
+    Raises:
+        OptionError: ``resolution < patch``.
+    """
+    if resolution is None or not patch:
+        return resolution
+    if resolution < patch:
+        example = patch * max(1, int(224 / patch + 0.5))
+        raise OptionError(
+            f"{what} {resolution}: smaller than the model's patch size ({patch} px); use a multiple of {patch} "
+            f"(e.g. {example})"
+        )
+    if resolution % patch:
+        fitted = max(patch, patch * int(resolution / patch + 0.5))
+        log(
+            f"{what} {resolution} is not a multiple of the model's patch size {patch}: rounded to {fitted} "
+            f"({fitted // patch} x {fitted // patch} patches)"
+        )
+        return fitted
+    return resolution
 
 
 def _field(size, key: str):

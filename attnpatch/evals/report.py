@@ -13,8 +13,25 @@ import torch
 
 __all__ = [
     "Column", "RULER_COLUMNS", "BENCH_ATTENTION_COLUMNS", "BENCH_VISION_COLUMNS", "BENCH_LM_COLUMNS", "VISION_COLUMNS", "ZEROSHOT_COLUMNS", "CLIP_RETRIEVAL_COLUMNS", "vision_rows", "clip_rows",
-    "rows_to_markdown", "print_table", "write_json", "machine_info",
+    "rows_to_markdown", "print_table", "write_json", "write_text", "machine_info", "EvalInterrupted",
 ]
+
+
+class EvalInterrupted(KeyboardInterrupt):
+    """Ctrl-C (a ``KeyboardInterrupt``) during an eval, carrying what was finished before it.
+
+    It is a ``KeyboardInterrupt``, so a caller that does not look for it stops as on any Ctrl-C.
+
+    Attributes:
+        partial: the eval's result over the finished part (same layout as its normal return value,
+            with ``"interrupted": True``), or ``None`` when nothing was finished.
+        done: a short description of what was finished (e.g. ``"2/6 cells"``, ``"48/1000 images"``).
+    """
+
+    def __init__(self, partial: dict[str, Any] | None, done: str = ""):
+        super().__init__(done)
+        self.partial = partial
+        self.done = done
 
 
 class Column:
@@ -186,16 +203,21 @@ def rows_to_markdown(rows: Sequence[dict[str, Any]], columns: Sequence[Column]) 
 
 
 def print_table(rows: Sequence[dict[str, Any]], columns: Sequence[Column], title: str | None = None) -> None:
-    """Print ``rows`` as a rich table on stdout."""
+    """Print ``rows`` as a rich table on stdout.
+
+    Every text (title, column titles, cells) is printed literally: rich markup such as
+    ``[exact attention: s >= N tokens]`` in a setting label is escaped, not interpreted.
+    """
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     cols = _present(columns, rows)
-    table = Table(title=title)
+    table = Table(title=escape(title) if title is not None else None)
     for c in cols:
-        table.add_column(c.title, justify="left" if c.fmt == "str" else "right")
+        table.add_column(escape(c.title), justify="left" if c.fmt == "str" else "right")
     for r in rows:
-        table.add_row(*(c.render(r.get(c.key)) for c in cols))
+        table.add_row(*(escape(c.render(r.get(c.key))) for c in cols))
     Console(width=max(120, 14 * len(cols))).print(table)
 
 
@@ -226,10 +248,24 @@ def machine_info() -> dict[str, Any]:
 
 
 def write_json(path: str | os.PathLike, result: dict[str, Any]) -> Path:
-    """Write ``result`` as indented JSON (creating parent folders); returns the path."""
+    """Write ``result`` as indented JSON (creating parent folders); returns the path.
+
+    The file is written under a temporary name next to it and renamed into place, so an
+    interrupted write never leaves a half-written file (an earlier version stays whole).
+    """
+    return write_text(path, json.dumps(result, indent=2, default=_jsonable))
+
+
+def write_text(path: str | os.PathLike, text: str) -> Path:
+    """Write ``text`` to ``path`` atomically (temporary file + rename, parent folders created); returns the path."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(json.dumps(result, indent=2, default=_jsonable))
+    tmp = p.with_name(f".{p.name}.partial-{os.getpid()}")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, p)
+    finally:
+        tmp.unlink(missing_ok=True)
     return p
 
 

@@ -23,6 +23,7 @@ from ..patchers.core import patch, record_stats, unpatch
 from ..patchers.registry import get_method, validate_options
 from . import ruler_tasks
 from .recall import attention_recall, summarize_layers
+from .report import EvalInterrupted
 
 __all__ = ["run_ruler", "PrefillTimer", "generate_greedy"]
 
@@ -129,8 +130,12 @@ def run_ruler(
         and ``samples`` (per-sample details).
 
     Raises:
-        DataError: unknown task, or a length too short for a task.
+        DataError: unknown task, a length too short for a task, or a tokenizer that encodes text
+            to no tokens (all checked before the first generation: every cell's prompts are
+            built up front).
         UnknownMethodError, OptionError: bad method or options.
+        EvalInterrupted: Ctrl-C (a ``KeyboardInterrupt``) during the run; its ``partial`` holds the
+            result over the finished cells (``"interrupted": True``), or ``None`` before the first.
     """
     options = dict(options or {})
     baseline_only = method == "dense" and not options
@@ -147,48 +152,68 @@ def run_ruler(
         "depths": list(depths) if depths else None, "haystack": haystack, "recall": recall, "recall_samples": recall_samples,
         "torch_threads": torch.get_num_threads(),
     }
-    for task in tasks:
-        for length in lengths:
-            samples = ruler_tasks.make_samples(
-                task, tokenizer, length, num_samples, seed=seed, depths=list(depths) if depths else None, haystack=haystack
-            )
-            rows = []
-            for i, s in enumerate(samples):
-                ids = ruler_tasks.build_input_ids(tokenizer, s)
-                text_d, t_d = generate_greedy(model, tokenizer, ids, s.max_new_tokens)
-                row: dict[str, Any] = {
-                    "task": task, "length": length, "tokens": len(ids), "depth": s.depth, "answers": s.answers,
-                    "dense_pred": text_d, "dense_score": ruler_tasks.score(task, text_d, s.answers), "prefill_dense_s": t_d,
-                }
-                if not baseline_only:
-                    patch(model, method, **options)
-                    try:
-                        with record_stats(model) as rec:
-                            text_p, t_p = generate_greedy(model, tokenizer, ids, s.max_new_tokens)
-                        summ = summarize_layers(rec.forwards[0]) if rec.forwards else {}
-                        row.update(
-                            patched_pred=text_p,
-                            patched_score=ruler_tasks.score(task, text_p, s.answers),
-                            prefill_patched_s=t_p,
-                            sparsity=summ.get("sparsity"),
-                        )
-                        if recall and (recall_samples is None or i < recall_samples):
-                            r = attention_recall(model, torch.tensor([ids], device=model.device))
-                            row.update(recall_mean=r["recall_mean"], recall_worst5=r["recall_worst"], worst_heads=r["worst_heads"][:5])
-                    finally:
-                        unpatch(model)
-                rows.append(row)
-                if on_sample:
-                    on_sample(row)
-                if progress:
-                    msg = f"{task} L={length} sample {i + 1}/{len(samples)}: dense {row['dense_score']:.2f} ({t_d:.2f}s)"
-                    if not baseline_only:
-                        msg += f", patched {row['patched_score']:.2f} ({row['prefill_patched_s']:.2f}s)"
-                    progress(msg)
-            cells.append(_aggregate(task, length, rows, baseline_only))
-            if on_cell:
-                on_cell(_result(method, options, cells, settings))
+    # every cell's prompts are built first: a length too short for a task, or a tokenizer that
+    # cannot size them, fails before the first generation, not hours into the run
+    plan = [
+        (task, length, ruler_tasks.make_samples(
+            task, tokenizer, length, num_samples, seed=seed, depths=list(depths) if depths else None, haystack=haystack
+        ))
+        for task in tasks for length in lengths
+    ]
+    try:
+        _run_cells(
+            model, tokenizer, plan, cells, method=method, options=options, baseline_only=baseline_only, recall=recall,
+            recall_samples=recall_samples, progress=progress, on_sample=on_sample,
+            on_cell=(lambda: on_cell(_result(method, options, cells, settings))) if on_cell else None,
+        )
+    except KeyboardInterrupt as exc:
+        if isinstance(exc, EvalInterrupted):
+            raise
+        done = f"{len(cells)}/{len(plan)} cells"
+        partial = {**_result(method, options, cells, settings), "interrupted": True, "cells_done": len(cells), "cells_planned": len(plan)}
+        raise EvalInterrupted(partial if cells else None, done) from None
     return _result(method, options, cells, settings)
+
+
+def _run_cells(model, tokenizer, plan, cells, *, method, options, baseline_only, recall, recall_samples, progress, on_sample, on_cell) -> None:
+    """Run the planned ``(task, length, samples)`` cells in order, appending each finished cell to ``cells``."""
+    for task, length, samples in plan:
+        rows = []
+        for i, s in enumerate(samples):
+            ids = ruler_tasks.build_input_ids(tokenizer, s)
+            text_d, t_d = generate_greedy(model, tokenizer, ids, s.max_new_tokens)
+            row: dict[str, Any] = {
+                "task": task, "length": length, "tokens": len(ids), "depth": s.depth, "answers": s.answers,
+                "dense_pred": text_d, "dense_score": ruler_tasks.score(task, text_d, s.answers), "prefill_dense_s": t_d,
+            }
+            if not baseline_only:
+                patch(model, method, **options)
+                try:
+                    with record_stats(model) as rec:
+                        text_p, t_p = generate_greedy(model, tokenizer, ids, s.max_new_tokens)
+                    summ = summarize_layers(rec.forwards[0]) if rec.forwards else {}
+                    row.update(
+                        patched_pred=text_p,
+                        patched_score=ruler_tasks.score(task, text_p, s.answers),
+                        prefill_patched_s=t_p,
+                        sparsity=summ.get("sparsity"),
+                    )
+                    if recall and (recall_samples is None or i < recall_samples):
+                        r = attention_recall(model, torch.tensor([ids], device=model.device))
+                        row.update(recall_mean=r["recall_mean"], recall_worst5=r["recall_worst"], worst_heads=r["worst_heads"][:5])
+                finally:
+                    unpatch(model)
+            rows.append(row)
+            if on_sample:
+                on_sample(row)
+            if progress:
+                msg = f"{task} L={length} sample {i + 1}/{len(samples)}: dense {row['dense_score']:.2f} ({t_d:.2f}s)"
+                if not baseline_only:
+                    msg += f", patched {row['patched_score']:.2f} ({row['prefill_patched_s']:.2f}s)"
+                progress(msg)
+        cells.append(_aggregate(task, length, rows, baseline_only))
+        if on_cell:
+            on_cell()
 
 
 def _result(method: str, options: dict[str, Any], cells: list[dict[str, Any]], settings: dict[str, Any]) -> dict[str, Any]:

@@ -247,6 +247,25 @@ def _check_task(task: str) -> None:
         raise DataError(f"unknown RULER task {task!r}; allowed: {', '.join(TASKS)}")
 
 
+_PROBE_TEXT = "The grass is green. The sky is blue. 1234567"
+
+
+def _check_tokenizer(tokenizer) -> None:
+    """A tokenizer must turn text into tokens, or no prompt can be sized (an empty vocabulary, as
+    ``AutoTokenizer`` builds for a model folder without tokenizer files, encodes everything to [])."""
+    try:
+        ids = tokenizer(_PROBE_TEXT, add_special_tokens=False)["input_ids"]
+    except Exception as err:  # noqa: BLE001 - any failure to encode means the same thing here
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        raise DataError(f"the tokenizer ({type(tokenizer).__name__}) cannot encode text ({type(err).__name__}: {first})") from err
+    if not ids:
+        size = len(tokenizer) if hasattr(tokenizer, "__len__") else "?"
+        raise DataError(
+            f"the tokenizer ({type(tokenizer).__name__}, vocabulary of {size} token(s)) encodes text to no tokens, "
+            f"so no prompt can be sized to a length; its model folder probably lacks its tokenizer files"
+        )
+
+
 def build_input_ids(tokenizer, sample: RulerSample) -> list[int]:
     """Token ids of the full model input for ``sample``.
 
@@ -316,6 +335,12 @@ def _fit(count: Callable[[int], int], n_min: int, n_max: int | None, length: int
         return n_min
     probe = min(cap, n_min + 64)
     c_probe = count(probe)
+    if probe > n_min and c_probe <= c_min:
+        # a filler that adds no tokens would send the search below towards an unbounded input
+        raise DataError(
+            f"cannot size {what} to {length} tokens: adding filler does not add tokens ({c_min} tokens "
+            f"with {n_min} filler units, {c_probe} with {probe}); the tokenizer encodes the text to (almost) nothing"
+        )
     if c_probe <= length and probe == cap:
         return cap
     per = max((c_probe - c_min) / max(1, probe - n_min), 1e-3)
@@ -552,9 +577,11 @@ def make_samples(
     Raises:
         DataError: unknown ``task`` or ``haystack``; ``num_samples < 1``; a depth outside
             [0, 1] or an empty depth list; ``length`` too small to hold the task; the essay
-            text cannot be fetched.
+            text cannot be fetched; a tokenizer that encodes text to no tokens (e.g. an empty
+            vocabulary).
     """
     _check_task(task)
+    _check_tokenizer(tokenizer)
     if haystack not in HAYSTACKS:
         raise DataError(f"unknown haystack {haystack!r}; allowed: {', '.join(HAYSTACKS)}")
     if not isinstance(length, numbers.Integral) or length < 1:

@@ -26,11 +26,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import OptionError, UnsupportedModelError
+from ..errors import DataError, OptionError, UnsupportedModelError
 from ..patchers.core import patched, record_stats
 from ..patchers.registry import get_method, validate_options
+from .report import EvalInterrupted
 
-__all__ = ["TASKS", "encode", "token_count", "run_feature_eval"]
+__all__ = ["TASKS", "encode", "patch_size", "token_count", "run_feature_eval"]
 
 TASKS = ("fidelity", "knn", "linear_probe", "retrieval")
 
@@ -102,13 +103,21 @@ def encode(
     return (cls, pm, got) if layers else (cls, pm)
 
 
+def patch_size(model: torch.nn.Module) -> int | None:
+    """Side in pixels of the model's square patches (``config.patch_size``, or timm's
+    ``patch_embed.patch_size``); ``None`` when the model does not say."""
+    cfg = getattr(model, "config", None)
+    patch = getattr(getattr(cfg, "vision_config", None) or cfg, "patch_size", None)
+    if patch is None and hasattr(model, "patch_embed"):
+        patch = model.patch_embed.patch_size
+    if patch is None:
+        return None
+    return int(patch[0] if isinstance(patch, (tuple, list)) else patch)
+
+
 def token_count(model: torch.nn.Module, resolution: int) -> int:
     """Tokens ``N`` a square ``resolution`` input gives (patches + CLS + registers)."""
-    patch = getattr(getattr(model, "config", None), "patch_size", None)
-    if patch is None and hasattr(model, "patch_embed"):
-        patch = model.patch_embed.patch_size[0]
-    patch = int(patch[0] if isinstance(patch, (tuple, list)) else patch)
-    return (resolution // patch) ** 2 + _prefix_tokens(model)
+    return (resolution // patch_size(model)) ** 2 + _prefix_tokens(model)
 
 
 def count_sampled_at(layers: dict, counts: dict[int, int]) -> dict[int, int]:
@@ -206,6 +215,10 @@ def run_feature_eval(
 
     Raises:
         OptionError: unknown task; UnknownMethodError / OptionError for a bad setting.
+        EvalInterrupted: Ctrl-C (a ``KeyboardInterrupt``) during the run. Its ``partial`` is the
+            result over the images of the finished batches (``n_images`` of them, metrics computed
+            on those; ``"interrupted": True``, ``"n_images_planned"``; ``"metrics_error"`` when
+            they were too few for a metric), or ``None`` before the first batch finished.
     """
     bad = [t for t in tasks if t not in TASKS]
     if bad:
@@ -228,54 +241,100 @@ def run_feature_eval(
         return out if fl else (*out, {})
     resolution = tokens = None
     done = 0
-    for start in range(0, n, batch_size):
-        batch = [images[i][0] for i in range(start, min(n, start + batch_size))]
-        x = preprocess(batch)
-        resolution = int(x.shape[-1])
-        if warmup and start == 0:
-            encode(model, x[:1])
-            for m, o in settings:
-                with patched(model, m, **o):
-                    encode(model, x[:1])
-        t0 = time.perf_counter()
-        c, p, lay_d = enc(x)
-        dense_t += time.perf_counter() - t0
-        dense_cls.append(c)
-        dense_pm.append(p)
-        for li in fl:
-            dense_lay[li].append(lay_d[li])
-        need_layers = "fidelity" in tasks and start < layer_error_images
-        dense_out = None
-        if need_layers:
-            with patched(model, "dense"), record_stats(model, capture=True) as rec:
-                encode(model, x)
-            dense_out = rec.outputs[0]
-        for (m, o), r in zip(settings, runs):
-            with patched(model, m, **o), record_stats(model) as rec:
-                t0 = time.perf_counter()
-                c, p, lay_p = enc(x)
-                r["t"] += time.perf_counter() - t0
-            r["cls"].append(c)
-            r["pm"].append(p)
-            for li in fl:
-                r["lay"][li].append(lay_p[li])
-            lay = rec.forwards[0] if rec.forwards else {}
-            tokens = next((rr.queries for rr in lay.values()), tokens)
-            count_sampled_at(lay, r["sampled_at"])
-            r.setdefault("modes", set()).update(rr.mode for rr in lay.values())
+    interrupted = False
+    try:
+        for start in range(0, n, batch_size):
+            batch = [images[i][0] for i in range(start, min(n, start + batch_size))]
+            x = preprocess(batch)
+            resolution = int(x.shape[-1])
+            if warmup and start == 0:
+                encode(model, x[:1])
+                for m, o in settings:
+                    with patched(model, m, **o):
+                        encode(model, x[:1])
+            # everything of this batch is collected first and kept only once the batch is complete,
+            # so a Ctrl-C leaves the results of whole batches (see EvalInterrupted below)
+            t0 = time.perf_counter()
+            c, p, lay_d = enc(x)
+            dt = time.perf_counter() - t0
+            dense_b = (c, p, lay_d)
+            need_layers = "fidelity" in tasks and start < layer_error_images
+            dense_out = None
             if need_layers:
-                with patched(model, m, **o), record_stats(model, teacher_forced=True) as rec_t:
+                with patched(model, "dense"), record_stats(model, capture=True) as rec:
                     encode(model, x)
-                for li, lr in rec_t.forwards[0].items():
-                    if lr.rel_error is not None:
-                        r["teacher"].setdefault(li, []).append(lr.rel_error.numpy())
-                with patched(model, m, **o), record_stats(model, capture=True) as rec_f:
-                    encode(model, x)
-                for li, e in _layer_errors(rec_f.outputs[0], dense_out).items():
+                dense_out = rec.outputs[0]
+            per_run = []
+            for m, o in settings:
+                with patched(model, m, **o), record_stats(model) as rec:
+                    t0 = time.perf_counter()
+                    c, p, lay_p = enc(x)
+                    t_run = time.perf_counter() - t0
+                lay = rec.forwards[0] if rec.forwards else {}
+                teacher, free = {}, {}
+                if need_layers:
+                    with patched(model, m, **o), record_stats(model, teacher_forced=True) as rec_t:
+                        encode(model, x)
+                    teacher = {li: lr.rel_error.numpy() for li, lr in rec_t.forwards[0].items() if lr.rel_error is not None}
+                    with patched(model, m, **o), record_stats(model, capture=True) as rec_f:
+                        encode(model, x)
+                    free = _layer_errors(rec_f.outputs[0], dense_out)
+                per_run.append((c, p, lay_p, t_run, lay, teacher, free))
+            # the batch is complete: keep it
+            dense_t += dt
+            dense_cls.append(dense_b[0])
+            dense_pm.append(dense_b[1])
+            for li in fl:
+                dense_lay[li].append(dense_b[2][li])
+            for r, (c, p, lay_p, t_run, lay, teacher, free) in zip(runs, per_run):
+                r["t"] += t_run
+                r["cls"].append(c)
+                r["pm"].append(p)
+                for li in fl:
+                    r["lay"][li].append(lay_p[li])
+                tokens = next((rr.queries for rr in lay.values()), tokens)
+                count_sampled_at(lay, r["sampled_at"])
+                r.setdefault("modes", set()).update(rr.mode for rr in lay.values())
+                for li, e in teacher.items():
+                    r["teacher"].setdefault(li, []).append(e)
+                for li, e in free.items():
                     r["free"].setdefault(li, []).append(e)
-        done += len(batch)
-        if progress:
-            progress(done, n)
+            done += len(batch)
+            if progress:
+                progress(done, n)
+    except KeyboardInterrupt as exc:
+        if isinstance(exc, EvalInterrupted) or done == 0:
+            raise EvalInterrupted(None, f"0/{n} images") from None
+        interrupted = True
+    n_total, n = n, done
+    labels = labels[:n]
+    try:
+        result = _feature_result(
+            n, resolution, tokens, batch_size, tasks, settings, given, runs, labels, dense_cls, dense_pm, dense_t,
+            dense_lay, fl, compute_metrics, return_features, knn_k, folds, seed,
+        )
+    except KeyboardInterrupt:
+        raise EvalInterrupted(None, f"{n}/{n_total} images") from None
+    except (DataError, OptionError) as err:
+        if not interrupted:
+            raise
+        # the finished images may be too few for a metric (e.g. one class so far): keep the rest
+        result = _feature_result(
+            n, resolution, tokens, batch_size, tasks, settings, given, runs, labels, dense_cls, dense_pm, dense_t,
+            dense_lay, fl, False, return_features, knn_k, folds, seed,
+        )
+        result["metrics_error"] = str(err)
+    if interrupted:
+        result.update(interrupted=True, n_images_planned=n_total)
+        raise EvalInterrupted(result, f"{n}/{n_total} images")
+    return result
+
+
+def _feature_result(
+    n, resolution, tokens, batch_size, tasks, settings, given, runs, labels, dense_cls, dense_pm, dense_t, dense_lay, fl,
+    compute_metrics, return_features, knn_k, folds, seed,
+) -> dict[str, Any]:
+    """The result dict of :func:`run_feature_eval` from the collected per-batch features."""
     dcls = torch.cat(dense_cls)
     dense_metrics = _metrics(dcls.numpy(), labels, tasks, knn_k, folds, seed) if compute_metrics else {}
     dense_pred = dense_metrics.pop("_knn_pred", None)

@@ -1,0 +1,547 @@
+"""Bad files and bad arguments: one clear line naming the file or value, a non-zero exit, checked before
+the long work, nothing half-written; Ctrl-C writes what is finished and exits 130.
+
+Every model is tiny and random, saved to tmp_path (no hub, no real checkpoint).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from attnpatch.cli import main
+from attnpatch.errors import DataError
+from conftest import tiny_causal_lm
+from test_ruler_tasks import _make_tokenizer
+
+SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+ANCHOR_SMALL = ["-o", "theta=2", "-o", "min_len=0", "-o", "block_size=32", "-o", "local_window=32", "-o", "init_block=16"]
+
+
+def error_line(err: str) -> str:
+    """The one ``attnpatch: error:`` line of a failed command (and no traceback)."""
+    assert "Traceback" not in err
+    lines = [ln for ln in err.splitlines() if ln.startswith("attnpatch: error:")]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+# --------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def llm_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny-llama")
+    tok = _make_tokenizer(chat=True)
+    tiny_causal_lm("llama", vocab=len(tok)).save_pretrained(d)
+    tok.save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def vit_dir(tmp_path_factory):
+    from transformers import Dinov2Config, Dinov2Model
+
+    from attnpatch.checkpoints import dinov2_image_processor
+
+    d = tmp_path_factory.mktemp("tiny-dinov2")
+    torch.manual_seed(0)
+    cfg = Dinov2Config(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, intermediate_size=128, image_size=70, patch_size=14)
+    Dinov2Model(cfg).eval().save_pretrained(d)
+    dinov2_image_processor().save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def clip_dirs(tmp_path_factory):
+    """A tiny CLIP as a transformers folder (CLIPModel, no processor needed for these tests) and as an open_clip folder."""
+    import open_clip
+    from transformers import CLIPConfig, CLIPModel
+
+    hf = tmp_path_factory.mktemp("tiny-clip-hf")
+    torch.manual_seed(0)
+    CLIPModel(CLIPConfig(
+        text_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32, patch_size=8),
+        projection_dim=16,
+    )).save_pretrained(hf)
+    oc = tmp_path_factory.mktemp("tiny-clip-open_clip")
+    vision = dict(image_size=64, patch_size=8, width=64, head_width=16, layers=2)
+    text = dict(context_length=77, vocab_size=49408, width=32, heads=4, layers=1)
+    model = open_clip.model.CLIP(embed_dim=32, vision_cfg=vision, text_cfg=text, quick_gelu=True).eval()
+    (oc / "open_clip_config.json").write_text(json.dumps({"model_cfg": {"embed_dim": 32, "vision_cfg": vision, "text_cfg": text, "quick_gelu": True}, "preprocess_cfg": {}}))
+    torch.save(model.state_dict(), oc / "open_clip_pytorch_model.bin")
+    return hf, oc
+
+
+def _folder(root: Path, n: int = 12, classes: int = 3) -> Path:
+    (root / "train").mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    rows = []
+    for i in range(n):
+        label = i % classes
+        arr = (rng.random((80, 96, 3)) * 60 + 60 * label).astype(np.uint8)
+        Image.fromarray(arr).save(root / "train" / f"img{i:02d}.jpg")
+        rows.append({"file_name": f"img{i:02d}.jpg", "label": label})
+    (root / "train" / "metadata.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return root
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory):
+    return _folder(tmp_path_factory.mktemp("imgs") / "set")
+
+
+# --------------------------------------------------------------------------- corrupt weights
+
+
+@pytest.mark.parametrize("which", ["llm", "vit"])
+def test_corrupt_safetensors_is_one_line_naming_the_file(which, llm_dir, vit_dir, tmp_path, capsys, images):
+    import shutil
+
+    bad = tmp_path / "model"
+    shutil.copytree(llm_dir if which == "llm" else vit_dir, bad)
+    weights = bad / "model.safetensors"
+    with open(weights, "r+b") as f:
+        f.truncate(weights.stat().st_size // 2)
+    out = tmp_path / "r.json"
+    if which == "llm":
+        argv = ["eval", "ruler", "--model", str(bad), "--lengths", "300", "--samples", "1", "--json", str(out)]
+    else:
+        argv = ["eval", "fidelity", "--model", str(bad), "--data", str(images), "--json", str(out)]
+    assert main(argv) == 2
+    line = error_line(capsys.readouterr().err)
+    assert str(weights) in line and "not a readable safetensors file" in line and "truncated or corrupt" in line
+    assert not out.exists()
+
+
+def test_broken_json_config_is_named(llm_dir, tmp_path, capsys):
+    import shutil
+
+    bad = tmp_path / "model"
+    shutil.copytree(llm_dir, bad)
+    (bad / "tokenizer_config.json").write_text('{"model_max_length": ')
+    assert main(["eval", "ruler", "--model", str(bad), "--samples", "1"]) == 2
+    line = error_line(capsys.readouterr().err)
+    assert str(bad / "tokenizer_config.json") in line and "not valid JSON" in line
+
+
+# --------------------------------------------------------------------------- causal LM without tokenizer
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "llama"])
+def test_causal_lm_without_tokenizer_files_is_refused(kind, tmp_path, capsys):
+    """Qwen2: AutoTokenizer builds an empty tokenizer (encodes everything to []), and the RULER length search
+    grew the prompt without bound (21 GB, killed). Llama: a ValueError traceback. Both: one line now."""
+    d = tmp_path / kind
+    tiny_causal_lm(kind).save_pretrained(d)
+    out = tmp_path / "r.json"
+    assert main(["eval", "ruler", "--model", str(d), "--lengths", "300", "--samples", "1", "--json", str(out)]) == 2
+    line = error_line(capsys.readouterr().err)
+    assert str(d) in line and "holds no tokenizer files" in line and "tokenizer.save_pretrained" in line
+    assert not out.exists()
+
+
+def test_causal_lm_with_an_empty_tokenizer_is_refused(tmp_path, capsys):
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    d = tmp_path / "emptytok"
+    tiny_causal_lm("llama").save_pretrained(d)
+    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE())).save_pretrained(d)  # tokenizer.json with no vocabulary
+    assert main(["eval", "ruler", "--model", str(d), "--samples", "1"]) == 2
+    line = error_line(capsys.readouterr().err)
+    assert f"{d}: the tokenizer" in line and "encodes text to no tokens" in line
+
+
+def test_empty_tokenizer_cannot_loop_the_length_search():
+    """Defence in depth in the task builder: a tokenizer that encodes text to nothing is refused at once."""
+    from attnpatch.evals import ruler_tasks as rt
+
+    class Empty:
+        chat_template = None
+
+        def __call__(self, text, add_special_tokens=True):
+            return {"input_ids": []}
+
+        def __len__(self):
+            return 1
+
+    with pytest.raises(DataError, match="encodes text to no tokens"):
+        rt.make_samples("niah_single", Empty(), 300, 1)
+    with pytest.raises(DataError, match="adding filler does not add tokens"):
+        rt._fit(lambda n: 5, 1, None, 100, "task 'x'")
+
+
+def test_ruler_checks_every_cell_before_the_first_generation(llm_dir, tmp_path, capsys):
+    """A length too short for the task used to fail after the earlier cells ran (and wrote a partial JSON)."""
+    out = tmp_path / "r.json"
+    assert main(["eval", "ruler", "--model", str(llm_dir), "--method", "dense", "--lengths", "300", "20", "--samples", "1",
+                 "--no-recall", "--json", str(out)]) == 2
+    line = error_line(capsys.readouterr().err)
+    assert "length=20 tokens is too small" in line
+    assert not out.exists()
+
+
+# --------------------------------------------------------------------------- images
+
+
+def test_truncated_jpeg_is_refused_before_the_run_naming_the_file(vit_dir, tmp_path, capsys):
+    data = _folder(tmp_path / "set")
+    bad = data / "train" / "img03.jpg"
+    src = next(iter(sorted((SHARED / "imagenet-1k-samples" / "train").glob("*.jpg"))), None)
+    raw = src.read_bytes() if src else bad.read_bytes()
+    bad.write_bytes(raw[: len(raw) // 3])
+    out = tmp_path / "r.json"
+    assert main(["eval", "knn", "--model", str(vit_dir), "--data", str(data), "--resolution", "70", "--json", str(out)]) == 2
+    line = error_line(capsys.readouterr().err)
+    assert str(bad) in line and "truncated or corrupt JPEG" in line and "remove it and its row in metadata.jsonl" in line
+    assert not out.exists()
+
+
+def test_undecodable_image_at_load_time_names_the_file(tmp_path):
+    """Damage that the up-front check cannot see (here: the file changes after loading) is reported when decoded."""
+    from attnpatch.evals.images import load_image_set
+
+    data = _folder(tmp_path / "set")
+    s = load_image_set(data, log=lambda m: None)
+    bad = data / "train" / "img05.jpg"
+    bad.write_bytes(b"not an image at all")
+    with pytest.raises(DataError, match=r"img05\.jpg: cannot decode the image .*remove it from the set"):
+        s[5]
+    assert s[4][0].size == (96, 80)
+
+
+def test_empty_and_non_image_files_are_named(tmp_path):
+    from attnpatch.evals.images import load_image_set
+
+    data = _folder(tmp_path / "set")
+    (data / "train" / "img02.jpg").write_bytes(b"")
+    (data / "train" / "img07.jpg").write_text("hello")
+    with pytest.raises(DataError, match=r"img02\.jpg: an empty file \(0 bytes\).*1 more bad image file\(s\): img07\.jpg"):
+        load_image_set(data, log=lambda m: None)
+
+
+def test_broken_metadata_line_is_named(tmp_path):
+    from attnpatch.evals.images import load_image_set
+
+    data = _folder(tmp_path / "set")
+    with open(data / "train" / "metadata.jsonl", "a") as f:
+        f.write('{"file_name": "img00.jpg", "label": \n')
+    with pytest.raises(DataError, match=r"train/metadata\.jsonl: line 13 is not valid JSON"):
+        load_image_set(data, log=lambda m: None)
+
+
+@pytest.mark.parametrize("mode", ["I;16", "I;16B", "I"])
+def test_16_bit_grayscale_is_scaled_not_clipped(mode, tmp_path):
+    from attnpatch.evals.images import load_image_set
+
+    data = _folder(tmp_path / "set")
+    wide = np.linspace(0, 65535, 80 * 96).reshape(80, 96).astype(np.uint16)
+    img = Image.fromarray(wide)  # mode I;16
+    if mode == "I;16B":
+        img = Image.frombytes("I;16B", img.size, wide.astype(">u2").tobytes())
+    elif mode == "I":
+        img = Image.fromarray(wide.astype(np.int32), mode="I")
+    assert img.mode == mode
+    path = data / "train" / "img00.png"
+    Image.fromarray(wide).save(path)  # a 16-bit grayscale PNG (Pillow reads it back as I;16)
+    (data / "train" / "img00.jpg").unlink()
+    meta = data / "train" / "metadata.jsonl"
+    meta.write_text(meta.read_text().replace('"img00.jpg"', '"img00.png"'))
+    s = load_image_set(data, log=lambda m: None)
+    rgb = np.asarray(s[0][0])
+    want = np.rint(wide / 257.0).astype(np.uint8)
+    assert s[0][0].mode == "RGB" and rgb.shape == (80, 96, 3)
+    assert np.array_equal(rgb[..., 0], want) and np.array_equal(rgb[..., 1], want) and np.array_equal(rgb[..., 2], want)
+    assert (rgb == 255).mean() < 0.01  # PIL's convert("RGB") made 99.6 % of these pixels 255
+    from attnpatch.evals.images import _to_rgb
+
+    assert np.array_equal(np.asarray(_to_rgb(img))[..., 0], want)  # every 16-bit mode, straight from memory
+
+
+# --------------------------------------------------------------------------- --resolution
+
+
+def test_resolution_below_the_patch_is_refused(vit_dir, images, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    assert main(["eval", "knn", "--model", str(vit_dir), "--data", str(images), "--resolution", "13", "--json", str(out)]) == 2
+    line = error_line(capsys.readouterr().err)
+    assert line == "attnpatch: error: --resolution 13: smaller than the model's patch size (14 px); use a multiple of 14 (e.g. 224)"
+    assert not out.exists()
+
+
+def test_resolution_not_a_multiple_of_the_patch_is_rounded_and_said_once(vit_dir, images, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    assert main(["eval", "knn", "--model", str(vit_dir), "--data", str(images), "--resolution", "75", "--k", "3", "--json", str(out)]) == 0
+    err = capsys.readouterr().err
+    note = "--resolution 75 is not a multiple of the model's patch size 14: rounded to 70 (5 x 5 patches)"
+    assert err.count(note) == 1
+    res = json.loads(out.read_text())
+    assert res["resolution"] == 70 and res["tokens"] == 26
+
+
+def test_clip_resolution_is_fitted_to_the_patch(clip_dirs, capsys):
+    from attnpatch.clip_models import load_clip
+    from attnpatch.errors import OptionError
+
+    _, oc = clip_dirs
+    lines = []
+    b = load_clip(oc, resolution=70, log=lines.append)
+    assert b.resolution == 72 and any("resolution 70 is not a multiple of the model's patch size 8: rounded to 72" in ln for ln in lines)
+    with pytest.raises(OptionError, match="resolution 5: smaller than the model's patch size"):
+        load_clip(oc, resolution=5, log=lambda m: None)
+
+
+# --------------------------------------------------------------------------- output paths
+
+
+def _argv(cmd: str, llm_dir, vit_dir, images, clip_dirs) -> list[str]:
+    return {
+        "ruler": ["eval", "ruler", "--model", str(llm_dir), "--samples", "1"],
+        "knn": ["eval", "knn", "--model", str(vit_dir), "--data", str(images)],
+        "zeroshot": ["eval", "zeroshot", "--model", str(clip_dirs[1]), "--data", str(images)],
+        "clip-retrieval": ["eval", "clip-retrieval", "--model", str(clip_dirs[1]), "--data", str(images)],
+        "sinks": ["sinks", "--model", str(vit_dir), "--data", str(images)],
+    }[cmd]
+
+
+@pytest.mark.parametrize("cmd,flag", [
+    ("ruler", "--json"), ("ruler", "--markdown"), ("knn", "--json"), ("knn", "--markdown"),
+    ("zeroshot", "--json"), ("clip-retrieval", "--markdown"), ("sinks", "--json"),
+])
+def test_output_path_that_is_a_directory_is_refused_up_front(cmd, flag, llm_dir, vit_dir, images, clip_dirs, tmp_path, capsys, monkeypatch):
+    import attnpatch.checkpoints as ck
+    import attnpatch.clip_models as cm
+    import attnpatch.evals.images as im
+
+    def boom(*a, **k):
+        raise AssertionError("loaded something before checking the output path")
+
+    for mod, fn in ((ck, "load_causal_lm"), (ck, "load_vision_model"), (cm, "load_clip"), (im, "load_image_set")):
+        monkeypatch.setattr(mod, fn, boom)
+    d = tmp_path / "out"
+    d.mkdir()
+    assert main(_argv(cmd, llm_dir, vit_dir, images, clip_dirs) + [flag, str(d)]) == 2
+    assert error_line(capsys.readouterr().err) == f"attnpatch: error: {flag} {d}: is a directory; give a file path"
+
+
+def test_other_unusable_output_paths(vit_dir, images, tmp_path, capsys):
+    base = ["eval", "knn", "--model", str(vit_dir), "--data", str(images)]
+    afile = tmp_path / "a.txt"
+    afile.write_text("x")
+    assert main(base + ["--markdown", str(afile / "r.md")]) == 2
+    assert error_line(capsys.readouterr().err).endswith(f"{afile} is a file, not a folder")
+    same = str(tmp_path / "r.json")
+    assert main(base + ["--json", same, "--markdown", same]) == 2
+    assert "the same file as --json" in error_line(capsys.readouterr().err)
+    if Path("/proc/self").is_dir():  # a place nobody can create files in, not even root
+        assert main(base + ["--json", "/proc/attnpatch-test.json"]) == 2
+        assert "--json /proc/attnpatch-test.json: cannot create a file in /proc" in error_line(capsys.readouterr().err)
+    assert not list(tmp_path.glob(".attnpatch-write-test-*"))
+
+
+def test_missing_parent_folders_are_created(vit_dir, images, tmp_path):
+    md = tmp_path / "new" / "deeper" / "r.md"
+    js = tmp_path / "other" / "r.json"
+    assert main(["eval", "knn", "--model", str(vit_dir), "--data", str(images), "--resolution", "70", "--k", "3",
+                 "--json", str(js), "--markdown", str(md)]) == 0
+    assert json.loads(js.read_text())["n_images"] == 12 and md.read_text().startswith("### knn")
+
+
+# --------------------------------------------------------------------------- wrong kind of model folder
+
+
+def test_clip_folder_given_to_a_vision_eval(clip_dirs, images, capsys):
+    hf, oc = clip_dirs
+    assert main(["eval", "fidelity", "--model", str(hf), "--data", str(images)]) == 2
+    line = error_line(capsys.readouterr().err)
+    assert f"{hf} is a CLIP-style dual encoder (CLIPModel), not a ViT image encoder" in line
+    assert "eval zeroshot|clip-retrieval" in line and "dinov2_image_processor" not in line
+    assert main(["eval", "knn", "--model", str(oc), "--data", str(images)]) == 2
+    assert "(an open_clip folder) is a CLIP-style dual encoder" in error_line(capsys.readouterr().err)
+
+
+def test_vision_and_lm_folders_given_to_the_wrong_eval(llm_dir, vit_dir, images, capsys):
+    assert main(["eval", "ruler", "--model", str(vit_dir), "--samples", "1"]) == 2
+    assert "is a ViT image encoder (Dinov2Model), not a causal LM" in error_line(capsys.readouterr().err)
+    assert main(["eval", "knn", "--model", str(llm_dir), "--data", str(images)]) == 2
+    assert "is a causal LM (LlamaForCausalLM), not a ViT image encoder" in error_line(capsys.readouterr().err)
+    assert main(["eval", "zeroshot", "--model", str(vit_dir), "--data", str(images)]) == 2
+    assert "is a ViT image encoder (Dinov2Model), not a CLIP-style dual encoder" in error_line(capsys.readouterr().err)
+
+
+# --------------------------------------------------------------------------- one-class folder
+
+
+def test_one_class_folder_says_at_least_two_classes(vit_dir, tmp_path, capsys):
+    root = tmp_path / "one"
+    (root / "cat").mkdir(parents=True)
+    for i in range(4):
+        Image.fromarray(np.full((40, 40, 3), 30 * i, np.uint8)).save(root / "cat" / f"{i}.jpg")
+    assert main(["eval", "knn", "--model", str(vit_dir), "--data", str(root)]) == 2
+    line = error_line(capsys.readouterr().err)
+    assert "only one class: all 4 images sit in one class sub-folder (cat/)" in line and "at least two classes" in line
+
+
+# --------------------------------------------------------------------------- Ctrl-C
+
+
+def _interrupt_at(monkeypatch, cls, index: int):
+    """Make ``cls.__getitem__`` raise KeyboardInterrupt at image ``index`` (as Ctrl-C would, mid-run)."""
+    orig = cls.__getitem__
+
+    def getitem(self, i):
+        if i == index:
+            raise KeyboardInterrupt
+        return orig(self, i)
+
+    monkeypatch.setattr(cls, "__getitem__", getitem)
+
+
+def test_ctrl_c_in_ruler_writes_the_finished_cells_and_exits_130(llm_dir, tmp_path, capsys, monkeypatch):
+    import attnpatch.evals.ruler as ruler
+
+    calls = {"n": 0}
+    orig = ruler.generate_greedy
+
+    def gen(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 5:  # cell 1: 2 samples x (dense + patched) = 4 calls; the 5th is in cell 2
+            raise KeyboardInterrupt
+        return orig(*a, **k)
+
+    monkeypatch.setattr(ruler, "generate_greedy", gen)
+    out, md = tmp_path / "r.json", tmp_path / "r.md"
+    rc = main(["eval", "ruler", "--model", str(llm_dir), *ANCHOR_SMALL, "--lengths", "300", "400", "--samples", "2",
+               "--no-recall", "--json", str(out), "--markdown", str(md)])
+    assert rc == 130
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1] == (
+        f'attnpatch: interrupted (Ctrl-C) after 1/2 cells; wrote the finished part to {out} and {md} (marked "interrupted": true)'
+    )
+    res = json.loads(out.read_text())
+    assert res["interrupted"] is True and res["complete"] is False and res["cells_done"] == 1 and res["cells_planned"] == 2
+    assert [(c["task"], c["length"], c["n"]) for c in res["cells"]] == [("niah_single", 300, 2)]
+    text = md.read_text()
+    assert "(interrupted: 1/2 cells)" in text and text.count("| niah_single |") == 1
+
+
+def test_ctrl_c_in_a_vision_eval_writes_the_finished_images(vit_dir, images, tmp_path, capsys, monkeypatch):
+    from attnpatch.evals.images import ImageSet
+
+    _interrupt_at(monkeypatch, ImageSet, 10)  # batches of 5: two finished
+    out, md = tmp_path / "r.json", tmp_path / "r.md"
+    rc = main(["eval", "fidelity", "--model", str(vit_dir), "--data", str(images), "--resolution", "70", "--batch-size", "5",
+               "--k", "3", "--json", str(out), "--markdown", str(md)])
+    assert rc == 130
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("attnpatch: interrupted (Ctrl-C) after 10/12 images; wrote")
+    res = json.loads(out.read_text())
+    assert res["interrupted"] is True and res["n_images"] == 10 and res["n_images_planned"] == 12
+    assert "knn_top1" in res["dense"] and 0 <= res["runs"][0]["cls_cosine"] <= 1 + 1e-6
+    assert "(interrupted: 10/12 images)" in md.read_text()
+
+
+def test_ctrl_c_before_anything_is_finished_writes_nothing(vit_dir, images, tmp_path, capsys, monkeypatch):
+    from attnpatch.evals.images import ImageSet
+
+    _interrupt_at(monkeypatch, ImageSet, 0)
+    out = tmp_path / "r.json"
+    assert main(["eval", "knn", "--model", str(vit_dir), "--data", str(images), "--resolution", "70", "--json", str(out)]) == 130
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "before any result was finished" in err.strip().splitlines()[-1]
+    assert not out.exists()
+
+
+def test_ctrl_c_while_loading_exits_130_quietly(vit_dir, images, tmp_path, capsys, monkeypatch):
+    import attnpatch.checkpoints as ck
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ck, "load_vision_model", interrupted)
+    out = tmp_path / "r.json"
+    assert main(["eval", "knn", "--model", str(vit_dir), "--data", str(images), "--json", str(out)]) == 130
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.strip().splitlines()[-1] == "attnpatch: interrupted (Ctrl-C); nothing more written"
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("evalname", ["zeroshot", "clip-retrieval"])
+def test_ctrl_c_in_a_clip_eval_writes_the_finished_images(evalname, clip_dirs, tmp_path, capsys, monkeypatch):
+    from attnpatch.evals.clip import CaptionSet
+    from attnpatch.evals.images import ImageSet
+
+    data = _folder(tmp_path / "set")
+    meta = data / "train" / "metadata.jsonl"
+    rows = [{**json.loads(ln), "caption": f"a picture number {i}"} for i, ln in enumerate(meta.read_text().splitlines())]
+    meta.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    _interrupt_at(monkeypatch, ImageSet if evalname == "zeroshot" else CaptionSet, 8)  # batches of 4: two finished
+    out = tmp_path / "r.json"
+    rc = main(["eval", evalname, "--model", str(clip_dirs[1]), "--data", str(data), "--batch-size", "4", "--json", str(out)])
+    assert rc == 130
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "after 8/12 images" in err.strip().splitlines()[-1]
+    res = json.loads(out.read_text())
+    assert res["interrupted"] is True and res["n_images"] == 8 and res["n_images_planned"] == 12
+    if evalname == "clip-retrieval":
+        assert res["n_texts"] == 8 and 0 <= res["dense"]["t2i_recall@1"] <= 1
+    else:
+        assert 0 <= res["dense"]["top1"] <= 1
+
+
+# --------------------------------------------------------------------------- rich markup in labels
+
+
+def test_exact_attention_label_is_printed_in_the_terminal_table(vit_dir, images, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    with pytest.warns(UserWarning, match="s=26 >= N=26"):
+        assert main(["eval", "knn", "--model", str(vit_dir), "--data", str(images), "--resolution", "70", "--k", "3",
+                     "--method", "fna:s=26", "--json", str(out)]) == 0
+    assert "fna (s=26) [exact attention: s >= N tokens]" in capsys.readouterr().out
+
+
+def test_zeroshot_shows_the_exact_attention_label(clip_dirs, images, tmp_path, capsys):
+    out, md = tmp_path / "z.json", tmp_path / "z.md"
+    with pytest.warns(UserWarning, match=">= N=65"):
+        assert main(["eval", "zeroshot", "--model", str(clip_dirs[1]), "--data", str(images), "--method", "fna", "-o", "s=100",
+                     "--json", str(out), "--markdown", str(md)]) == 0
+    assert "fna (s=100) [exact attention: s >= N tokens]" in capsys.readouterr().out
+    assert json.loads(out.read_text())["runs"][0]["note"] == "exact attention: s >= N tokens"
+    assert "| fna (s=100) [exact attention: s >= N tokens] |" in md.read_text()
+
+
+def test_print_table_prints_markup_literally(capsys):
+    from attnpatch.evals.report import Column, print_table
+
+    print_table([{"setting": "[bold]x[/bold] [red]", "v": 1}], [Column("setting", "setting"), Column("v", "[v]", "int")], title="t [dim]u[/dim]")
+    out = capsys.readouterr().out
+    assert "[bold]x[/bold] [red]" in out and "t [dim]u[/dim]" in out and "[v]" in out
+
+
+def test_json_writes_are_atomic(tmp_path, monkeypatch):
+    """A write interrupted half way (Ctrl-C while writing) leaves the earlier file whole and no temporary file."""
+    import pathlib
+
+    from attnpatch.evals import report
+
+    p = tmp_path / "r.json"
+    report.write_json(p, {"a": 1})
+    orig = pathlib.Path.write_text
+
+    def half_then_ctrl_c(self, text, *a, **k):
+        orig(self, text[: len(text) // 2], *a, **k)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pathlib.Path, "write_text", half_then_ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        report.write_json(p, {"a": 2, "b": list(range(100))})
+    monkeypatch.undo()
+    assert json.loads(p.read_text()) == {"a": 1} and [x.name for x in tmp_path.iterdir()] == ["r.json"]
