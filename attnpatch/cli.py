@@ -28,7 +28,10 @@ def _parse_options(pairs: Sequence[str]) -> dict[str, Any]:
         if "=" not in p:
             raise AttnpatchError(f"option {p!r}: expected NAME=VALUE (e.g. -o theta=12, or METHOD:s=32)")
         k, v = p.split("=", 1)
-        out[k.strip().replace("-", "_")] = v.strip()
+        k = k.strip().replace("-", "_")
+        if k in out:
+            raise AttnpatchError(f"option {k} given twice ({k}={out[k]} and {k}={v.strip()}): give each option once")
+        out[k] = v.strip()
     return out
 
 

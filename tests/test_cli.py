@@ -78,3 +78,11 @@ def test_repeated_list_options_accumulate():
     assert a.method == ["anchor_attention:kernel=torch", "fna:s=8", "fna"] and a.lengths == [64, 128]
     assert p.parse_args(["eval", "ruler", "--model", "m"]).lengths == [1024, 2048, 4096]
     assert p.parse_args(["eval", "ruler", "--model", "m", "--lengths", "512", "--lengths", "768"]).lengths == [512, 768]
+
+
+def test_an_option_given_twice_is_refused(capsys):
+    from attnpatch.cli import main
+
+    assert main(["eval", "fidelity", "--model", "dinov2-small", "--method", "fna:s=8,s=9"]) == 2
+    err = capsys.readouterr().err
+    assert "option s given twice (s=8 and s=9)" in err and "Traceback" not in err

@@ -303,3 +303,97 @@ def test_families_dense_bit_exact_and_anchor_exact_limit_or_refused(family, refu
     assert {r.mode for r in rec.forwards[0].values()} == {"sparse"}
     valid = mask.bool()
     assert (out[valid] - ref[valid]).abs().max() < 1e-5
+
+
+# --------------------------------------------------------------------------- found by trying it as a new user
+
+
+def test_relative_position_bias_sinks_and_mla_are_refused():
+    import transformers as T
+
+    torch.manual_seed(0)
+    beit = T.BeitModel(T.BeitConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                                    image_size=64, patch_size=16, use_relative_position_bias=True)).eval()
+    for method in ("fna", "sink_mask"):
+        with pytest.raises(UnsupportedModelError, match=r"BeitModel uses an additive bias on the attention logits \(relative position bias\)"):
+            patch(beit, method)
+    oss = T.GptOssForCausalLM._from_config(T.GptOssConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, num_local_experts=2, num_experts_per_tok=1, layer_types=["full_attention"] * 2, sliding_window=128,
+    ), attn_implementation="eager").eval()
+    with pytest.raises(UnsupportedModelError, match=r"GptOssForCausalLM uses learned attention-sink logits"):
+        patch(oss, "anchor_attention")
+    mla = T.DeepseekV3ForCausalLM(T.DeepseekV3Config(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+        n_routed_experts=2, num_experts_per_tok=1, n_group=1, topk_group=1, moe_intermediate_size=32, first_k_dense_replace=2,
+        q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=8,
+    )).eval()
+    with pytest.raises(UnsupportedModelError, match=r"value head size 8, query/key head size 24"):
+        patch(mla, "anchor_attention")
+
+
+@torch.no_grad()
+def test_additive_float_mask_with_a_bias_runs_exactly():
+    model = _llama()
+    n = 80
+    ids = _ids(n)
+    causal = torch.full((1, 1, n, n), torch.finfo(torch.float32).min).triu(1)
+    biased = causal + torch.where(causal == 0, -0.5 * torch.rand(1, 1, n, n, generator=torch.Generator().manual_seed(3)), torch.zeros(()))
+    ref = model(ids, attention_mask=biased).logits
+    small = dict(theta=1e9, min_len=16, block_size=16, init_block=16, local_window=16, dense_last=0, min_recall=0.0)
+    with patched(model, "anchor_attention", **small), record_stats(model) as rec:
+        with pytest.warns(UserWarning, match="dense:mask"):
+            out = model(ids, attention_mask=biased).logits
+        plain = model(ids, attention_mask=causal).logits  # a 0 / min additive causal mask is represented
+    assert torch.equal(out, ref)  # the bias was dropped before (0.05)
+    assert [sorted({r.mode for r in f.values()}) for f in rec.forwards] == [["dense:mask"], ["sparse"]]
+    assert (plain - model(ids, attention_mask=causal).logits).abs().max() < 1e-5
+
+
+@torch.no_grad()
+def test_right_padding_of_every_row_runs_the_method():
+    model = _llama()
+    ids = _ids(100, b=2)
+    mask = torch.ones_like(ids)
+    mask[:, 90:] = 0
+    mask[1, 70:] = 0
+    ref = model(ids, attention_mask=mask).logits
+    small = dict(theta=1e9, min_len=16, block_size=16, init_block=16, local_window=16, dense_last=0, min_recall=0.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no 'dense:mask' warning
+        with patched(model, "anchor_attention", **small), record_stats(model) as rec:
+            out = model(ids, attention_mask=mask).logits
+    assert {r.mode for r in rec.forwards[0].values()} == {"sparse"}
+    valid = mask.bool()
+    assert (out[valid] - ref[valid]).abs().max() < 1e-5
+
+
+@torch.no_grad()
+def test_dense_on_eager_passes_a_users_bool_4d_mask_as_the_model_does():
+    model = _llama("eager")
+    n = 120
+    ids = _ids(n)
+    i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    packed = (((i < 60) == (j < 60)) & (j <= i))[None, None]
+    ref = model(ids, attention_mask=packed).logits
+    with patched(model, "dense"):
+        assert torch.equal(model(ids, attention_mask=packed).logits, ref)
+
+
+@torch.no_grad()
+def test_a_sub_module_called_alone_gets_one_forward_state():
+    from transformers import Dinov2Config, Dinov2Model
+
+    torch.manual_seed(0)
+    vit = Dinov2Model(Dinov2Config(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, intermediate_size=128, image_size=112, patch_size=14)).eval()
+    x = torch.randn(2, 3, 112, 112)
+    with patched(vit, "fna", s=8, sample_layer=0):
+        full = vit(pixel_values=x).last_hidden_state
+        with record_stats(vit) as rec:
+            enc = vit.layernorm(vit.encoder(vit.embeddings(x)).last_hidden_state)
+    assert torch.equal(enc, full)  # landmarks sampled once and reused, as in a whole-model call (resampled per layer before)
+    assert len(rec.forwards) == 1 and sorted(rec.forwards[0]) == [0, 1, 2, 3]
+    with patched(vit, "sink_mask", mask_layers=2, detect_layer=1):  # needed the block inputs, which were lost before
+        ref = vit(pixel_values=x).last_hidden_state
+        enc = vit.layernorm(vit.encoder(vit.embeddings(x)).last_hidden_state)
+    assert torch.equal(enc, ref)

@@ -146,7 +146,8 @@ class PatchHandle:
                 self._repr_modules.append(m)
         roots = getattr(self.adapter, "roots", None)
         for root in roots(self) if roots is not None else [self.model]:
-            self._hooks.append(root.register_forward_pre_hook(self._pre, with_kwargs=True))
+            # prepended: the state exists before the adapters' own input hooks on the same module run
+            self._hooks.append(root.register_forward_pre_hook(self._pre, with_kwargs=True, prepend=True))
             self._hooks.append(root.register_forward_hook(self._post, with_kwargs=True, always_call=True))
 
     def remove(self) -> None:
@@ -456,11 +457,11 @@ def _check_features(model: torch.nn.Module, method: Method, adapter, handle: "Pa
         from .registry import MODEL_FEATURES
 
         what = "; ".join(f"{MODEL_FEATURES.get(f, f)}: {d}" for f, d in lacking.items())
-        supported = ", ".join(MODEL_FEATURES[f] for f in sorted(method.supports)) or "none of them"
+        supported = ", ".join(MODEL_FEATURES[f] for f in sorted(method.supports)) or "none of the checked model features"
         raise UnsupportedModelError(
-            f"{type(model).__name__} uses {what}. Method {method.name!r} implements full attention without these "
-            f"features (of the model features it checks, it supports {supported}), so its output would be silently "
-            "different from the model's; use method 'dense' (the model's own attention), or a model without them"
+            f"{type(model).__name__} uses {what}. Method {method.name!r} does not implement this, so its output would "
+            f"differ from the model's (it supports: {supported}); use method 'dense' (the model's own attention), "
+            "or a model without it"
         )
 
 

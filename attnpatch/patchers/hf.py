@@ -98,12 +98,29 @@ def _sub_config_key(model: torch.nn.Module, cfg) -> str | None:
     return None
 
 
+# configs of patched models whose own implementation is eager -> that config (the masks they get
+# are eager's additive float masks, so that ``dense`` passes the model's own mask on unchanged);
+# entries live from patch to unpatch only
+_EAGER_CONFIGS: dict[int, Any] = {}
+
+
+def _mask(**kwargs):
+    """The ``"attnpatch"`` mask builder: the one of the model's own implementation (eager's additive
+    float mask for models whose own implementation is eager, SDPA's bool mask otherwise)."""
+    from transformers.masking_utils import eager_mask, sdpa_mask
+
+    cfg = kwargs.get("config")
+    if cfg is not None and _EAGER_CONFIGS.get(id(cfg)) is cfg:
+        return eager_mask(**kwargs)
+    return sdpa_mask(**kwargs)
+
+
 def _register() -> None:
     from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, sdpa_mask
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
-    if ATTN_NAME not in ALL_MASK_ATTENTION_FUNCTIONS:
-        AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
+    if ALL_MASK_ATTENTION_FUNCTIONS.get(ATTN_NAME) is not _mask:
+        AttentionMaskInterface.register(ATTN_NAME, _mask)
     AttentionInterface.register(ATTN_NAME, _dispatch)
 
 
@@ -124,14 +141,21 @@ def _key_layout(attention_mask: torch.Tensor | None, lq: int, lk: int) -> tuple[
     if not bool(seen.any()):
         return lk - lq, last
     last_pos = int(torch.nonzero(seen).max())
-    return last_pos + 1 - lq, last
+    # keys after the last one any query sees are an unused cache tail (static cache) or right
+    # padding: the first query sits at last_pos + 1 - lq, never before key 0
+    return max(0, last_pos + 1 - lq), last
 
 
-def _allowed(attention_mask: torch.Tensor) -> torch.Tensor:
-    """A 4-D mask as bool "may attend" (an additive float mask: entries above half the dtype's minimum)."""
+def _allowed(attention_mask: torch.Tensor) -> torch.Tensor | None:
+    """A 4-D mask as bool "may attend" (an additive float mask: entries above half the dtype's
+    minimum), or ``None`` when an additive mask also biases some logits (a finite non-zero entry:
+    relative position bias, ALiBi, a user's recency bias), which no method represents."""
     if attention_mask.dtype == torch.bool:
         return attention_mask
-    return attention_mask > torch.finfo(attention_mask.dtype).min / 2
+    allowed = attention_mask > torch.finfo(attention_mask.dtype).min / 2
+    if bool((allowed & (attention_mask != 0)).any()):
+        return None
+    return allowed
 
 
 def _mask_is_layout(attention_mask: torch.Tensor, lq: int, lk: int, q_offset: int, key_valid: torch.Tensor, causal: bool) -> bool:
@@ -148,6 +172,8 @@ def _mask_is_layout(attention_mask: torch.Tensor, lq: int, lk: int, q_offset: in
     for i in range(0, lq, 1024):
         rows = torch.arange(i, min(lq, i + 1024), device=attention_mask.device)
         got = _allowed(attention_mask[:, :, i : i + 1024, :lk])
+        if got is None:
+            return False
         want = valid.expand(b, 1, len(rows), lk)
         if causal:
             want = want & (cols[None, :] <= (q_offset + rows)[:, None])[None, None]
@@ -229,8 +255,8 @@ def _dispatch(module, query, key, value, attention_mask, dropout: float = 0.0, s
 
     def exact() -> torch.Tensor:
         mask = attention_mask
-        if mask_kind == "eager":
-            mask = _eager_mask(attention_mask, lq, lk, causal, query.dtype, query.device)
+        if mask_kind == "eager" and (mask is None or mask.dtype == torch.bool) and not module.__dict__.get("_attnpatch_eager_mask"):
+            mask = _eager_mask(attention_mask, lq, lk, causal, query.dtype, query.device)  # a mask built for SDPA
         out, w = fn(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
         weights[0] = w
         return out.transpose(1, 2)
@@ -238,6 +264,10 @@ def _dispatch(module, query, key, value, attention_mask, dropout: float = 0.0, s
     decline = None
     if not handle.method.exact:
         found = {n: kwargs.get(n) for n in ("sliding_window", "softcap") if kwargs.get(n) is not None}
+        if kwargs.get("s_aux") is not None:
+            found["s_aux"] = "learned attention-sink logits"
+        if value.shape[-1] != query.shape[-1]:
+            found["value head size"] = f"{value.shape[-1]} (query/key head size {query.shape[-1]})"
         if found:  # patch() refuses such models; a model that sets them only at call time is refused here
             raise UnsupportedModelError(
                 f"{type(handle.model).__name__} layer {module._attnpatch_layer} is called with "
@@ -256,7 +286,7 @@ def _dispatch(module, query, key, value, attention_mask, dropout: float = 0.0, s
         handle, module._attnpatch_layer, query, key, value, scale=scale, exact=exact, q_offset=q_offset,
         key_valid=key_valid, causal=causal, dropout=float(dropout or 0.0), decline=decline,
     )
-    if weights[0] is None and _attentions_requested():
+    if weights[0] is None and not handle.method.exact and _attentions_requested():
         handle.say(
             f"output_attentions=True: method {handle.method.name!r} forms no attention matrix, so the patched layers "
             "return None for their attention weights (method 'dense' on a model loaded with attn_implementation='eager' returns them)"
@@ -264,15 +294,22 @@ def _dispatch(module, query, key, value, attention_mask, dropout: float = 0.0, s
     return out.transpose(1, 2).contiguous(), weights[0]
 
 
-def _block_of(model: torch.nn.Module, name: str) -> torch.nn.Module | None:
-    """The transformer block holding the attention module called ``name``: the ancestor that is an item of a ModuleList."""
+def _stack_of(model: torch.nn.Module, name: str) -> tuple[torch.nn.Module, torch.nn.Module] | None:
+    """``(owner of the block list, block)`` for the attention module called ``name``: the block is
+    the ancestor that is an item of a ModuleList, the owner the module holding that list (the encoder)."""
     parts = name.split(".")
     for i in range(len(parts) - 1, 0, -1):
         parent = model.get_submodule(".".join(parts[: i - 1])) if i > 1 else model
         child = getattr(parent, parts[i - 1], None)
         if isinstance(child, (torch.nn.ModuleList, torch.nn.Sequential)) and parts[i].isdigit():
-            return child[int(parts[i])]
+            return parent, child[int(parts[i])]
     return None
+
+
+def _block_of(model: torch.nn.Module, name: str) -> torch.nn.Module | None:
+    """The transformer block holding the attention module called ``name``: the ancestor that is an item of a ModuleList."""
+    found = _stack_of(model, name)
+    return None if found is None else found[1]
 
 
 def _prefix_tokens(model: torch.nn.Module, kind: str) -> int:
@@ -326,15 +363,21 @@ class HFAdapter:
 
     @staticmethod
     def roots(handle: PatchHandle) -> list[torch.nn.Module]:
-        """Modules whose call is one whole forward pass: the model, and the routed towers'
+        """Modules whose call is one whole forward pass: the model, the routed towers'
         sub-models (``vision_model`` / ``text_model``), so that ``get_image_features`` /
         ``get_text_features`` (which call a tower without the model's own ``forward``) also get
-        exactly one per-forward state."""
+        exactly one per-forward state, and the block stacks and blocks of the routed modules
+        (``model.encoder(x)`` or one block called alone; nested calls share the outer state)."""
         out = [handle.model]
         for t in handle.towers:
             sub = getattr(handle.model, f"{t}_model", None)
             if isinstance(sub, torch.nn.Module) and sub is not handle.model:
                 out.append(sub)
+        # a sub-module called on its own (model.encoder(x), one block) is a forward pass of its own
+        for name, _ in routed_modules(handle):
+            found = _stack_of(handle.model, name)
+            if found is not None:
+                out += [m for m in found if all(m is not o for o in out)]
         return out
 
     @staticmethod
@@ -368,6 +411,16 @@ class HFAdapter:
             cap = getattr(m, "attn_logit_softcapping", getattr(cfg, "attn_logit_softcapping", None))
             if cap is not None:
                 found.setdefault("softcap", []).append(f"{name} (cap {cap})")
+            if isinstance(getattr(m, "sinks", None), torch.Tensor):
+                found.setdefault("attention_sinks", []).append(f"{name} (learned sink logits, {tuple(m.sinks.shape)})")
+            if getattr(cfg, "use_relative_position_bias", False) or getattr(cfg, "use_shared_relative_position_bias", False):
+                found.setdefault("logit_bias", []).append(f"{name} (relative position bias)")
+            v_dim = getattr(cfg, "v_head_dim", None)
+            qk_dim = getattr(cfg, "qk_head_dim", None) or (
+                (getattr(cfg, "qk_nope_head_dim", 0) or 0) + (getattr(cfg, "qk_rope_head_dim", 0) or 0) or getattr(cfg, "head_dim", None)
+            )
+            if v_dim is not None and qk_dim and v_dim != qk_dim:
+                found.setdefault("value_head_dim", []).append(f"{name} (value head size {v_dim}, query/key head size {qk_dim})")
         return {f: (v[0] if len(v) == 1 else f"{v[0]} and {len(v) - 1} more layers") for f, v in found.items()}
 
     @staticmethod
@@ -435,9 +488,15 @@ class HFAdapter:
         handle.prefix_tokens = _prefix_tokens(model, "vision" if vision else handle.kind)
         multi = len(handle.towers) > 1
         hooks = []
+        eager_cfgs: list[Any] = []
         for i, (name, m, tower) in enumerate(routed):
             m._attnpatch = handle
             m._attnpatch_original = getattr(getattr(m, "config", None), "_attn_implementation", None) or model.config._attn_implementation
+            if m._attnpatch_original == "eager":
+                cfg = getattr(m, "config", None) or model.config
+                _EAGER_CONFIGS[id(cfg)] = cfg
+                eager_cfgs.append(cfg)
+                m._attnpatch_eager_mask = True
             li = getattr(m, "layer_idx", None)
             # encoders often carry no layer_idx; with several towers, number the routed modules in order
             m._attnpatch_layer = int(li) if isinstance(li, int) and not multi else i
@@ -456,8 +515,10 @@ class HFAdapter:
         )
         if not switched or not others_kept:
             for _, m in mods:
-                for attr in ("_attnpatch", "_attnpatch_layer", "_attnpatch_original"):
+                for attr in ("_attnpatch", "_attnpatch_layer", "_attnpatch_original", "_attnpatch_eager_mask"):
                     m.__dict__.pop(attr, None)
+            for cfg in eager_cfgs:
+                _EAGER_CONFIGS.pop(id(cfg), None)
             for h in hooks:
                 h.remove()
             try:
@@ -469,15 +530,17 @@ class HFAdapter:
                 "attention through transformers.AttentionInterface"
                 + ("" if whole else f", or its towers {handle.towers} cannot be switched apart from the others")
             )
-        return original, mods, hooks
+        return original, mods, hooks, eager_cfgs
 
     @staticmethod
     def restore(handle: PatchHandle, undo: Any) -> None:
         """Switch back to the original attention implementation(s) and unbind the modules."""
-        original, mods, hooks = undo
+        original, mods, hooks, eager_cfgs = undo
         for h in hooks:
             h.remove()
         handle.model.set_attn_implementation(original)
+        for cfg in eager_cfgs:
+            _EAGER_CONFIGS.pop(id(cfg), None)
         for _, m in mods:
-            for attr in ("_attnpatch", "_attnpatch_layer", "_attnpatch_original"):
+            for attr in ("_attnpatch", "_attnpatch_layer", "_attnpatch_original", "_attnpatch_eager_mask"):
                 m.__dict__.pop(attr, None)

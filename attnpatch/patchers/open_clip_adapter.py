@@ -257,6 +257,8 @@ class OpenClipAdapter:
         if "text" in handle.towers:
             found = _text_root(handle.model)
             out += [found[0], found[1]]
+        for t in handle.towers:  # a block called on its own is a forward pass too
+            out += [block for block, _ in tower_modules(handle.model, t)]
         uniq: list[torch.nn.Module] = []
         for m in out:
             if all(m is not u for u in uniq):

@@ -100,10 +100,15 @@ class TimmAdapter:
 
     @staticmethod
     def roots(handle: PatchHandle) -> list[torch.nn.Module]:
-        """Modules whose call is one whole forward pass: the model, and its ``blocks`` (so that
-        ``forward_features`` alone also gets one per-forward state)."""
+        """Modules whose call is one whole forward pass: the model, its ``blocks`` (so that
+        ``forward_features`` alone also gets one per-forward state) and each block."""
         blocks = getattr(handle.model, "blocks", None)
-        return [handle.model] + ([blocks] if isinstance(blocks, torch.nn.Module) else [])
+        out = [handle.model] + ([blocks] if isinstance(blocks, torch.nn.Module) else [])
+        for name, _ in attention_modules(handle.model):  # a block called on its own is a forward pass too
+            block = _block_of(handle.model, name)
+            if block is not None and all(block is not o for o in out):
+                out.append(block)
+        return out
 
     @staticmethod
     def layer_count(handle: PatchHandle) -> int:
