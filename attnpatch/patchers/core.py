@@ -273,11 +273,12 @@ def run_layer(
 
 
 def needs_attention_tensors(handle: "PatchHandle") -> bool:
-    """Whether the current forward asks for per-layer ``q, k, v`` or attention outputs (capture,
-    teacher forcing, a probe); when it does not, an adapter may run an exact method (``dense``) as
-    the model's own module forward, bit for bit, through :func:`run_module`."""
+    """Whether the current forward asks for per-layer ``q, k, v``, attention outputs or attention
+    time (capture, teacher forcing, a probe, :func:`time_attention`); when it does not, an adapter
+    may run an exact method (``dense``) as the model's own module forward, bit for bit, through
+    :func:`run_module`."""
     state = handle.state
-    return state is not None and (state.capture or state.teacher_forced or state.probe is not None)
+    return state is not None and (state.capture or state.teacher_forced or state.probe is not None or state.timing)
 
 
 def run_module(
