@@ -48,6 +48,9 @@ CASES = [
     (2, 4, 2, 40, 40, 8, dict(theta=1.0), [3, 7], (1,)),  # padding + a dense head
     (1, 3, 3, 33, 33, 8, dict(theta=1.5, dense_last=3), [5], ()),
     (2, 4, 2, 40, 40, 8, dict(theta=0.5, min_len=20), [0, 25], ()),  # sequence 1 (15 tokens) is below min_len: dense
+    # the cases above run the default causal recall guard (a decision per query block); these the global one
+    (2, 4, 2, 37, 45, 8, dict(theta=1.0, dense_last=5, min_recall=0.6, guard="global"), None, ()),
+    (2, 4, 2, 40, 40, 8, dict(theta=1.0, min_recall=0.6, guard="global"), [3, 7], (1,)),
 ]
 
 
@@ -156,6 +159,7 @@ def test_bf16_and_shapes():
         (dict(dense_last=-1), "dense_last=-1"),
         (dict(kernel="cuda"), "kernel='cuda': must be one of 'auto', 'compiled', 'torch'"),
         (dict(select_dtype="float16"), "select_dtype='float16': must be one of 'float32', 'bfloat16'"),
+        (dict(guard="local"), "guard='local': must be one of 'global', 'causal'"),
     ],
 )
 def test_config_errors_name_the_value(kw, match):
@@ -203,7 +207,8 @@ def test_recall_guard_makes_low_recall_heads_dense_like_the_reference(pad):
 
     b, h, hkv, n, d = 2, 6, 2, 64, 8
     q, k, v, kv = _inputs(b, h, hkv, n, n, d, pad=pad, seed=21)
-    base = dict(theta=0.7, block_size=8, init_block=4, local_window=8, min_len=0, dense_last=4, pool_stride=None, recall_probes=3)
+    base = dict(theta=0.7, block_size=8, init_block=4, local_window=8, min_len=0, dense_last=4, pool_stride=None, recall_probes=3,
+                guard="global")
     geo = _geometry(q[:1], k[:1], AnchorConfig(**base), 0, None)
     rec = _probe_recall(q[:1], k[:1], _select(q[:1], k[:1], AnchorConfig(**base), d**-0.5, geo), geo, AnchorConfig(**base), d**-0.5, n - 4)[0]
     vals = sorted(float(x) for x in rec)

@@ -21,7 +21,9 @@ The functions here are pure tensor functions (no model knowledge).  Tensors foll
 Beyond the paper, :class:`AnchorConfig` offers remedies for the paper-faithful setting's
 failure on retrieval (see the class docstring for the measurement that chose the defaults):
 finer pooling (``pool_stride``; 1 = every query selects for itself), dense attention for the last
-``dense_last`` prompt queries, and dense fallback for chosen layers or (layer, head) pairs.
+``dense_last`` prompt queries, dense fallback for chosen layers or (layer, head) pairs, and the recall
+guard (``min_recall``): heads whose kept keys lose softmax mass on probe blocks attend densely, decided
+per query block from earlier probes only (``guard="causal"``) or once per prompt (``guard="global"``).
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ _SELECT_MIN_TILE = 128
 _KV_TILE = 512
 _Q_TILE = 256
 _KERNELS = ("auto", "compiled", "torch")
+_GUARDS = ("global", "causal")
 _SELECT_DTYPES = ("float32", "bfloat16")
 
 
@@ -83,12 +86,31 @@ class AnchorConfig:
             question at the end of a long-context prompt).
         dense_layers: layer indices that run dense attention.
         dense_heads: ``(layer, head)`` pairs (query-head index) that run dense attention.
-        min_recall: recall guard, measured per prompt: a head whose kept keys carry less than
-            this exact softmax mass, averaged over the queries of ``recall_probes`` evenly spaced
-            sparse query blocks, attends densely in this layer (0 = off).  The automatic form of
+        min_recall: recall guard (0 = off): a head whose kept keys carry less than this exact
+            softmax mass on average over the queries of some probe blocks attends densely in this
+            layer (``guard`` says which probes and for which queries).  The automatic form of
             ``dense_heads``: the retrieval heads that thresholding hurts are found by measurement.
-        recall_probes: query blocks the recall guard measures (cost: one exact ``Q K^T`` over
-            that many blocks per layer).
+        recall_probes: ``guard="global"`` only: query blocks the recall guard measures (cost: one
+            exact ``Q K^T`` over that many blocks per layer).
+        guard: scope of the recall guard's decision (no effect when ``min_recall=0``).
+            ``"global"`` (the only guard before this option existed): one decision per (sequence,
+            head) and call, from ``recall_probes`` evenly spaced blocks of sparse queries over the
+            whole prompt (the last one holds the last sparse queries); a head judged low attends
+            densely for every query, so any output may depend on any token of the prompt.
+            ``"causal"`` (the default: no output depends on later tokens, at a probe cost of the
+            same order): one decision per (sequence, head, query block): block ``j`` attends
+            densely when the mean recall of the probe blocks at or before ``j`` is below
+            ``min_recall``, each probe weighted by the blocks it stands for up to ``j`` (an
+            estimate of the mean recall of the blocks so far).  The probe blocks are ``f - 1 + d``,
+            ``d`` = 1, 2, 3, 4, 6, 8, 12, 16, 24, ... (two per doubling), where ``f = max(0,
+            (init_block + local_window - q_offset) // block_size)`` is the first block that does
+            not keep every causal key; they are fixed by the options whatever the prompt's length,
+            and every query of a probe block counts (``dense_last`` plays no part).  Cost per head:
+            the exact logits of the probe blocks' queries against their causal keys, about
+            ``3.4 * (last probe + 1) * block_size ** 2`` for the causal guard, about
+            ``recall_probes / 2 * Lq * block_size`` for the global one.  Guarded blocks run the
+            compiled kernel over every causal key where it runs, else fused dense attention.  See
+            "Which outputs depend on which tokens" below.
         select_dtype: ``"float32"`` or ``"bfloat16"``: the precision of the pooled queries and keys in
             the stripe-scoring product (accumulated in float32).  ``"bfloat16"`` makes the selection about 1.4-1.5x
             faster on CPUs with native bfloat16 dot products (AVX512-BF16, AMX; captured Qwen2.5-0.5B
@@ -103,12 +125,54 @@ class AnchorConfig:
             model with ``select_dtype="bfloat16"``, such a rounding difference in one layer can flip
             a stripe that sits at the threshold in a later one).
 
+    Which outputs depend on which tokens.  Positions count from the call's first query (a
+    padded sequence from its first real token, exactly as if it were alone); query ``i`` lies in
+    query block ``i // block_size``, which ends before ``e(i) = (i // block_size + 1) *
+    block_size`` (the prompt's last block may end sooner, at the prompt's end):
+
+    * stripe selection (the paper's design): a block's stripes come from the pooled queries and
+      anchors of all its queries and from the keys before ``e(i)`` (with ``pool_stride=1`` too: a
+      stripe one query keeps is kept for the whole block), so query ``i``'s output depends on the
+      tokens before ``e(i)``, the later queries of its own block included; it attends only keys
+      at or before ``i``.
+    * ``min_recall > 0, guard="global"``: the decision for a head changes the output of all its
+      sparse queries, and the probes are spread over the whole prompt: any output may depend on
+      any token (changing a token in the last block changes the outputs of the first blocks),
+      and on the prompt's length (which blocks are probed).
+    * ``min_recall > 0, guard="causal"``: block ``j``'s decision reads the probe blocks at or
+      before ``j`` only: nothing at or after ``e(i)``.
+    * ``dense_last``: the last ``dense_last`` queries of the call attend densely; which ones is
+      set by the prompt's length: changing a later token's value changes nothing earlier, but
+      appending tokens makes queries that were dense sparse.
+    * ``min_len``: a call with fewer queries runs dense: appending tokens past ``min_len`` makes
+      the blocks that do not keep every causal key sparse.
+    * ``kernel``: the compiled kernel computes each query block on its own; the PyTorch path
+      processes blocks in buckets sorted by kept count, so a later block can change an earlier
+      block's float rounding (about 1e-7), never its kept keys.
+
+    Hence two guarantees.  Causal: with ``guard="causal"`` or ``min_recall=0``, whatever the other
+    options, changing tokens at positions ``>= e(i)`` of a prompt (its length kept) leaves query
+    ``i``'s output unchanged (bit for bit with the compiled kernel, to float rounding on the
+    PyTorch path); every layer of a model keeps this, so the logits at ``i`` depend on the tokens
+    before ``e(i)`` only: fit for scoring a text in one pass (perplexity), where the logits at
+    ``i`` still see the rest of ``i``'s block through the selection.  Prefix-consistent: with in
+    addition ``dense_last=0`` and ``min_len`` at most the end of the first block that does not
+    keep every causal key, ``block_size * (1 + (init_block + local_window) // block_size)``,
+    query ``i`` gives the same output, to float rounding, in every prompt of at least ``e(i)``
+    tokens that agrees on the tokens before ``e(i)``.  The defaults are causal but not
+    prefix-consistent (``dense_last=256``, ``min_len=512``); ``guard="global"`` is neither.  A
+    prompt continued on a cache (chunked prefill) is computed as its own call: blocks from its
+    first query, ``dense_last`` and ``min_len`` on its own length, the causal guard's probes from
+    its first block; it equals a one-pass prefill only for chunks that are multiples of
+    ``block_size`` and at least ``min_len`` long, with ``min_recall=0`` and ``dense_last=0``.
+
     Defaults, chosen by measurement on SmolLM2-135M-Instruct (offline catalogue, fp32, greedy,
     RULER-style prompts through the chat template, seed 0, needle depths 0.1/0.5/0.9/0.3/0.7):
     ``theta=12, block_size=128, init_block=128, local_window=128`` as in the paper, plus three
     remedies: ``pool_stride=2`` (queries pooled 2 at a time instead of 128; a stripe is kept
     for the block when any pool keeps it), ``dense_last=256`` (the question at the end of the
-    prompt attends densely) and the recall guard ``min_recall=0.9``.
+    prompt attends densely) and the recall guard ``min_recall=0.9``.  The tables below were measured
+    with the recall guard's global scope (``guard="global"``, the only one then).
 
     Why pooling: at 4096 tokens, repeated-sentence haystack, 6 samples:
 
@@ -170,6 +234,7 @@ class AnchorConfig:
     dense_heads: tuple[tuple[int, int], ...] = ()
     min_recall: float = 0.9
     recall_probes: int = 4
+    guard: str = "causal"
     select_dtype: str = "float32"
     kernel: str = "auto"
 
@@ -188,6 +253,8 @@ class AnchorConfig:
             raise OptionError(f"min_recall={self.min_recall!r}: must be a number in [0, 1] (0 = off)")
         if isinstance(self.recall_probes, bool) or not isinstance(self.recall_probes, int) or self.recall_probes < 1:
             raise OptionError(f"recall_probes={self.recall_probes!r}: must be an integer >= 1 (query blocks)")
+        if self.guard not in _GUARDS:
+            raise OptionError(f"guard={self.guard!r}: must be one of {', '.join(map(repr, _GUARDS))}")
         if self.select_dtype not in _SELECT_DTYPES:
             raise OptionError(f"select_dtype={self.select_dtype!r}: must be one of {', '.join(map(repr, _SELECT_DTYPES))}")
         if self.kernel not in _KERNELS:
@@ -705,34 +772,93 @@ def _probe_blocks(cfg: AnchorConfig, n_sparse: int) -> list[int]:
     return sorted({(nsb - 1) * i // max(m - 1, 1) for i in range(m)})
 
 
-def _probe_recall(q, k, keep, geo: _Geometry, cfg: AnchorConfig, scale: float, n_sparse: int) -> torch.Tensor:
-    """``[B, H]`` exact softmax mass on the kept keys, averaged over the valid sparse queries of the probe blocks.
+def _causal_probe_blocks(cfg: AnchorConfig, q_offset: int, nb: int) -> list[int]:
+    """Query blocks the causal recall guard (``guard="causal"``) measures, among ``0 .. nb - 1``.
+
+    ``f - 1 + d`` for ``d`` in 1, 2, 3, 4, 6, 8, 12, 16, 24, ... (the powers of two and 1.5 times
+    them: two probes per doubling of the distance), where ``f`` is the first block whose causal
+    keys are not all inside the initial block and the local window (``f = max(0, (init_block +
+    local_window - q_offset) // block_size)``; earlier blocks keep every causal key).  The set
+    depends on the options and ``q_offset`` only, never on the prompt's length or tokens.
+    """
+    bq = cfg.block_size
+    f = max(0, (cfg.init_block + cfg.local_window - q_offset) // bq)
+    out, d = [], 1
+    while f - 1 + d < nb:
+        out.append(f - 1 + d)
+        d = d + 1 if d < 2 else (d * 3 // 2 if d & (d - 1) == 0 else d * 4 // 3)
+    return out
+
+
+def _probe_masses(q, k, keep, geo: _Geometry, cfg: AnchorConfig, scale: float, blocks: list[int]):
+    """``[B, H, block_size]`` exact softmax mass on the kept keys of the rows of each of ``blocks`` (an iterable).
 
     With the compiled CPU kernel (``cfg.kernel``) one pass over the probe blocks' causal keys keeps
     running sums of exp over all and over the kept keys; otherwise a softmax per probe block.
     """
-    b, h, lq, d = q.shape
+    b, h = q.shape[:2]
     bq = cfg.block_size
-    blocks = _probe_blocks(cfg, n_sparse)
     kern = _compiled(q, geo, cfg)
     if kern is not None and blocks:
-        masses = kern.kept_mass(
+        return kern.kept_mass(
             q.contiguous(), k.contiguous(), keep.contiguous(), torch.tensor(blocks), geo.q_offset, bq, scale,
             _KV_TILE, _Q_TILE,
         ).view(b, h, len(blocks), bq).unbind(2)
-    else:
-        qpad = _pad_rows(q.float(), geo.nb * bq)
-        kf = k.float()
-        masses = (_block_mass(qpad, kf, keep, geo, cfg, scale, blk, blk + 1) for blk in blocks)  # [B, H, bq] each
+    qpad = _pad_rows(q.float(), geo.nb * bq)
+    kf = k.float()
+    return (_block_mass(qpad, kf, keep, geo, cfg, scale, blk, blk + 1) for blk in blocks)
+
+
+def _probe_recall(q, k, keep, geo: _Geometry, cfg: AnchorConfig, scale: float, n_sparse: int) -> torch.Tensor:
+    """``[B, H]`` exact softmax mass on the kept keys, averaged over the valid sparse queries of the probe blocks
+    (the global recall guard, ``guard="global"``)."""
+    b, h = q.shape[:2]
+    bq = cfg.block_size
+    blocks = _probe_blocks(cfg, n_sparse)
     tot = torch.zeros(b, h, dtype=torch.float64, device=q.device)
     cnt = torch.zeros(b, dtype=torch.float64, device=q.device)
-    for blk, mass in zip(blocks, masses):
+    for blk, mass in zip(blocks, _probe_masses(q, k, keep, geo, cfg, scale, blocks)):
         r0 = blk * bq
         rows = torch.arange(r0, r0 + bq, device=q.device) < n_sparse  # queries after n_sparse attend densely
         qv = (geo.query_valid[:, r0 : r0 + bq] & rows).double()
         tot += (mass * qv[:, None]).sum(-1)
         cnt += qv.sum(-1)
     return tot / cnt.clamp(min=1)[:, None]
+
+
+def _causal_guard(q, k, keep, geo: _Geometry, cfg: AnchorConfig, scale: float) -> torch.Tensor | None:
+    """``[B, H, nb]`` bool: the query blocks that the causal recall guard (``guard="causal"``) makes dense, or
+    ``None`` when it makes none dense.
+
+    The recall of a probe block (:func:`_causal_probe_blocks`) is the exact softmax mass on its kept keys,
+    averaged over its valid queries (all of them: ``dense_last`` plays no part, so the decision does not
+    depend on the prompt's length).  Block ``j >= f`` (the first probe) is dense in a head when the mean
+    recall of the probes ``p_1 < ... < p_m <= j`` is below ``min_recall``, probe ``p_i`` weighted by the
+    blocks it stands for up to ``j`` (``p_{i+1} - p_i``, and ``j + 1 - p_m`` for the last): an estimate of
+    the mean recall of blocks ``f .. j``.  Block ``j``'s decision therefore reads keys and queries at or
+    before block ``j``'s last query only.
+    """
+    b, h = q.shape[:2]
+    bq, nb = cfg.block_size, geo.nb
+    blocks = _causal_probe_blocks(cfg, geo.q_offset, nb)
+    if not blocks:
+        return None
+    dev = q.device
+    rec = torch.empty(b, h, len(blocks), dtype=torch.float64, device=dev)
+    for i, (blk, mass) in enumerate(zip(blocks, _probe_masses(q, k, keep, geo, cfg, scale, blocks))):
+        qv = geo.query_valid[:, blk * bq : (blk + 1) * bq].double()
+        n = qv.sum(-1)[:, None]
+        # a probe block without a valid query has lost nothing
+        rec[:, :, i] = torch.where(n > 0, (mass * qv[:, None]).sum(-1) / n.clamp(min=1), 1.0)
+    p = torch.tensor(blocks, device=dev)
+    nxt = torch.cat([p[1:], p.new_tensor([nb])])
+    before = torch.cumsum(rec * (nxt - p).double(), -1) - rec * (nxt - p).double()  # sum over the earlier probes
+    j = torch.arange(nb, device=dev)
+    last = torch.searchsorted(p, j, right=True) - 1  # [nb] latest probe at or before each block, -1 if none
+    li = last.clamp(min=0)
+    total = before[:, :, li] + rec[:, :, li] * (j + 1 - p[li]).double()
+    low = (total / (j + 1 - p[0]).clamp(min=1).double() < cfg.min_recall) & (last >= 0)
+    return low if bool(low.any()) else None
 
 
 def anchor_attention(
@@ -765,8 +891,10 @@ def anchor_attention(
     dense_last=64, min_recall=0.75, select_dtype="bfloat16"`` 1.65x / 2.18x / 2.16x (0.973 /
     0.957 / 0.954); the paper setting (``pool_stride=None, dense_last=0, min_recall=0``) 2.29x /
     3.36x / 5.13x (0.883 / 0.855 / 0.820).  In the compiled kernel a kept pair costs about 1.15x
-    what it costs inside PyTorch's fused causal attention (2x in the PyTorch path); heads the recall guard makes dense run
-    PyTorch's fused causal attention (one call per key/value head, K/V not repeated).
+    what it costs inside PyTorch's fused causal attention (2x in the PyTorch path); heads the global recall
+    guard makes dense run PyTorch's fused causal attention (one call per key/value head, K/V not repeated);
+    blocks the causal guard makes dense run the compiled kernel over every causal key, or on the PyTorch path
+    fused attention over the rows from the first guarded block (:func:`_dense_rows`).
 
     Args:
         q: ``[B, H, Lq, D]`` queries at absolute positions ``q_offset .. q_offset+Lq-1``.
@@ -824,16 +952,29 @@ def anchor_attention(
     else:
         qh, kh, vh = q, k, v
     keep = _select(qh, kh, cfg, scale, geo)
-    low = None
-    if cfg.min_recall > 0:  # recall guard: heads that lose too much mass on the probe blocks attend densely
-        low = _probe_recall(qh, kh, keep, geo, cfg, scale, ls) < cfg.min_recall  # [B, Hs]
-        low = low if bool(low.any()) else None
+    low = None  # [B, Hs, nb] bool: the (sequence, head, query block) triples the recall guard makes dense
+    if cfg.min_recall > 0 and cfg.guard == "global":  # heads that lose too much mass on the probe blocks
+        heads_low = _probe_recall(qh, kh, keep, geo, cfg, scale, ls) < cfg.min_recall  # [B, Hs]
+        low = heads_low[:, :, None].expand(-1, -1, geo.nb) if bool(heads_low.any()) else None
+    elif cfg.min_recall > 0:  # causal: blocks whose probes so far lost too much mass
+        low = _causal_guard(qh, kh, keep, geo, cfg, scale)
     if low is None:
         o = _sparse_attend(qh, kh, vh, keep, geo, cfg, scale)
+    elif cfg.guard == "causal" and _compiled(qh, geo, cfg) is not None:
+        # the compiled kernel takes a guarded block's every causal key at about the fused kernel's cost per pair
+        o = _sparse_attend(qh, kh, vh, torch.where(low[..., None], _causal_keys(geo)[:, None], keep), geo, cfg, scale)
     else:
-        # guarded (sequence, head) pairs gather nothing (diagonal block only) and take the fused dense result
-        o = _sparse_attend(qh, kh, vh, keep.masked_fill(low[:, :, None, None], False), geo, cfg, scale)
-        o = torch.where(low[:, :, None, None], _dense_heads(qh, kh, vh, low.any(0), scale, q_offset, key_valid), o)
+        # guarded blocks gather nothing (diagonal block only) and take the fused dense result
+        o = _sparse_attend(qh, kh, vh, keep.masked_fill(low[..., None], False), geo, cfg, scale)
+        if cfg.guard == "global":
+            dense = _dense_heads(qh, kh, vh, low[:, :, 0].any(0), scale, q_offset, key_valid)
+            o = torch.where(low[:, :, :1, None], dense, o)
+        else:
+            r0 = int(low.any(1).any(0).nonzero()[0]) * cfg.block_size  # first guarded query row
+            if r0 < ls:  # rows from ls on attend densely anyway (dense_last)
+                rows = low.repeat_interleave(cfg.block_size, -1)[:, :, r0:ls, None]
+                dense = _dense_rows(qh, kh, vh, low.any(-1).any(0), scale, geo, r0, ls)
+                o[:, :, r0:ls] = torch.where(rows, dense, o[:, :, r0:ls])
     if dense_set:
         configured = torch.zeros(h, dtype=torch.bool, device=q.device)
         configured[dense_set] = True
@@ -847,8 +988,8 @@ def anchor_attention(
         )
     if not want_stats:
         return out, None
-    if low is not None:  # guarded heads kept every causal key
-        keep = torch.where(low[:, :, None, None], _causal_keys(geo)[:, None], keep)
+    if low is not None:  # guarded blocks kept every causal key
+        keep = torch.where(low[..., None], _causal_keys(geo)[:, None], keep)
     causal, kept_s = _pair_counts(keep, geo, cfg, dense_from=ls)
     causal = causal.expand(b, h).clone()
     kept = causal.clone()
@@ -879,6 +1020,51 @@ def _dense_heads(q, k, v, heads: torch.Tensor, scale: float, q_offset: int, key_
                 q.index_select(1, sel), k[:, kvh : kvh + 1], v[:, kvh : kvh + 1],
                 scale=scale, q_offset=q_offset, key_valid=key_valid,
             )
+    return out
+
+
+def _dense_rows(q, k, v, heads: torch.Tensor, scale: float, geo: _Geometry, r0: int, r1: int) -> torch.Tensor:
+    """``[B, H, r1 - r0, D]`` exact causal attention of the query rows ``r0 .. r1 - 1`` (absolute positions
+    ``q_offset + r0 ..``) for the query heads where ``heads`` ([H] bool) is True, zeros elsewhere.
+
+    On the CPU without inner padding (:func:`_lse_path_ok`): per key/value head, one flash-attention call
+    over the keys before the rows and one causal call over the rows' own keys, merged by their
+    log-sum-exps (Dao et al. 2022, Sec. 3.1); K/V are not repeated.  Otherwise :func:`_dense_heads` in
+    chunks of about ``_CHUNK_ELEMENTS / Lk`` rows, each against the keys up to its own last query (a
+    chunk's mask is ``rows x keys`` booleans, never ``Lq x Lk``).
+    """
+    b, h, _, d = q.shape
+    hkv = k.shape[1]
+    g = h // hkv
+    p0, p1 = geo.q_offset + r0, geo.q_offset + r1
+    if not _lse_path_ok(q, geo):
+        key_valid = geo.key_valid
+        out = q.new_zeros(b, h, r1 - r0, d)
+        step = max(1, _CHUNK_ELEMENTS // max(k.shape[2], 1))
+        for c0 in range(r0, r1, step):
+            c1 = min(r1, c0 + step)
+            e = geo.q_offset + c1  # keys after the chunk's last query are causal for none of its rows
+            out[:, :, c0 - r0 : c1 - r0] = _dense_heads(
+                q[:, :, c0:c1], k[:, :, :e], v[:, :, :e], heads, scale, geo.q_offset + c0, key_valid[:, :e]
+            )
+        return out
+    out = q.new_zeros(b, h, r1 - r0, d)
+    for kvh in range(hkv):
+        sel = heads[kvh * g : (kvh + 1) * g].nonzero().flatten() + kvh * g
+        if not sel.numel():
+            continue
+        n = sel.numel()
+        qq = q[:, sel, r0:r1]
+        kk = k[:, kvh : kvh + 1].expand(b, n, *k.shape[2:])
+        vv = v[:, kvh : kvh + 1].expand(b, n, *v.shape[2:])
+        o1, l1 = _FLASH_LSE(qq, kk[:, :, p0:p1], vv[:, :, p0:p1], 0.0, True, scale=scale)[:2]  # the rows' own keys
+        if p0 > 0:  # every key before the rows: no mask
+            o2, l2 = _FLASH_LSE(qq, kk[:, :, :p0], vv[:, :, :p0], 0.0, False, scale=scale)[:2]
+            acc = torch.promote_types(q.dtype, torch.float32)
+            a = torch.sigmoid(l1 - l2).to(acc)[..., None]
+            o2 = o2.to(acc)
+            o1 = (o1.to(acc) - o2).mul_(a).add_(o2).to(q.dtype)
+        out[:, sel] = o1
     return out
 
 
@@ -985,7 +1171,11 @@ def anchor_attention_reference(
     valid = torch.ones(b, lk, dtype=torch.bool) if key_valid is None else key_valid.cpu()
     # prompts shorter than min_len run dense; otherwise the last dense_last queries do
     n_sparse = 0 if lq < cfg.min_len else lq - min(cfg.dense_last, lq)
-    probes = set(_probe_blocks(cfg, n_sparse)) if cfg.min_recall > 0 else set()
+    nb = -(-lq // bq)
+    causal_guard = cfg.guard == "causal"
+    probes = set()
+    if cfg.min_recall > 0:
+        probes = set(_causal_probe_blocks(cfg, q_offset, nb) if causal_guard else _probe_blocks(cfg, n_sparse))
     for bi in range(b):
         start = next((j for j in range(lk) if valid[bi, j]), lk)
         initial = set(range(start, min(start + cfg.init_block, lk)))
@@ -1019,23 +1209,37 @@ def anchor_attention_reference(
                             if valid[bi, j] and abar - float(qbar @ kd[bi, kv, j]) * scale <= cfg.theta:
                                 sel.add(j)
                 sels[b0] = (rows, sel, dense_rows)
-            # recall guard: exact kept mass over the probe blocks' sparse queries
-            head_dense = False
+            # recall guard: exact kept mass over the probe blocks' queries (global: the sparse ones only)
+            block_dense = set()  # query block indices that attend densely
             if probes and hi not in dense_heads and n_sparse > 0:
-                masses = []
+                masses = {}
                 for b0, (rows, sel, _) in sels.items():
                     if b0 // bq not in probes:
                         continue
                     for i in rows:
                         p = q_offset + i
-                        if i >= n_sparse or not valid[bi, p]:
+                        if (i >= n_sparse and not causal_guard) or not valid[bi, p]:
                             continue
                         cols = [j for j in range(p + 1) if valid[bi, j]]
                         pr = torch.softmax(torch.stack([qd[bi, hi, i] @ kd[bi, kv, j] for j in cols]) * scale, 0)
-                        masses.append(sum(float(pr[n]) for n, j in enumerate(cols) if j in sel))
-                head_dense = bool(masses) and sum(masses) / len(masses) < cfg.min_recall
+                        masses.setdefault(b0 // bq, []).append(sum(float(pr[n]) for n, j in enumerate(cols) if j in sel))
+                if not causal_guard:
+                    allm = [x for m in masses.values() for x in m]
+                    if allm and sum(allm) / len(allm) < cfg.min_recall:
+                        block_dense = set(range(nb))
+                else:
+                    # block J: mean recall of the probes <= J, each weighted by the blocks up to the next probe (or J)
+                    plist = sorted(probes)
+                    rec = {pb: sum(masses[pb]) / len(masses[pb]) if masses.get(pb) else 1.0 for pb in plist}
+                    for jb in range(nb):
+                        seen = [pb for pb in plist if pb <= jb]
+                        if not seen:
+                            continue
+                        wts = [(seen[n + 1] if n + 1 < len(seen) else jb + 1) - pb for n, pb in enumerate(seen)]
+                        if sum(w * rec[pb] for w, pb in zip(wts, seen)) / sum(wts) < cfg.min_recall:
+                            block_dense.add(jb)
             for b0, (rows, sel, dense_rows) in sels.items():
-                dense_rows = dense_rows or head_dense
+                dense_rows = dense_rows or b0 // bq in block_dense
                 for i in rows:
                     p = q_offset + i
                     if dense_rows or i >= n_sparse:

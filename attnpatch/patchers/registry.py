@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..attention.anchor import _KERNELS, _SELECT_DTYPES, AnchorConfig, anchor_attention
+from ..attention.anchor import _GUARDS, _KERNELS, _SELECT_DTYPES, AnchorConfig, anchor_attention
 from ..errors import OptionError, UnknownMethodError
 from .state import LayerContext, LayerRecord
 
@@ -196,6 +196,9 @@ MODEL_FEATURES: dict[str, str] = {
     "sliding_window": "sliding-window (local) attention layers",
     "softcap": "attention logit soft-capping (tanh(logits / cap) * cap)",
     "layer_types": "attention layer types other than full attention",
+    "attention_sinks": "learned attention-sink logits (an extra softmax column per head)",
+    "logit_bias": "an additive bias on the attention logits (relative position bias)",
+    "value_head_dim": "a value head size different from the query/key head size",
 }
 
 
@@ -272,7 +275,10 @@ ANCHOR_OPTION_HELP = {
     "dense_layers": ("int_list", "layer indices that run dense attention"),
     "dense_heads": ("pair_list", "(layer, head) pairs that run dense attention"),
     "min_recall": ("float", "recall guard: heads whose kept keys carry less exact softmax mass than this on the probe blocks attend densely (0 = off)"),
-    "recall_probes": ("int", "query blocks the recall guard measures per layer"),
+    "recall_probes": ("int", "query blocks the recall guard measures per layer (guard='global')"),
+    "guard": ("str", "recall guard scope, 'causal' or 'global': causal = dense/sparse per query block from probe "
+              "blocks at or before it (no output depends on later tokens); global = once per head from probes over "
+              "the whole prompt"),
     "select_dtype": ("str", "precision of the stripe-scoring product (bfloat16: faster selection on CPUs with native bfloat16)"),
     "kernel": ("str", "attention over kept stripes: auto = the compiled CPU kernel for float32 where it builds, else PyTorch operations"),
 }
@@ -321,7 +327,7 @@ register_method(
         summary="AnchorAttention sparse prefill: anchor-relative stripe selection, exact attention on kept keys; decoding dense",
         source="AnchorAttention, arXiv 2505.23520, Sec. 3 (Eq. 2-4)",
         options=_options_from_dataclass(
-            AnchorConfig, ANCHOR_OPTION_HELP, nullable=("pool_stride",), choices={"kernel": _KERNELS, "select_dtype": _SELECT_DTYPES}
+            AnchorConfig, ANCHOR_OPTION_HELP, nullable=("pool_stride",), choices={"kernel": _KERNELS, "select_dtype": _SELECT_DTYPES, "guard": _GUARDS}
         ),
         model_kinds=frozenset({"causal_lm"}),
         make_config=_anchor_config,
