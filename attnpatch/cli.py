@@ -522,10 +522,39 @@ def _unique_settings(specs: Sequence[str], common: Sequence[str]) -> list[tuple[
 _DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16"}
 
 
+_BACKGROUND_LOAD_HELP = (
+    "run the bench beside a competing PyTorch process (a = tanh(a @ a) on 512x512 float32, default torch threads), "
+    "as a data-loader worker or a second job would; it is started by the bench, killed when the bench ends or fails, "
+    "and stops by itself after MAX_SECONDS (default: 900)"
+)
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        val = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 < val < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text}: must be a positive number of seconds")
+    return val
+
+
+def _load_note(load: dict[str, Any] | None) -> str:
+    """The line a bench prints about ``--background-load`` (empty without it)."""
+    if not load:
+        return ""
+    note = (f"Ran under background load: a second PyTorch process (pid {load['pid']}, {load['threads']} torch threads) "
+            f"looping a = tanh(a @ a) on {load['size']}x{load['size']} float32 for the whole bench ({load['seconds']:.0f} s).")
+    if not load["alive_at_end"]:
+        note += (f" WARNING: it was gone before the bench ended (its {load['limit_s']:.0f} s limit, --background-load "
+                 "MAX_SECONDS, or it died), so part of the bench ran without it.")
+    return note
+
+
 def _cmd_bench_attention(args) -> int:
     import torch
 
-    from .evals.bench import DEFAULT_LENGTHS, bench_attention, load_qkv, plot_attention
+    from .evals.bench import DEFAULT_LENGTHS, background_load, bench_attention, load_qkv, plot_attention
     from .evals.report import BENCH_ATTENTION_COLUMNS, machine_info
 
     if args.threads:
@@ -551,20 +580,24 @@ def _cmd_bench_attention(args) -> int:
             lengths = [n for n in DEFAULT_LENGTHS if n < cap] + [cap]
     elif args.layer is not None:
         raise AttnpatchError("--layer needs --qkv (captured inputs)")
-    result = bench_attention(
-        methods, lengths=lengths or DEFAULT_LENGTHS, causal=causal, batch=args.batch or 1, heads=args.heads or 6,
-        kv_heads=args.kv_heads, head_dim=args.head_dim or 64, dtype=getattr(torch, _DTYPES[args.dtype]), device=args.device,
-        repeats=args.repeats, warmup=args.warmup, reuse_layers=args.reuse_layers or 6, qkv=qkv, memory=not args.no_memory,
-        progress=_progress_line,
-    )
+    with background_load(args.background_load) as load:
+        if load:
+            _progress_line(f"background load: competing PyTorch process started (pid {load['pid']}, {load['threads']} threads)")
+        result = bench_attention(
+            methods, lengths=lengths or DEFAULT_LENGTHS, causal=causal, batch=args.batch or 1, heads=args.heads or 6,
+            kv_heads=args.kv_heads, head_dim=args.head_dim or 64, dtype=getattr(torch, _DTYPES[args.dtype]), device=args.device,
+            repeats=args.repeats, warmup=args.warmup, reuse_layers=args.reuse_layers or 6, qkv=qkv, memory=not args.no_memory,
+            progress=_progress_line,
+        )
+    result["config"]["background_load"] = load
     result["machine"] = machine_info()
     if args.qkv:
         result["config"].update(qkv=args.qkv, layer=layer)
     cfg = result["config"]
     src = f"captured {args.qkv} layer {layer}" if args.qkv else "random q/k/v"
     title = (f"bench attention — {cfg['mode']}, B={cfg['batch']} H={cfg['heads']} Hkv={cfg['kv_heads']} D={cfg['head_dim']}, "
-             f"{cfg['dtype']} on {cfg['device']}, {src}, median of {cfg['repeats']}")
-    notes = []
+             f"{cfg['dtype']} on {cfg['device']}, {src}, median of {cfg['repeats']}" + (", under background load" if load else ""))
+    notes = [_load_note(load)] if load else []
     if not causal:
         notes.append(f"FNA time = Nyström + FPS / {cfg['reuse_layers']} (one sampling reused by {cfg['reuse_layers']} layers; "
                      "--reuse-layers); 'vs SDPA (1 FPS/layer)' counts a whole FPS.")
@@ -611,7 +644,7 @@ def _cmd_bench_model(args) -> int:
     import torch
 
     from .checkpoints import _entry, load_causal_lm, load_vision_model
-    from .evals.bench import bench_causal_lm, bench_vision_model
+    from .evals.bench import background_load, bench_causal_lm, bench_vision_model
     from .evals.report import BENCH_LM_COLUMNS, BENCH_VISION_COLUMNS, machine_info
     from .patchers.registry import get_method, validate_options
 
@@ -651,25 +684,28 @@ def _cmd_bench_model(args) -> int:
             data = load_image_set(args.data, limit=args.batch or 1)
             images = [data[i][0] for i in range(len(data))]
         model, processor = load_vision_model(args.model, backend=args.backend, device=args.device)
-        result = bench_vision_model(
-            model, processor, settings, resolutions=args.resolutions or [224, 448, 896], batch=args.batch or 1,
-            repeats=args.repeats, warmup=args.warmup, device=args.device, images=images, progress=_progress_line,
-        )
+        with background_load(args.background_load) as load:
+            result = bench_vision_model(
+                model, processor, settings, resolutions=args.resolutions or [224, 448, 896], batch=args.batch or 1,
+                repeats=args.repeats, warmup=args.warmup, device=args.device, images=images, progress=_progress_line,
+            )
         columns, what = BENCH_VISION_COLUMNS, f"batch {args.batch or 1}"
     else:
         model, tok = load_causal_lm(args.model, device=args.device)
         lengths = args.lengths or [1024, 2048, 4096, 8192]
         _check_max_positions(model, lengths, "--lengths")
-        result = bench_causal_lm(
-            model, tok, settings, lengths=lengths, repeats=args.repeats, warmup=args.warmup, device=args.device,
-            progress=_progress_line,
-        )
+        with background_load(args.background_load) as load:
+            result = bench_causal_lm(
+                model, tok, settings, lengths=lengths, repeats=args.repeats, warmup=args.warmup, device=args.device,
+                progress=_progress_line,
+            )
         columns, what = BENCH_LM_COLUMNS, "prefill, batch 1"
+    result["config"]["background_load"] = load
     result.update(model=args.model, kind=kind, machine=machine_info())
     m = result["machine"]
     where = m["cuda"] if str(args.device).startswith("cuda") else f"{m['cpu']}, {m['torch_threads']} torch threads"
-    title = f"bench model — {args.model} ({what}) on {where}, median of {args.repeats}"
-    _bench_out(args, title, result["rows"], columns, result)
+    title = f"bench model — {args.model} ({what}) on {where}, median of {args.repeats}" + (", under background load" if load else "")
+    _bench_out(args, title, result["rows"], columns, result, footer=_load_note(load))
     return 0
 
 
@@ -805,6 +841,7 @@ def build_parser() -> argparse.ArgumentParser:
     ba.add_argument("--layer", type=int, help="which captured layer (default: the first in the file)")
     ba.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
     ba.add_argument("--threads", type=_positive_int, help="torch CPU threads")
+    ba.add_argument("--background-load", type=_positive_seconds, nargs="?", const=900.0, metavar="MAX_SECONDS", help=_BACKGROUND_LOAD_HELP)
     ba.add_argument("--json", help="write the result here")
     ba.add_argument("--markdown", help="write the table as Markdown here")
     ba.add_argument("--plot", metavar="PATH.png", help="write <PATH>_time.png (log-log) and <PATH>_speedup.png")
@@ -833,6 +870,7 @@ def build_parser() -> argparse.ArgumentParser:
     bm.add_argument("--warmup", type=_nonnegative_int, default=1, help="untimed forwards before them (default: %(default)s)")
     bm.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: %(default)s)")
     bm.add_argument("--threads", type=_positive_int, help="torch CPU threads")
+    bm.add_argument("--background-load", type=_positive_seconds, nargs="?", const=900.0, metavar="MAX_SECONDS", help=_BACKGROUND_LOAD_HELP)
     bm.add_argument("--json", help="write the result here")
     bm.add_argument("--markdown", help="write the table as Markdown here")
     bm.set_defaults(func=_cmd_bench_model)

@@ -227,3 +227,79 @@ def test_bench_cli_vision_model(tiny_vit_dir, tiny_images, tmp_path):  # noqa: F
     ]
     assert all(r["images_per_s"] > 0 for r in rows)
     assert rows[0]["attention_share"] is None and 0 < rows[1]["attention_share"] < 1
+
+
+# --------------------------------------------------------------------------- --background-load
+
+
+def _gone(pid: int) -> bool:
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def test_background_load_starts_a_competitor_and_kills_it_on_exit_and_on_error():
+    import os
+
+    from attnpatch.evals.bench import background_load
+
+    with background_load(60) as info:
+        assert info["pid"] != os.getpid() and not _gone(info["pid"])
+        assert info["threads"] >= 1 and info["size"] == 512 and info["limit_s"] == 60.0
+        pid = info["pid"]
+    assert info["alive_at_end"] is True and info["seconds"] >= 0
+    assert _gone(pid)
+    with pytest.raises(RuntimeError, match="boom"):
+        with background_load(60) as info:
+            pid = info["pid"]
+            raise RuntimeError("boom")
+    assert _gone(pid)
+    with background_load(None) as info:  # no load asked: nothing started
+        assert info is None
+    with pytest.raises(OptionError, match="limit_s"):
+        with background_load(0):
+            pass
+
+
+def test_background_load_stops_itself_at_its_time_limit():
+    import time
+
+    from attnpatch.evals.bench import background_load
+
+    with background_load(1.0) as info:
+        deadline = time.monotonic() + 60
+        while not _gone_or_zombie(info["pid"]) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(0.5)
+    assert info["alive_at_end"] is False, info  # the block outlived the limit: recorded
+
+
+def _gone_or_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_bench_cli_attention_under_background_load_records_it(tmp_path, capsys):
+    out = tmp_path / "a.json"
+    assert main(["bench", "attention", "--lengths", "64", "--heads", "2", "--head-dim", "16", "--repeats", "1", "--no-memory",
+                 "--method", "fna:s=16", "--background-load", "120", "--json", str(out)]) == 0
+    load = json.loads(out.read_text())["config"]["background_load"]
+    assert load["alive_at_end"] is True and load["limit_s"] == 120.0 and load["threads"] >= 1 and "tanh(a @ a)" in load["command"]
+    assert _gone(load["pid"])
+    cap = capsys.readouterr()
+    assert "under background load" in cap.out and "Ran under background load" in cap.out
+    assert "competing PyTorch process started" in cap.err
+    # without the flag the JSON says so
+    assert main(["bench", "attention", "--lengths", "64", "--heads", "2", "--head-dim", "16", "--repeats", "1", "--no-memory",
+                 "--method", "fna:s=16", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["config"]["background_load"] is None
+    with pytest.raises(SystemExit):  # argparse: "must be a positive number of seconds"
+        main(["bench", "attention", "--background-load", "-3"])
+    assert "must be a positive number of seconds" in capsys.readouterr().err

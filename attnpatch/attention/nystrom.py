@@ -29,6 +29,9 @@ All functions are pure tensor functions: ``q, k, v`` are ``[batch, heads, tokens
 
 from __future__ import annotations
 
+import contextlib
+import os
+
 import torch
 
 from ..errors import OptionError
@@ -42,10 +45,12 @@ __all__ = [
     "landmark_pinv",
     "nystrom_attention",
     "exact_attention",
+    "local_blas_threads",
 ]
 
 STRATEGIES = ("fps", "random", "strided", "kmeans")
 PINV_MODES = ("rtol", "newton", "exact")
+_HALF = (torch.float16, torch.bfloat16)
 
 
 def farthest_point_sampling(x: torch.Tensor, s: int, prefix: int = 1) -> torch.Tensor:
@@ -187,6 +192,92 @@ def select_landmarks(
     return torch.cat([pre, pick]).unsqueeze(0).expand(b, s).contiguous()
 
 
+# --------------------------------------------------------------------------- threads
+
+_MKL_LOCAL: object = None  # resolved on first use: MKL's thread-local thread-count setter, or False
+
+
+def _mkl_local_setter():
+    """``MKL_Set_Num_Threads_Local`` of the MKL inside PyTorch (C ABI, ``int f(int)``), or ``False`` where there is none.
+
+    PyTorch's x86 wheels link MKL statically into ``libtorch_cpu`` and export MKL's service
+    functions; other builds (OpenBLAS, Accelerate) have no such symbol and get ``False``.
+    ``ATTNPATCH_LOCAL_BLAS_THREADS=0`` turns the lookup off.
+    """
+    global _MKL_LOCAL
+    if _MKL_LOCAL is None:
+        _MKL_LOCAL = False
+        if os.environ.get("ATTNPATCH_LOCAL_BLAS_THREADS", "1") != "0" and torch.backends.mkl.is_available():
+            import ctypes
+            import glob
+
+            libdir = os.path.join(os.path.dirname(torch.__file__), "lib")
+            for path in sorted(glob.glob(os.path.join(libdir, "*torch_cpu*"))) + [None]:
+                try:
+                    fn = ctypes.CDLL(path).MKL_Set_Num_Threads_Local  # C interface (by value), not the Fortran alias
+                except Exception:  # no such library or symbol (OSError, AttributeError; TypeError on some platforms)
+                    continue
+                fn.restype, fn.argtypes = ctypes.c_int, [ctypes.c_int]
+                _MKL_LOCAL = fn
+                break
+    return _MKL_LOCAL
+
+
+@contextlib.contextmanager
+def local_blas_threads(n: int = 1, device: torch.device | str | None = None):
+    """Run MKL (BLAS/LAPACK) calls of *this* OS thread on ``n`` threads inside the block; other threads are untouched.
+
+    Small matrix work (the ``s x s`` landmark kernel, its eigendecomposition, ``[s, s] @ [s, D]``
+    products) is microseconds of arithmetic split over MKL's OpenMP team.  On an idle machine
+    that costs nothing, but while another process keeps the cores busy every parallel region
+    waits for a descheduled team thread: ``torch.linalg.eigh`` of six 64 x 64 matrices goes
+    from 1-2 ms to 60-1000 ms, one ``[6, 64, 64]`` product from 0.05 ms to ~14 ms (2 cores, a
+    second PyTorch process looping ``tanh(a @ a)``; BENCHMARKS.md).  One thread has nothing to
+    wait for.  The setting is MKL's thread-local ``mkl_set_num_threads_local`` (restored on exit),
+    so unlike ``torch.set_num_threads`` it is safe with other Python threads (PyTorch sets the same
+    thread-local count to its thread count when a thread first runs an operator); ATen's own
+    ``parallel_for`` (SDPA, element-wise kernels) is not affected.  A no-op on CUDA tensors and
+    on builds without MKL.
+    """
+    fn = _mkl_local_setter() if device is None or torch.device(device).type == "cpu" else False
+    if not fn:
+        yield
+        return
+    torch.get_num_threads()  # PyTorch's lazy per-thread init sets MKL's local count itself: run it first, not inside
+    prev = fn(int(n))
+    try:
+        yield
+    finally:
+        fn(prev)
+
+
+# --------------------------------------------------------------------------- pseudo-inverse
+
+
+def _pinv_work(a: torch.Tensor, mode: str, rtol: float, iters: int) -> torch.Tensor:
+    """:func:`landmark_pinv` in its working precision (float32, or float64), never cast to a half dtype."""
+    if mode == "rtol":
+        work = torch.float64 if a.dtype == torch.float64 or rtol < 1e-2 else torch.float32
+        x = a.to(work)
+        xt = x.transpose(-1, -2)
+        lam, vec = torch.linalg.eigh(xt @ x)  # squared singular values of A (ascending) and right singular vectors
+        inv = torch.where(lam > (rtol * rtol) * lam[..., -1:], 1.0 / lam.clamp(min=torch.finfo(work).tiny), 0.0)
+        return (vec * inv[..., None, :]) @ (vec.transpose(-1, -2) @ xt)
+    if mode == "exact":
+        return torch.linalg.pinv(a.double())
+    if mode == "newton":
+        k = a.float()
+        eye = torch.eye(k.shape[-1], dtype=k.dtype, device=k.device)
+        col = k.abs().sum(-2).amax(-1)
+        row = k.abs().sum(-1).amax(-1)
+        z = k.transpose(-1, -2) / (col * row)[..., None, None]
+        for _ in range(iters):
+            kz = k @ z
+            z = 0.25 * z @ (13 * eye - kz @ (15 * eye - kz @ (7 * eye - kz)))
+        return z
+    raise OptionError(f"pinv={mode!r}: allowed values are {', '.join(map(repr, PINV_MODES))}")
+
+
 def landmark_pinv(a: torch.Tensor, mode: str = "rtol", *, rtol: float = 1e-2, iters: int = 6) -> torch.Tensor:
     """Pseudo-inverse of a batch of ``s x s`` landmark kernels.
 
@@ -202,35 +293,23 @@ def landmark_pinv(a: torch.Tensor, mode: str = "rtol", *, rtol: float = 1e-2, it
             from Nyströmformer's start ``Z0 = A^T / (max_j sum_i |a_ij| . max_i sum_j |a_ij|)``
             (Xiong et al. 2021, Eq. 15-16; the scaling is per matrix here, so items do not
             influence each other); ``"exact"`` — float64 SVD pseudo-inverse, default cut-off.
+            On the CPU the factorisation runs on one MKL thread (:func:`local_blas_threads`): it
+            is tiny, and a multi-threaded ``eigh`` stalls for 60-1000 ms when another process
+            holds the cores.
         rtol: relative singular-value cut-off of ``"rtol"`` (> 0).
         iters: Newton-Schulz iterations (>= 1).
 
     Returns:
-        ``[..., s, s]`` in ``a``'s dtype.
+        ``[..., s, s]`` in ``a``'s dtype.  For a half-precision ``a`` the entries can exceed the
+        dtype's range (``"exact"`` on a badly conditioned kernel reaches 1e5-1e6 > float16's
+        65504); :func:`nystrom_attention` therefore keeps the pseudo-inverse in float32 and never
+        casts it back.
 
     Raises:
         OptionError: unknown mode.
     """
-    if mode == "rtol":
-        work = torch.float64 if a.dtype == torch.float64 or rtol < 1e-2 else torch.float32
-        x = a.to(work)
-        xt = x.transpose(-1, -2)
-        lam, vec = torch.linalg.eigh(xt @ x)  # squared singular values of A (ascending) and right singular vectors
-        inv = torch.where(lam > (rtol * rtol) * lam[..., -1:], 1.0 / lam.clamp(min=torch.finfo(work).tiny), 0.0)
-        return ((vec * inv[..., None, :]) @ (vec.transpose(-1, -2) @ xt)).to(a.dtype)
-    if mode == "exact":
-        return torch.linalg.pinv(a.double()).to(a.dtype)
-    if mode == "newton":
-        k = a.float()
-        eye = torch.eye(k.shape[-1], dtype=k.dtype, device=k.device)
-        col = k.abs().sum(-2).amax(-1)
-        row = k.abs().sum(-1).amax(-1)
-        z = k.transpose(-1, -2) / (col * row)[..., None, None]
-        for _ in range(iters):
-            kz = k @ z
-            z = 0.25 * z @ (13 * eye - kz @ (15 * eye - kz @ (7 * eye - kz)))
-        return z.to(a.dtype)
-    raise OptionError(f"pinv={mode!r}: allowed values are {', '.join(map(repr, PINV_MODES))}")
+    with local_blas_threads(1, a.device):
+        return _pinv_work(a, mode, rtol, iters).to(a.dtype)
 
 
 def _gather_tokens(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -262,8 +341,16 @@ def nystrom_attention(
     Without ``key_keep``, ``B @ V`` is attention of the ``s`` landmark queries over all ``N``
     keys and ``F @ W`` attention of all ``N`` queries over the ``s`` landmark keys, so both run
     as fused ``scaled_dot_product_attention`` calls (no ``[N, s]`` buffer either; 20x faster
-    than SDPA over all keys at ``N = 4097, s = 64`` on 2 CPU cores, see BENCHMARKS.md).  The
-    ``s x s`` pseudo-inverse is computed in float32 also for half-precision inputs.
+    than SDPA over all keys at ``N = 4097, s = 64`` on 2 CPU cores, see BENCHMARKS.md).
+
+    Half-precision inputs (bfloat16, float16): the landmark kernel's logits, its
+    pseudo-inverse and ``W = pinv(A) (B V)`` are computed in float32 and the pseudo-inverse is
+    never cast back (``pinv="exact"`` reaches 1e5-1e6, beyond float16); ``F W`` runs in the
+    input dtype for ``pinv="rtol"`` (``||pinv|| <= 1/rtol`` keeps ``W`` small; in float16 ``W``
+    is also scaled by an exact power of two when ``max|W| > 2^12``) and in float32 for
+    ``"exact"`` and ``"newton"``; with ``key_keep`` and ``renormalize`` every logit and product
+    is float32.  The small ``s x s`` work runs on one MKL thread on the CPU
+    (:func:`local_blas_threads`).
 
     Args:
         q, k, v: ``[B, H, N, D]`` (same head count; non-causal).
@@ -272,33 +359,108 @@ def nystrom_attention(
         pinv, rtol, iters: see :func:`landmark_pinv`.
         key_keep: ``[B, N]`` bool or ``None``; keys marked ``False`` get zero attention
             probability (sink masking in Nyström form: their columns of ``B`` are zeroed after
-            the softmax, FNA Sec. 4).
-        renormalize: with ``key_keep``, divide each output row by its remaining attention mass
-            (``F pinv(A) B 1``) instead of leaving the mass removed.
+            the softmax, FNA Sec. 4; computed as ``B (keep * V)``, the same fused calls as
+            without a mask).
+        renormalize: with ``key_keep``, renormalise each output row to its remaining attention
+            mass instead of leaving the mass removed (the estimator, one that cannot divide by a
+            mass near or below zero, is described in :func:`_renormalized`).
 
     Returns:
-        ``[B, H, N, D]`` in ``q``'s dtype.  Peak extra memory ``O(B H s N)`` elements.
+        ``[B, H, N, D]`` in ``q``'s dtype.  Peak extra memory ``O(B H (s + D) N)`` elements
+        (``O(B H s N)`` more with ``renormalize``).
     """
+    half = q.dtype in _HALF
+    wd = torch.float32 if half else q.dtype  # the small s x s work: float32 for half inputs
+    if key_keep is not None and not renormalize:
+        # B_kept V = B (keep * V): zeroing the masked keys' values is zeroing their columns of B
+        # after the softmax, so plain sink masking takes the fused path below
+        v = v * key_keep[:, None, :, None].to(v.dtype)
+        key_keep = None
     q_l = _gather_tokens(q, landmarks)
     k_l = _gather_tokens(k, landmarks)
-    a = torch.softmax((q_l * scale) @ k_l.transpose(-1, -2), dim=-1)  # [B,H,s,s]
-    z = landmark_pinv(a, pinv, rtol=rtol, iters=iters)
+    with local_blas_threads(1, q.device):
+        a = torch.softmax((q_l.to(wd) * scale) @ k_l.to(wd).transpose(-1, -2), dim=-1)  # [B,H,s,s]
+        z = _pinv_work(a, pinv, rtol, iters).to(wd)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
     if key_keep is None:
         # B V = softmax(Q~ K^T c) V and F W = softmax(Q K~^T c) W are attention calls themselves
         # (s queries over N keys; N queries over s keys): two fused kernels, no [N, s] buffer.
-        sdpa = torch.nn.functional.scaled_dot_product_attention
-        w = z @ sdpa(q_l, k, v, scale=scale)  # [B,H,s,D]
+        bv = sdpa(q_l, k, v, scale=scale)  # [B,H,s,D], convex combinations of V rows
+        with local_blas_threads(1, q.device):
+            w = z @ bv.to(wd)  # [B,H,s,D] in float32 for half inputs
+        if not half:
+            return sdpa(q, k_l, w.to(q.dtype), scale=scale)
+        if pinv != "rtol":
+            # exact / Newton-Schulz: z is unbounded (1e5-1e6 on a ViT's kernel) and W cancels in
+            # F W, so the last product runs in float32 too (rounding W to half would cost
+            # |W| x 2^-11 absolutely, and float16 cannot even hold it).  Where the unregularised
+            # estimate itself leaves float16's range (9.5e3 in float32 where exact attention
+            # gives 1.2, on a kernel sharpened 200x) the cast saturates instead of making inf.
+            out = sdpa(q.to(wd), k_l.to(wd), w, scale=scale)
+            if q.dtype == torch.float16:
+                big = torch.finfo(torch.float16).max
+                out = out.clamp(-big, big)
+            return out.to(q.dtype)
+        # rtol: ||z||_2 <= 1 / (rtol sigma_max) <= 1 / rtol (sigma_max >= 1 for a row-stochastic
+        # kernel), so W stays within a few hundred x max|V|; float16 still gets a guard: W is
+        # divided by a power of two (exact; 1 unless max|W| > 2^12) and the output multiplied back.
+        if q.dtype == torch.float16:
+            c = torch.exp2(torch.ceil(torch.log2(w.abs().amax((-2, -1), keepdim=True) / 4096.0)).clamp(min=0.0))
+            return sdpa(q, k_l, (w / c).to(q.dtype), scale=scale).mul_(c.to(q.dtype))
         return sdpa(q, k_l, w.to(q.dtype), scale=scale)
-    f = torch.softmax(q @ (k_l * scale).transpose(-1, -2), dim=-1)  # [B,H,N,s]
-    bm = torch.softmax((q_l * scale) @ k.transpose(-1, -2), dim=-1)  # [B,H,s,N]
-    if key_keep is not None:
-        bm = bm * key_keep[:, None, None, :].to(bm.dtype)
-    w = z @ (bm @ v)  # [B,H,s,D]
-    out = f @ w
-    if key_keep is not None and renormalize:
-        mass = f @ (z @ bm.sum(-1, keepdim=True))  # [B,H,N,1]
-        out = out / mass.clamp(min=1e-6)
-    return out
+    # renormalised sink masking: the masked B is needed explicitly ([B,H,s,N] and [B,H,N,s]; O(s N)
+    # memory), with the logits in float32 for half inputs (the raw products overflow float16 first)
+    qw, kw, vw = q.to(wd), k.to(wd), v.to(wd)
+    q_lw, k_lw = q_l.to(wd), k_l.to(wd)
+    f = torch.softmax(qw @ (k_lw * scale).transpose(-1, -2), dim=-1)  # [B,H,N,s]
+    bm = torch.softmax((q_lw * scale) @ kw.transpose(-1, -2), dim=-1)  # [B,H,s,N]
+    bm = bm * key_keep[:, None, None, :].to(wd)
+    return _renormalized(f, z, bm, vw).to(q.dtype)
+
+
+#: Renormalised sink masking keeps the ratio estimate where the estimated kept mass is above this.
+RENORM_MIN_MASS = 0.1
+
+
+def _renormalized(f: torch.Tensor, z: torch.Tensor, bm: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Sink-masked Nyström attention with each row renormalised to its kept attention mass.
+
+    ``f`` ``[.., N, s]``, ``z`` ``[.., s, s]``, ``bm`` ``[.., s, N]`` (B with the masked keys'
+    columns zeroed), ``v`` ``[.., N, D]``.  Two estimates of row ``i`` of ``P_kept / m_i``:
+
+    * ratio: ``F z (B_kept V) / F z (B_kept 1)``: consistent with unmasked FNA (exact with
+      every token a landmark), but the Nyström estimate of the kept mass ``m_i`` in the
+      denominator can be near or below zero (-0.41 on dinov2-small, 448 px, layer 7 with
+      ``mask_layers=5``, where the exact mass is >= 0.03), and dividing by it amplifies the
+      Nyström error without bound (the earlier ``clamp(min=1e-6)`` multiplied such rows by 1e6);
+    * rows: ``F z (B' V)`` with each landmark query's row of ``B_kept`` renormalised over the kept
+      keys (``B`` holds complete softmax rows, so their kept mass is exact and ``B' V`` is a
+      convex combination of V rows): bounded by construction, but it interpolates the landmarks'
+      normalisations instead of using the query's own.
+
+    The ratio is used where the estimated mass exceeds :data:`RENORM_MIN_MASS` (0.1: the
+    division amplifies the Nyström error at most 10x), rows elsewhere.  Final-CLS cosine to
+    dense on dinov2-small (mean / worst image; embedded image set at 224 and 448 px, 24
+    imagenet-det images at 448 px), ``fna+sink_mask`` with ``renormalize=True``: this rule matched
+    or beat both estimates and the old ``clamp(1e-6)`` in every setting measured, e.g.
+    ``s=16, mask_layers=5`` on the embedded set at 448 px:
+    0.903 / 0.674 against ratio-with-clamp 0.883 / 0.555, ratio alone 0.898 / 0.638 and rows
+    0.900 / 0.624 (BENCHMARKS.md).  On the image whose layer-7 estimate is -0.41 (defaults,
+    ``mask_layers=5``, 448 px) the old clamp put 8.5e5 into a row where ``max|V|`` is 3.9 and
+    left four patch tokens with cosine < 0.5 to dense (worst 0.02; CLS 0.990); this rule keeps
+    the row at 4.1 and the worst patch token at 0.57 (CLS 0.987).
+    """
+    kept = bm.sum(-1, keepdim=True)  # [.., s, 1] exact kept mass of each landmark query's row
+    bn = torch.where(kept > 0, bm / kept.clamp(min=torch.finfo(bm.dtype).tiny), bm)
+    d = v.shape[-1]
+    # one chain for the three right-hand sides: [B_kept V | B_kept 1 | B' V]
+    rhs = torch.cat([bm @ v, kept, bn @ v], dim=-1)
+    with local_blas_threads(1, f.device):
+        w = z @ rhs
+    y = f @ w
+    num, mass, rows = y[..., :d], y[..., d : d + 1], y[..., d + 1 :]
+    ok = mass > RENORM_MIN_MASS
+    return torch.where(ok, num / torch.where(ok, mass, 1.0), rows)
 
 
 def exact_attention(
@@ -314,28 +476,30 @@ def exact_attention(
     """Exact (non-causal) softmax attention, optionally with some keys' probabilities zeroed.
 
     Without ``key_keep`` this is ``torch.nn.functional.scaled_dot_product_attention``.  With it,
-    ``P = softmax(Q K^T c)`` is computed in query chunks, the columns of masked keys are set to
-    zero after the softmax (sink masking, FNA arXiv 2507.16018 Sec. 4: "multiply the softmax
-    output by the mask"), and rows are optionally renormalised to sum to one.
+    the attention probabilities into masked keys are set to zero after the softmax (sink
+    masking, FNA arXiv 2507.16018 Sec. 4: "multiply the softmax output by the mask"), and rows
+    are optionally renormalised to sum to one.  Both are one fused SDPA call, no ``N x N``
+    buffer: ``softmax(Q K^T c) diag(keep) V = softmax(Q K^T c) (keep * V)`` (the masked keys
+    stay in the softmax's normaliser and their values are zeroed), and the renormalised form is
+    SDPA with ``-inf`` on the masked keys.  SDPA scales before the product and accumulates in
+    float32 for half-precision inputs, so float16 stays finite where the unpatched model does
+    (the earlier explicit ``(q @ k^T) * scale`` overflowed float16 on sharp attention).
 
     Args:
         q, k, v: ``[B, H, N, D]``.
         scale: attention scale.
         key_keep: ``[B, N]`` bool or ``None``.
         renormalize: renormalise rows after masking.
-        chunk: queries per chunk (bounds the ``[B, H, chunk, N]`` score buffer).
+        chunk: unused (the masked path used to run in query chunks of this size); kept so that
+            callers passing it keep working.
 
     Returns:
-        ``[B, H, N, D]``.
+        ``[B, H, N, D]`` in ``q``'s dtype.
     """
+    sdpa = torch.nn.functional.scaled_dot_product_attention
     if key_keep is None:
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale)
+        return sdpa(q, k, v, scale=scale)
     if renormalize:
         bias = torch.zeros(key_keep.shape, dtype=q.dtype, device=q.device).masked_fill(~key_keep, float("-inf"))
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias[:, None, None, :], scale=scale)
-    keep = key_keep[:, None, None, :].to(q.dtype)
-    outs = []
-    for i in range(0, q.shape[2], chunk):
-        p = torch.softmax((q[:, :, i : i + chunk] @ k.transpose(-1, -2)) * scale, dim=-1) * keep
-        outs.append(p @ v)
-    return torch.cat(outs, dim=2)
+        return sdpa(q, k, v, attn_mask=bias[:, None, None, :], scale=scale)
+    return sdpa(q, k, v * key_keep[:, None, :, None].to(v.dtype), scale=scale)

@@ -20,6 +20,11 @@ Methods of ``bench attention``:
   sparsity and mean attention recall (exact softmax mass on the kept keys) are measured on
   the same inputs outside the timed calls; ``select`` times the selection alone.
 
+Any bench can run beside a competing PyTorch process (:func:`background_load`, ``--background-load``):
+a second program keeping every core busy, as a data-loader worker or another job does, is where
+small multi-threaded kernels stall (FNA's ``s x s`` eigendecomposition took 60-1000 ms instead of
+1-2 ms under it before it was pinned to one MKL thread).
+
 Inputs are random normal ``q, k, v`` or captured from a real model (:func:`capture_qkv`,
 ``attnpatch bench capture``): random queries and keys give nearly uniform attention, where
 AnchorAttention keeps almost every key, so causal numbers that mean something need captured inputs.
@@ -53,9 +58,12 @@ __all__ = [
     "bench_vision_model",
     "bench_causal_lm",
     "plot_attention",
+    "background_load",
+    "BACKGROUND_LOAD_LIMIT_S",
 ]
 
 ATTENTION_METHODS = ("fna", "anchor_attention")
+BACKGROUND_LOAD_LIMIT_S = 900.0
 DEFAULT_LENGTHS = (256, 512, 1024, 2048, 4096, 8192, 16384)
 _FNA_BENCH_OPTIONS = ("s", "strategy", "pinv", "rtol", "newton_iters", "seed")
 
@@ -151,6 +159,83 @@ def scaling_exponent(lengths: Sequence[float], seconds: Sequence[float]) -> floa
     my = statistics.fmean(p[1] for p in pts)
     sxx = sum((p[0] - mx) ** 2 for p in pts)
     return sum((p[0] - mx) * (p[1] - my) for p in pts) / sxx if sxx else None
+
+
+# ---------------------------------------------------------------------------------------------
+# a competing process
+
+_LOAD_CODE = """
+import os, sys, time
+end = time.monotonic() + float(sys.argv[1])
+parent = int(sys.argv[2])
+import torch
+a = torch.randn(int(sys.argv[3]), int(sys.argv[3]))
+a = torch.tanh(a @ a)
+print("ready", torch.get_num_threads(), flush=True)
+n = 0
+while time.monotonic() < end and os.getppid() == parent:
+    a = torch.tanh(a @ a)
+    n += 1
+"""
+
+
+@contextlib.contextmanager
+def background_load(limit_s: float | None = BACKGROUND_LOAD_LIMIT_S, *, size: int = 512, start_timeout_s: float = 120.0):
+    """Run the block beside a competing PyTorch process: ``a = torch.tanh(a @ a)`` on ``size x size`` float32, looped.
+
+    The process is what a data-loader worker or a second job does to a machine: a PyTorch
+    program with PyTorch's default thread count (one per core) keeping every core busy.  It is
+    a subprocess of this one, started before the block (the block begins once it has imported
+    PyTorch and run its first product) and killed when the block ends or fails; it also stops
+    itself after ``limit_s`` seconds and when this process goes away, so it never outlives a
+    killed bench by more than one product.
+
+    Yields a dict recorded in the bench JSON: ``command``, ``pid``, ``size``, ``threads`` (the
+    competitor's torch threads), ``limit_s``, ``seconds`` (how long it ran beside the block) and
+    ``alive_at_end`` (``False`` when the block outlived ``limit_s`` or the process died, so part
+    of the bench ran without the load).  With ``limit_s=None`` nothing is started and it yields
+    ``None``.
+
+    Raises:
+        OptionError: ``limit_s`` or ``size`` not positive.
+        AttnpatchError: the process did not start within ``start_timeout_s``.
+    """
+    import subprocess
+    import threading
+
+    if limit_s is None:
+        yield None
+        return
+    if not limit_s > 0 or size < 1:
+        raise OptionError(f"background load: limit_s={limit_s}, size={size}: both must be positive")
+    argv = [sys.executable, "-c", _LOAD_CODE, repr(float(limit_s)), str(os.getpid()), str(int(size))]
+    info: dict[str, Any] = {
+        "command": f"python -c 'a = torch.randn({size}, {size}); while True: a = torch.tanh(a @ a)' (default torch threads)",
+        "size": int(size), "limit_s": float(limit_s),
+    }
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, text=True)
+    t0 = time.perf_counter()
+    try:
+        line: list[str] = []
+        reader = threading.Thread(target=lambda: line.append(proc.stdout.readline()), daemon=True)
+        reader.start()
+        reader.join(start_timeout_s)
+        if not line or not line[0].startswith("ready"):
+            raise AttnpatchError(f"background load: the competing process did not start within {start_timeout_s:.0f} s")
+        info.update(pid=proc.pid, threads=int(line[0].split()[1]))
+        t0 = time.perf_counter()
+        yield info
+    finally:
+        info["alive_at_end"] = proc.poll() is None
+        info["seconds"] = time.perf_counter() - t0
+        if proc.poll() is None:
+            proc.kill()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:  # pragma: no cover - a killed process always goes
+            pass
+        if proc.stdout is not None:
+            proc.stdout.close()
 
 
 # ---------------------------------------------------------------------------------------------

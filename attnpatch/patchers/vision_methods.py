@@ -373,7 +373,8 @@ FNA_OPTION_HELP = {
     "resample": ("bool", "sample landmarks again at every patched layer"),
     "strategy": ("str", "landmark selection strategy"),
     "features": ("str", "what landmark selection runs on: the keys (heads concatenated) or the attention input hidden states"),
-    "pinv": ("str", "pseudo-inverse of the s x s landmark kernel (rtol: float64 SVD with relative cut-off; newton: Newton-Schulz)"),
+    "pinv": ("str", "pseudo-inverse of the s x s landmark kernel (rtol: singular values below rtol x the largest dropped, "
+                    "float32 eigendecomposition of A^T A; newton: Newton-Schulz; exact: float64 SVD, unregularised)"),
     "rtol": ("float", "relative singular-value cut-off of pinv=rtol"),
     "newton_iters": ("int", "iterations of pinv=newton"),
     "massive_ratio": ("float", "massive token: block-input L2 norm above this many times the median (sample_layer=auto)"),
