@@ -28,3 +28,18 @@ def tiny_causal_lm(kind: str, seed: int = 0, layers: int = 2, vocab: int = 128):
 @pytest.fixture(params=["llama", "qwen2", "qwen3"])
 def causal_lm(request):
     return tiny_causal_lm(request.param)
+
+
+@pytest.fixture(scope="module")
+def tiny_vit_dir(tmp_path_factory):
+    """A tiny random DINOv2 (4 layers, 26 tokens at 70 px) saved with its image processor, as a model folder."""
+    from transformers import Dinov2Config, Dinov2Model
+
+    from attnpatch.checkpoints import dinov2_image_processor
+
+    d = tmp_path_factory.mktemp("tiny-dinov2")
+    torch.manual_seed(0)
+    cfg = Dinov2Config(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, intermediate_size=128, image_size=70, patch_size=14)
+    Dinov2Model(cfg).eval().save_pretrained(d)
+    dinov2_image_processor().save_pretrained(d)
+    return d

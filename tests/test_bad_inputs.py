@@ -44,20 +44,6 @@ def llm_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def vit_dir(tmp_path_factory):
-    from transformers import Dinov2Config, Dinov2Model
-
-    from attnpatch.checkpoints import dinov2_image_processor
-
-    d = tmp_path_factory.mktemp("tiny-dinov2")
-    torch.manual_seed(0)
-    cfg = Dinov2Config(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, intermediate_size=128, image_size=70, patch_size=14)
-    Dinov2Model(cfg).eval().save_pretrained(d)
-    dinov2_image_processor().save_pretrained(d)
-    return d
-
-
-@pytest.fixture(scope="module")
 def clip_dirs(tmp_path_factory):
     """A tiny CLIP as a transformers folder (CLIPModel, no processor needed for these tests) and as an open_clip folder."""
     import open_clip
@@ -101,11 +87,11 @@ def images(tmp_path_factory):
 
 
 @pytest.mark.parametrize("which", ["llm", "vit"])
-def test_corrupt_safetensors_is_one_line_naming_the_file(which, llm_dir, vit_dir, tmp_path, capsys, images):
+def test_corrupt_safetensors_is_one_line_naming_the_file(which, llm_dir, tiny_vit_dir, tmp_path, capsys, images):
     import shutil
 
     bad = tmp_path / "model"
-    shutil.copytree(llm_dir if which == "llm" else vit_dir, bad)
+    shutil.copytree(llm_dir if which == "llm" else tiny_vit_dir, bad)
     weights = bad / "model.safetensors"
     with open(weights, "r+b") as f:
         f.truncate(weights.stat().st_size // 2)
@@ -191,14 +177,14 @@ def test_ruler_checks_every_cell_before_the_first_generation(llm_dir, tmp_path, 
 # --------------------------------------------------------------------------- images
 
 
-def test_truncated_jpeg_is_refused_before_the_run_naming_the_file(vit_dir, tmp_path, capsys):
+def test_truncated_jpeg_is_refused_before_the_run_naming_the_file(tiny_vit_dir, tmp_path, capsys):
     data = _folder(tmp_path / "set")
     bad = data / "train" / "img03.jpg"
     src = next(iter(sorted((SHARED / "imagenet-1k-samples" / "train").glob("*.jpg"))), None)
     raw = src.read_bytes() if src else bad.read_bytes()
     bad.write_bytes(raw[: len(raw) // 3])
     out = tmp_path / "r.json"
-    assert main(["eval", "knn", "--model", str(vit_dir), "--data", str(data), "--resolution", "70", "--json", str(out)]) == 2
+    assert main(["eval", "knn", "--model", str(tiny_vit_dir), "--data", str(data), "--resolution", "70", "--json", str(out)]) == 2
     line = error_line(capsys.readouterr().err)
     assert str(bad) in line and "truncated or corrupt JPEG" in line and "remove it and its row in metadata.jsonl" in line
     assert not out.exists()
@@ -268,17 +254,17 @@ def test_16_bit_grayscale_is_scaled_not_clipped(mode, tmp_path):
 # --------------------------------------------------------------------------- --resolution
 
 
-def test_resolution_below_the_patch_is_refused(vit_dir, images, tmp_path, capsys):
+def test_resolution_below_the_patch_is_refused(tiny_vit_dir, images, tmp_path, capsys):
     out = tmp_path / "r.json"
-    assert main(["eval", "knn", "--model", str(vit_dir), "--data", str(images), "--resolution", "13", "--json", str(out)]) == 2
+    assert main(["eval", "knn", "--model", str(tiny_vit_dir), "--data", str(images), "--resolution", "13", "--json", str(out)]) == 2
     line = error_line(capsys.readouterr().err)
     assert line == "attnpatch: error: --resolution 13: smaller than the model's patch size (14 px); use a multiple of 14 (e.g. 224)"
     assert not out.exists()
 
 
-def test_resolution_not_a_multiple_of_the_patch_is_rounded_and_said_once(vit_dir, images, tmp_path, capsys):
+def test_resolution_not_a_multiple_of_the_patch_is_rounded_and_said_once(tiny_vit_dir, images, tmp_path, capsys):
     out = tmp_path / "r.json"
-    assert main(["eval", "knn", "--model", str(vit_dir), "--data", str(images), "--resolution", "75", "--k", "3", "--json", str(out)]) == 0
+    assert main(["eval", "knn", "--model", str(tiny_vit_dir), "--data", str(images), "--resolution", "75", "--k", "3", "--json", str(out)]) == 0
     err = capsys.readouterr().err
     note = "--resolution 75 is not a multiple of the model's patch size 14: rounded to 70 (5 x 5 patches)"
     assert err.count(note) == 1
@@ -301,13 +287,13 @@ def test_clip_resolution_is_fitted_to_the_patch(clip_dirs, capsys):
 # --------------------------------------------------------------------------- output paths
 
 
-def _argv(cmd: str, llm_dir, vit_dir, images, clip_dirs) -> list[str]:
+def _argv(cmd: str, llm_dir, tiny_vit_dir, images, clip_dirs) -> list[str]:
     return {
         "ruler": ["eval", "ruler", "--model", str(llm_dir), "--samples", "1"],
-        "knn": ["eval", "knn", "--model", str(vit_dir), "--data", str(images)],
+        "knn": ["eval", "knn", "--model", str(tiny_vit_dir), "--data", str(images)],
         "zeroshot": ["eval", "zeroshot", "--model", str(clip_dirs[1]), "--data", str(images)],
         "clip-retrieval": ["eval", "clip-retrieval", "--model", str(clip_dirs[1]), "--data", str(images)],
-        "sinks": ["sinks", "--model", str(vit_dir), "--data", str(images)],
+        "sinks": ["sinks", "--model", str(tiny_vit_dir), "--data", str(images)],
     }[cmd]
 
 
@@ -315,7 +301,7 @@ def _argv(cmd: str, llm_dir, vit_dir, images, clip_dirs) -> list[str]:
     ("ruler", "--json"), ("ruler", "--markdown"), ("knn", "--json"), ("knn", "--markdown"),
     ("zeroshot", "--json"), ("clip-retrieval", "--markdown"), ("sinks", "--json"),
 ])
-def test_output_path_that_is_a_directory_is_refused_up_front(cmd, flag, llm_dir, vit_dir, images, clip_dirs, tmp_path, capsys, monkeypatch):
+def test_output_path_that_is_a_directory_is_refused_up_front(cmd, flag, llm_dir, tiny_vit_dir, images, clip_dirs, tmp_path, capsys, monkeypatch):
     import attnpatch.checkpoints as ck
     import attnpatch.clip_models as cm
     import attnpatch.evals.images as im
@@ -327,12 +313,12 @@ def test_output_path_that_is_a_directory_is_refused_up_front(cmd, flag, llm_dir,
         monkeypatch.setattr(mod, fn, boom)
     d = tmp_path / "out"
     d.mkdir()
-    assert main(_argv(cmd, llm_dir, vit_dir, images, clip_dirs) + [flag, str(d)]) == 2
+    assert main(_argv(cmd, llm_dir, tiny_vit_dir, images, clip_dirs) + [flag, str(d)]) == 2
     assert error_line(capsys.readouterr().err) == f"attnpatch: error: {flag} {d}: is a directory; give a file path"
 
 
-def test_other_unusable_output_paths(vit_dir, images, tmp_path, capsys):
-    base = ["eval", "knn", "--model", str(vit_dir), "--data", str(images)]
+def test_other_unusable_output_paths(tiny_vit_dir, images, tmp_path, capsys):
+    base = ["eval", "knn", "--model", str(tiny_vit_dir), "--data", str(images)]
     afile = tmp_path / "a.txt"
     afile.write_text("x")
     assert main(base + ["--markdown", str(afile / "r.md")]) == 2
@@ -346,10 +332,10 @@ def test_other_unusable_output_paths(vit_dir, images, tmp_path, capsys):
     assert not list(tmp_path.glob(".attnpatch-write-test-*"))
 
 
-def test_missing_parent_folders_are_created(vit_dir, images, tmp_path):
+def test_missing_parent_folders_are_created(tiny_vit_dir, images, tmp_path):
     md = tmp_path / "new" / "deeper" / "r.md"
     js = tmp_path / "other" / "r.json"
-    assert main(["eval", "knn", "--model", str(vit_dir), "--data", str(images), "--resolution", "70", "--k", "3",
+    assert main(["eval", "knn", "--model", str(tiny_vit_dir), "--data", str(images), "--resolution", "70", "--k", "3",
                  "--json", str(js), "--markdown", str(md)]) == 0
     assert json.loads(js.read_text())["n_images"] == 12 and md.read_text().startswith("### knn")
 
@@ -367,24 +353,24 @@ def test_clip_folder_given_to_a_vision_eval(clip_dirs, images, capsys):
     assert "(an open_clip folder) is a CLIP-style dual encoder" in error_line(capsys.readouterr().err)
 
 
-def test_vision_and_lm_folders_given_to_the_wrong_eval(llm_dir, vit_dir, images, capsys):
-    assert main(["eval", "ruler", "--model", str(vit_dir), "--samples", "1"]) == 2
+def test_vision_and_lm_folders_given_to_the_wrong_eval(llm_dir, tiny_vit_dir, images, capsys):
+    assert main(["eval", "ruler", "--model", str(tiny_vit_dir), "--samples", "1"]) == 2
     assert "is a ViT image encoder (Dinov2Model), not a causal LM" in error_line(capsys.readouterr().err)
     assert main(["eval", "knn", "--model", str(llm_dir), "--data", str(images)]) == 2
     assert "is a causal LM (LlamaForCausalLM), not a ViT image encoder" in error_line(capsys.readouterr().err)
-    assert main(["eval", "zeroshot", "--model", str(vit_dir), "--data", str(images)]) == 2
+    assert main(["eval", "zeroshot", "--model", str(tiny_vit_dir), "--data", str(images)]) == 2
     assert "is a ViT image encoder (Dinov2Model), not a CLIP-style dual encoder" in error_line(capsys.readouterr().err)
 
 
 # --------------------------------------------------------------------------- one-class folder
 
 
-def test_one_class_folder_says_at_least_two_classes(vit_dir, tmp_path, capsys):
+def test_one_class_folder_says_at_least_two_classes(tiny_vit_dir, tmp_path, capsys):
     root = tmp_path / "one"
     (root / "cat").mkdir(parents=True)
     for i in range(4):
         Image.fromarray(np.full((40, 40, 3), 30 * i, np.uint8)).save(root / "cat" / f"{i}.jpg")
-    assert main(["eval", "knn", "--model", str(vit_dir), "--data", str(root)]) == 2
+    assert main(["eval", "knn", "--model", str(tiny_vit_dir), "--data", str(root)]) == 2
     line = error_line(capsys.readouterr().err)
     assert "only one class: all 4 images sit in one class sub-folder (cat/)" in line and "at least two classes" in line
 
@@ -433,12 +419,12 @@ def test_ctrl_c_in_ruler_writes_the_finished_cells_and_exits_130(llm_dir, tmp_pa
     assert "(interrupted: 1/2 cells)" in text and text.count("| niah_single |") == 1
 
 
-def test_ctrl_c_in_a_vision_eval_writes_the_finished_images(vit_dir, images, tmp_path, capsys, monkeypatch):
+def test_ctrl_c_in_a_vision_eval_writes_the_finished_images(tiny_vit_dir, images, tmp_path, capsys, monkeypatch):
     from attnpatch.evals.images import ImageSet
 
     _interrupt_at(monkeypatch, ImageSet, 10)  # batches of 5: two finished
     out, md = tmp_path / "r.json", tmp_path / "r.md"
-    rc = main(["eval", "fidelity", "--model", str(vit_dir), "--data", str(images), "--resolution", "70", "--batch-size", "5",
+    rc = main(["eval", "fidelity", "--model", str(tiny_vit_dir), "--data", str(images), "--resolution", "70", "--batch-size", "5",
                "--k", "3", "--json", str(out), "--markdown", str(md)])
     assert rc == 130
     err = capsys.readouterr().err
@@ -449,18 +435,18 @@ def test_ctrl_c_in_a_vision_eval_writes_the_finished_images(vit_dir, images, tmp
     assert "(interrupted: 10/12 images)" in md.read_text()
 
 
-def test_ctrl_c_before_anything_is_finished_writes_nothing(vit_dir, images, tmp_path, capsys, monkeypatch):
+def test_ctrl_c_before_anything_is_finished_writes_nothing(tiny_vit_dir, images, tmp_path, capsys, monkeypatch):
     from attnpatch.evals.images import ImageSet
 
     _interrupt_at(monkeypatch, ImageSet, 0)
     out = tmp_path / "r.json"
-    assert main(["eval", "knn", "--model", str(vit_dir), "--data", str(images), "--resolution", "70", "--json", str(out)]) == 130
+    assert main(["eval", "knn", "--model", str(tiny_vit_dir), "--data", str(images), "--resolution", "70", "--json", str(out)]) == 130
     err = capsys.readouterr().err
     assert "Traceback" not in err and "before any result was finished" in err.strip().splitlines()[-1]
     assert not out.exists()
 
 
-def test_ctrl_c_while_loading_exits_130_quietly(vit_dir, images, tmp_path, capsys, monkeypatch):
+def test_ctrl_c_while_loading_exits_130_quietly(tiny_vit_dir, images, tmp_path, capsys, monkeypatch):
     import attnpatch.checkpoints as ck
 
     def interrupted(*a, **k):
@@ -468,7 +454,7 @@ def test_ctrl_c_while_loading_exits_130_quietly(vit_dir, images, tmp_path, capsy
 
     monkeypatch.setattr(ck, "load_vision_model", interrupted)
     out = tmp_path / "r.json"
-    assert main(["eval", "knn", "--model", str(vit_dir), "--data", str(images), "--json", str(out)]) == 130
+    assert main(["eval", "knn", "--model", str(tiny_vit_dir), "--data", str(images), "--json", str(out)]) == 130
     err = capsys.readouterr().err
     assert "Traceback" not in err and err.strip().splitlines()[-1] == "attnpatch: interrupted (Ctrl-C); nothing more written"
     assert not out.exists()
@@ -500,10 +486,10 @@ def test_ctrl_c_in_a_clip_eval_writes_the_finished_images(evalname, clip_dirs, t
 # --------------------------------------------------------------------------- rich markup in labels
 
 
-def test_exact_attention_label_is_printed_in_the_terminal_table(vit_dir, images, tmp_path, capsys):
+def test_exact_attention_label_is_printed_in_the_terminal_table(tiny_vit_dir, images, tmp_path, capsys):
     out = tmp_path / "r.json"
     with pytest.warns(UserWarning, match="s=26 >= N=26"):
-        assert main(["eval", "knn", "--model", str(vit_dir), "--data", str(images), "--resolution", "70", "--k", "3",
+        assert main(["eval", "knn", "--model", str(tiny_vit_dir), "--data", str(images), "--resolution", "70", "--k", "3",
                      "--method", "fna:s=26", "--json", str(out)]) == 0
     assert "fna (s=26) [exact attention: s >= N tokens]" in capsys.readouterr().out
 

@@ -12,20 +12,6 @@ from attnpatch.cli import main
 
 
 @pytest.fixture(scope="module")
-def tiny_vit_dir(tmp_path_factory):
-    from transformers import Dinov2Config, Dinov2Model
-
-    from attnpatch.checkpoints import dinov2_image_processor
-
-    d = tmp_path_factory.mktemp("tiny-dinov2")
-    torch.manual_seed(0)
-    cfg = Dinov2Config(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, intermediate_size=128, image_size=70, patch_size=14)
-    Dinov2Model(cfg).eval().save_pretrained(d)
-    dinov2_image_processor().save_pretrained(d)
-    return d
-
-
-@pytest.fixture(scope="module")
 def tiny_images(tmp_path_factory):
     from PIL import Image
 

@@ -286,21 +286,13 @@ def run_module(
     causal: bool = False,
 ) -> Any:
     """Run an exact method's layer as the model's own attention-module forward (``forward()``,
-    projections included), with the patch's timing and records (mode ``"dense"``, every pair kept).
+    projections included), with the patch's records (mode ``"dense"``, every pair kept); a forward timed by :func:`time_attention` does not come here.
 
     Returns:
         Whatever ``forward()`` returns.
     """
-    state = handle.state
-    timing = state is not None and state.timing
-    if timing:
-        t0 = time.perf_counter()
+    state = handle.state  # never timing: a timed forward computes the attention apart (needs_attention_tensors)
     out = forward()
-    if timing:
-        first = out[0] if isinstance(out, tuple) else out
-        if isinstance(first, torch.Tensor):
-            _sync(first.device)
-        state.attention_seconds += time.perf_counter() - t0
     if state is not None and state.record:
         rec = LayerRecord(layer, "dense", queries, keys)
         rec.causal_pairs = _count_pairs(None, keys - queries if causal else 0, queries, keys, batch, heads, causal)
