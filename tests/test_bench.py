@@ -19,7 +19,7 @@ from attnpatch.evals.bench import (
 
 from conftest import tiny_causal_lm
 from test_cli import tiny_dir  # noqa: F401  (fixture)
-from test_vision_eval import tiny_images, tiny_vit_dir  # noqa: F401  (fixtures)
+from test_vision_eval import tiny_images  # noqa: F401  (fixture)
 
 
 def test_scaling_exponent_recovers_power_laws():
@@ -216,7 +216,7 @@ def test_bench_cli_capture_then_causal_bench(tiny_dir, tmp_path, monkeypatch):  
     assert [r["setting"] for r in rows][:2] == ["unpatched", "dense"] and rows[2]["sparsity"] > 0
 
 
-def test_bench_cli_vision_model(tiny_vit_dir, tiny_images, tmp_path):  # noqa: F811
+def test_bench_cli_vision_model(tiny_vit_dir, tiny_images, tmp_path):  # noqa: F811  (tiny_images)
     out = tmp_path / "v.json"
     assert main(["bench", "model", "--model", str(tiny_vit_dir), "--data", str(tiny_images), "--resolutions", "70", "140",
                  "--batch", "2", "--repeats", "1", "--warmup", "0", "--method", "fna:s=9", "--json", str(out)]) == 0
