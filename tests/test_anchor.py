@@ -288,6 +288,32 @@ def test_compiled_kernel_matches_torch_path(monkeypatch, b, h, hkv, lq, lk, d, b
     assert (compiled - torch_path).abs().max() < 1e-5
 
 
+@pytest.mark.parametrize(
+    "b,h,hkv,lq,lk,d,bq,stride,rows,tile,pad",
+    [
+        (2, 4, 2, 40, 40, 8, 8, 2, 8, 3, None),  # tiles of 3 keys, one pooled query row group per item
+        (1, 6, 2, 45, 53, 8, 8, None, 5, 7, None),  # a prompt continued on a cache; last block partial
+        (2, 4, 2, 40, 40, 8, 8, 4, 256, 256, [3, 17]),  # left padding: pools of padding keep nothing
+        (1, 14, 2, 700, 700, 64, 128, 2, 256, 256, None),  # Qwen2.5-0.5B head geometry at the defaults
+    ],
+)
+def test_compiled_selection_matches_torch_selection(monkeypatch, b, h, hkv, lq, lk, d, bq, stride, rows, tile, pad):
+    """The compiled stripe selection (one parallel region over chunks of blocks x key tiles) keeps exactly
+    the stripes the PyTorch path keeps, whatever the chunk and tile sizes."""
+    import attnpatch.attention.anchor as A
+
+    _need_compiled()
+    monkeypatch.setattr(A, "_SELECT_KERNEL_ROWS", rows)
+    monkeypatch.setattr(A, "_SELECT_KERNEL_TILE", tile)
+    q, k, _, kv = _inputs(b, h, hkv, lq, lk, d, pad=pad, seed=9)
+    k = k.transpose(2, 3).contiguous().transpose(2, 3)  # non-contiguous keys, as models hand them over
+    kw = dict(theta=1.0, block_size=bq, init_block=4, local_window=bq, min_len=0, dense_last=0, pool_stride=stride)
+    compiled = select_stripes(q, k, AnchorConfig(**kw, kernel="compiled"), scale=d**-0.5, q_offset=lk - lq, key_valid=kv)
+    torch_path = select_stripes(q, k, AnchorConfig(**kw, kernel="torch"), scale=d**-0.5, q_offset=lk - lq, key_valid=kv)
+    assert 0.05 < torch_path.float().mean() < 0.95  # the threshold matters
+    assert torch.equal(compiled, torch_path)
+
+
 def test_compiled_kernel_refuses_what_it_does_not_take():
     """kernel='compiled' names the dtype it cannot take; 'auto' runs such inputs through PyTorch operations."""
     _need_compiled()

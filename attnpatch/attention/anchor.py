@@ -54,6 +54,10 @@ _SELECT_CHUNK_ELEMENTS = 1 << 21
 _SELECT_ROWS = 512
 # Fewest keys per stripe-selection tile.
 _SELECT_MIN_TILE = 128
+# Compiled selection: pooled queries per work item and keys per tile (a [rows, tile] float32 score
+# buffer of 256 KiB per thread).
+_SELECT_KERNEL_ROWS = 256
+_SELECT_KERNEL_TILE = 256
 # Keys and query rows per step of the compiled kernel (its per-thread buffers: _Q_TILE x _KV_TILE scores,
 # _KV_TILE keys and values, whatever the block size).
 _KV_TILE = 512
@@ -414,18 +418,39 @@ def select_stripes(
     return _select(q, k, cfg, scale, geo)
 
 
+def _select_kernel(q: torch.Tensor, cfg: AnchorConfig):
+    """The compiled selection kernel when ``cfg.kernel`` allows it and it takes these inputs, else ``None``.
+
+    It selects in float32 on the CPU, from inputs of any floating dtype, with padding (pools without a
+    valid query keep nothing, padding keys are never kept).  ``kernel="compiled"`` where it does not
+    apply (``select_dtype="bfloat16"``, another device) selects with PyTorch operations; :func:`_compiled`
+    raises for the attention that follows where that one does not apply.
+    """
+    if cfg.kernel == "torch" or q.device.type != "cpu" or cfg.select_dtype != "float32":
+        return None
+    return stripe_kernel()
+
+
 def _select(q: torch.Tensor, k: torch.Tensor, cfg: AnchorConfig, scale: float, geo: _Geometry) -> torch.Tensor:
     b, h, lq, d = q.shape
     hkv = k.shape[1]
     g = h // hkv
     bq, nb = cfg.block_size, geo.nb
     dev = q.device
-    always = _always_kept(geo, cfg)  # [B, nb, Lk]
-    causal = _causal_keys(geo)  # [B, nb, Lk]
     if math.isinf(cfg.theta):
-        keep = (always | (cfg.theta > 0)) & causal
+        keep = (_always_kept(geo, cfg) | (cfg.theta > 0)) & _causal_keys(geo)
         return keep[:, None].expand(b, h, nb, geo.lk)
 
+    mod = _select_kernel(q, cfg)
+    if mod is not None:  # the same steps in one parallel region (stripe_select in csrc/anchor_cpu.cpp)
+        return mod.stripe_select(
+            q.float().contiguous(), k.float().contiguous(), geo.key_valid.contiguous(), geo.start.to(torch.int64),
+            geo.q_offset, bq, cfg.stride, cfg.init_block, cfg.local_window, float(cfg.theta), float(scale),
+            _SELECT_KERNEL_ROWS, _SELECT_KERNEL_TILE,
+        )
+
+    always = _always_kept(geo, cfg)  # [B, nb, Lk]
+    causal = _causal_keys(geo)  # [B, nb, Lk]
     qs = q.float() * scale  # the logit scale folded into the queries once
     kf = k.float()
     qpad = _pad_rows(qs, nb * bq)  # [B, H, nb*bq, D]

@@ -265,7 +265,161 @@ torch::Tensor kept_mass(const torch::Tensor& q, const torch::Tensor& k, const to
   return out;
 }
 
+// Stripe selection, AnchorAttention Eq. 2-4 (arXiv 2505.23520), in one parallel region.
+// q: [B, H, Lq, D] float32, contiguous, unscaled; query row r at absolute position q_offset + r.
+// k: [B, Hkv, Lk, D] float32, contiguous.  key_valid: [B, Lk] bool.  start: int64 [B], each
+// sequence's first valid key.  block: queries per block; stride: queries per pool (divides block);
+// init_block, local_window: the always-kept keys; theta: finite stripe threshold; scale: logit scale.
+// Returns keep [B, H, nb, Lk] bool, nb = ceil(Lq / block):
+//   anchor(i)   = max of (q_i * scale) . k_j over valid keys j <= i of the initial block
+//                 [start, start + init_block) and the window [end - local_window, end) of i's block
+//                 (end: one past the block's last query);
+//   pool p      : q_bar, a_bar = means over the pool's valid queries (a pool without one keeps nothing);
+//   keep[n, j]  = (max_p  q_bar_p . k_j - (a_bar_p - theta) >= 0  or  j in the initial block or
+//                 the window)  and  j < end  and  key_valid[j].
+// Phase 1 (one item per (b, h, block)): anchors and pools.  Phase 2 (one item per (b, h, chunk of
+// about `rows` pooled queries, tile of `kv_tile` keys)): single-threaded sgemm, threshold, store.
+// Items are handed out dynamically and no ATen operator runs in between, so a busy machine costs
+// what its CPU share costs, not a stall per small operator.
+torch::Tensor stripe_select(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& key_valid,
+                            const torch::Tensor& start, int64_t q_offset, int64_t block, int64_t stride,
+                            int64_t init_block, int64_t local_window, double theta, double scale, int64_t rows,
+                            int64_t kv_tile) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && key_valid.scalar_type() == at::kBool &&
+                  start.scalar_type() == at::kLong,
+              "stripe_select: float32 q, k, bool key_valid and int64 start expected");
+  TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && key_valid.is_contiguous() && start.is_contiguous(),
+              "stripe_select: contiguous inputs expected");
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && key_valid.dim() == 2 && start.dim() == 1, "stripe_select: bad ranks");
+  const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), D = q.size(3), Hkv = k.size(1), Lk = k.size(2);
+  TORCH_CHECK(k.size(0) == B && k.size(3) == D && Hkv >= 1 && H % Hkv == 0, "stripe_select: k does not fit q");
+  TORCH_CHECK(key_valid.size(0) == B && key_valid.size(1) == Lk && start.size(0) == B,
+              "stripe_select: key_valid or start does not fit k");
+  TORCH_CHECK(block >= 1 && stride >= 1 && block % stride == 0 && init_block >= 0 && local_window >= 0 && rows >= 1 &&
+                  kv_tile >= 1 && std::isfinite(theta),
+              "stripe_select: bad block, stride, init_block, local_window, rows, kv_tile or theta");
+  TORCH_CHECK(q_offset >= 0 && q_offset + Lq <= Lk, "stripe_select: queries beyond the keys");
+  const int64_t nb = (Lq + block - 1) / block, P = block / stride, G = H / Hkv;
+  auto keep = torch::zeros({B, H, nb, Lk}, k.options().dtype(at::kBool));
+  if (B == 0 || H == 0 || nb == 0 || D == 0) return keep;
+  auto qbar_t = torch::empty({B, H, nb, P, D}, q.options());
+  auto thr_t = torch::empty({B, H, nb, P}, q.options());
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const bool* vp = key_valid.data_ptr<bool>();
+  const int64_t* sp = start.data_ptr<int64_t>();
+  float* qb = qbar_t.data_ptr<float>();
+  float* tp = thr_t.data_ptr<float>();
+  bool* out = keep.data_ptr<bool>();
+  const float sc = static_cast<float>(scale), th = static_cast<float>(theta);
+  const float NEG = -std::numeric_limits<float>::infinity(), POS = std::numeric_limits<float>::infinity();
+  const int64_t n_init = std::min(init_block, Lk), n_win = std::min(local_window, Lk);
+  auto block_end = [&](int64_t n) { return q_offset + std::min((n + 1) * block, Lq); };
+  // phase 2's (chunk of blocks, key tile) pairs that hold at least one causal key
+  const int64_t NC = std::max<int64_t>(1, rows / P);
+  const int KT = static_cast<int>(kv_tile), DI = static_cast<int>(D);
+  std::vector<std::pair<int64_t, int64_t>> pairs;
+  for (int64_t c0 = 0; c0 < nb; c0 += NC) {
+    const int64_t lc = block_end(std::min(nb, c0 + NC) - 1);
+    for (int64_t j0 = 0; j0 < lc; j0 += KT) pairs.emplace_back(c0, j0);
+  }
+  const int64_t n_pairs = static_cast<int64_t>(pairs.size());
+  const int nth = at::get_num_threads();
+
+#pragma omp parallel num_threads(nth)
+  {
+    std::vector<float> qs(static_cast<size_t>(block) * D), an(block);
+    std::vector<float> s(static_cast<size_t>(block) * std::max<int64_t>(std::max<int64_t>(n_init, n_win), 1));
+    // phase 1: anchors (Eq. 2) and pooled queries and thresholds (Eq. 3)
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < B * H * nb; ++item) {
+      const int64_t bi = item / (H * nb), hi = (item / nb) % H, blk = item % nb;
+      const int64_t r0 = blk * block, nr = std::min(block, Lq - r0), end = block_end(blk);
+      const bool* kv = vp + bi * Lk;
+      const float* kh = kp + (bi * Hkv + hi / G) * Lk * D;
+      const float* qr = qp + ((bi * H + hi) * Lq + r0) * D;
+      for (int64_t i = 0; i < nr * D; ++i) qs[i] = qr[i] * sc;
+      std::fill(an.begin(), an.begin() + nr, NEG);
+      // candidate keys: [j0, j0 + n) clipped to the keys, masked per row (j <= position, valid)
+      auto candidates = [&](int64_t j0, int64_t n) {
+        const int64_t a = std::max<int64_t>(j0, 0), e = std::min<int64_t>(j0 + n, Lk);
+        if (e <= a) return;
+        const int m = static_cast<int>(e - a);
+        scores(static_cast<int>(nr), m, DI, 1.0f, qs.data(), kh + a * D, s.data());
+        for (int64_t i = 0; i < nr; ++i) {
+          const int64_t pos = q_offset + r0 + i;
+          const float* si = s.data() + i * m;
+          float best = an[i];
+          for (int jj = 0; jj < m; ++jj) {
+            const int64_t j = a + jj;
+            if (j <= pos && kv[j] && si[jj] > best) best = si[jj];
+          }
+          an[i] = best;
+        }
+      };
+      candidates(sp[bi], n_init);
+      candidates(end - n_win, n_win);
+      float* qbo = qb + item * P * D;
+      float* to = tp + item * P;
+      for (int64_t p = 0; p < P; ++p) {
+        float* qbp = qbo + p * D;
+        std::fill(qbp, qbp + D, 0.0f);
+        float cnt = 0.0f, asum = 0.0f;
+        for (int64_t t = 0; t < stride; ++t) {
+          const int64_t i = p * stride + t;
+          if (i >= nr || !kv[q_offset + r0 + i]) continue;
+          cnt += 1.0f;
+          asum += an[i];
+          const float* qi = qs.data() + i * D;
+          for (int64_t dd = 0; dd < D; ++dd) qbp[dd] += qi[dd];
+        }
+        if (cnt > 0.0f) {
+          for (int64_t dd = 0; dd < D; ++dd) qbp[dd] /= cnt;
+          to[p] = asum / cnt - th;
+        } else {
+          to[p] = POS;  // a pool of padding keeps nothing
+        }
+      }
+    }
+    // phase 2: pooled queries against the causal keys, threshold (Eq. 4), always-kept keys, causal mask
+    std::vector<float> s2(static_cast<size_t>(NC * P) * KT), best(KT);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < B * H * n_pairs; ++item) {
+      const int64_t bh = item / n_pairs, bi = bh / H, hi = bh % H;
+      const int64_t c0 = pairs[item % n_pairs].first, j0 = pairs[item % n_pairs].second;
+      const int64_t nc = std::min(NC, nb - c0);
+      const int n = static_cast<int>(std::min<int64_t>(KT, Lk - j0));
+      scores(static_cast<int>(nc * P), n, DI, 1.0f, qb + (bh * nb + c0) * P * D, kp + ((bi * Hkv + hi / G) * Lk + j0) * D,
+             s2.data());
+      const bool* kv = vp + bi * Lk;
+      for (int64_t bn = 0; bn < nc; ++bn) {
+        const int64_t blk = c0 + bn, end = block_end(blk);
+        const int nn = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(n, end - j0)));
+        if (nn == 0) continue;
+        const float* tb = tp + (bh * nb + blk) * P;
+        std::fill(best.begin(), best.begin() + nn, NEG);
+        for (int64_t p = 0; p < P; ++p) {
+          const float* sp2 = s2.data() + static_cast<size_t>(bn * P + p) * n;
+          const Vec vt(tb[p]);
+          int j = 0;
+          for (; j + Vec::size() <= nn; j += Vec::size())
+            at::vec::maximum(Vec::loadu(sp2 + j) - vt, Vec::loadu(best.data() + j)).store(best.data() + j);
+          for (; j < nn; ++j) best[j] = std::max(best[j], sp2[j] - tb[p]);
+        }
+        bool* o = out + (bh * nb + blk) * Lk + j0;
+        const int64_t i0 = sp[bi], i1 = sp[bi] + init_block, w0 = end - local_window;
+        for (int jj = 0; jj < nn; ++jj) {
+          const int64_t j = j0 + jj;
+          o[jj] = kv[j] && (best[jj] >= 0.0f || (j >= i0 && j < i1) || j >= w0);
+        }
+      }
+    }
+  }
+  return keep;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("stripe_attention", &stripe_attention, "AnchorAttention stripe attention (float32, CPU)");
+  m.def("stripe_select", &stripe_select, "AnchorAttention stripe selection (float32, CPU)");
   m.def("kept_mass", &kept_mass, "softmax mass on the kept keys of some query blocks (float32, CPU)");
 }
