@@ -36,8 +36,11 @@ def _parse_options(pairs: Sequence[str]) -> dict[str, Any]:
 
 
 def _cmd_methods(args) -> int:
-    from .patchers.registry import list_methods
+    from .patchers.registry import list_methods, methods_markdown
 
+    if args.markdown:
+        print(methods_markdown(), end="")
+        return 0
     methods = list_methods()
     if args.json:
         print(json.dumps(methods, indent=2, default=str))
@@ -53,7 +56,7 @@ def _cmd_methods(args) -> int:
                 f"{escape(m['name'])} — {escape(m['summary'])}\n[dim]{escape(m['source'])}; model kinds: "
                 f"{escape('any (exact)' if m['exact'] else ', '.join(m['model_kinds']))}; model features supported: "
                 f"{escape(', '.join(m['supports']) or 'none (sliding windows, soft-capping and other layer types are refused)')}; "
-                f"{'keeps autograd' if m['exact'] else 'inference only'}[/dim]"
+                f"{'keeps autograd' if m['exact'] else 'inference only'}; {escape(m['exactness'])}[/dim]"
             ),
             expand=True,
         )
@@ -62,7 +65,7 @@ def _cmd_methods(args) -> int:
         t.add_column("default")
         t.add_column("meaning")
         for name, o in m["options"].items():
-            help_ = o["help"] + (f" (one of {', '.join(o['choices'])})" if "choices" in o else "")
+            help_ = o["help"] + (f" (one of {', '.join(o['choices'])})" if "choices" in o else "") + (f"; {o['range']}" if "range" in o else "")
             t.add_row(escape(name), escape(str(o["kind"])), escape(repr(o["default"])), escape(help_))
         if not m["options"]:
             t.add_row("-", "-", "-", "no options")
@@ -598,7 +601,7 @@ def _cmd_bench_attention(args) -> int:
     title = (f"bench attention — {cfg['mode']}, B={cfg['batch']} H={cfg['heads']} Hkv={cfg['kv_heads']} D={cfg['head_dim']}, "
              f"{cfg['dtype']} on {cfg['device']}, {src}, median of {cfg['repeats']}" + (", under background load" if load else ""))
     notes = [_load_note(load)] if load else []
-    if not causal:
+    if any("reuse_layers" in r for r in result["rows"]):  # a method amortised a per-forward part over layers
         notes.append(f"FNA time = Nyström + FPS / {cfg['reuse_layers']} (one sampling reused by {cfg['reuse_layers']} layers; "
                      "--reuse-layers); 'vs SDPA (1 FPS/layer)' counts a whole FPS.")
     exps = [f"{k}: {v:.2f}" for k, v in result["exponents"].items() if v is not None]
@@ -720,6 +723,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     pm = sub.add_parser("methods", help="list registered methods, their options, defaults and model kinds")
     pm.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    pm.add_argument("--markdown", action="store_true", help="print the README's method table (Markdown, generated from the registry)")
     pm.set_defaults(func=_cmd_methods)
 
     pc = sub.add_parser("models", help="list the offline model catalogue")
@@ -825,7 +829,7 @@ def build_parser() -> argparse.ArgumentParser:
     bsub = pb.add_subparsers(dest="bench", required=True)
     ba = bsub.add_parser("attention", help="one attention layer: time, peak memory and ratio to SDPA per method and N")
     ba.add_argument("--mode", choices=["noncausal", "causal"], default="noncausal", help="ViT (noncausal, fna) or LLM prefill (causal, anchor_attention) (default: %(default)s)")
-    ba.add_argument("--method", nargs="+", action=_Repeatable, metavar="METHOD[:NAME=VALUE,...]", help="fna and/or anchor_attention with options (default: fna / anchor_attention)")
+    ba.add_argument("--method", nargs="+", action=_Repeatable, metavar="METHOD[:NAME=VALUE,...]", help="registered method(s) that fit --mode (causal: methods for causal LMs; noncausal: methods for ViTs), with options (default: fna / anchor_attention)")
     ba.add_argument("-o", "--option", action="append", default=[], metavar="NAME=VALUE", help="option applied to every method, repeatable")
     ba.add_argument("--lengths", nargs="+", action=_Repeatable, type=_positive_int, help="sequence lengths N in tokens (default: 256 512 ... 16384; with --qkv, up to the captured length)")
     ba.add_argument("--batch", type=_positive_int, help="random inputs: batch size (default: 1)")

@@ -92,7 +92,10 @@ def test_fast_matches_reference(b, h, hkv, lq, lk, d, kw, pad, dense_heads, kern
     mass = (p * kept).sum(-1)  # [b, h, lq]
     rec = (mass * rows[..., 0]).sum(-1) / rows[..., 0].sum(-1)
     assert torch.allclose(rec, st.recall, atol=1e-5)
-    assert (st.sparsity >= 0).all() and (st.sparsity <= 1).all()
+    # causal pairs among valid tokens, and the sparsity they give with the reference's kept count
+    causal_pairs = (allowed & rows).sum((-2, -1)).double().expand(b, h)  # [b, h]
+    assert torch.equal(st.causal_pairs.double(), causal_pairs)
+    assert torch.allclose(st.sparsity.double(), 1 - kept_pairs / causal_pairs, atol=1e-6)
 
 
 def test_theta_inf_equals_dense():

@@ -144,7 +144,8 @@ def test_capture_and_bench_on_captured_inputs(tmp_path):
 @pytest.mark.parametrize("methods,causal,match", [
     ([("fna", {})], True, "'fna' is non-causal"),
     ([("anchor_attention", {})], False, "'anchor_attention' is a causal prefill method"),
-    ([("sink_mask", {})], False, "bench attention measures fna, anchor_attention"),
+    ([("sink_mask", {"mask_layers": 2})], False, r"sink_mask options \['mask_layers'\] act across layers"),
+    ([("dense", {"theta": 1.0})], False, "unknown option"),
     ([("fna", {"sample_layer": 3})], False, r"fna options \['sample_layer'\] act across layers"),
     ([("fna", {"s": 64})], False, "every length must exceed s"),
     ([("anchor_attention", {"dense_layers": [1]})], True, "name model layers"),

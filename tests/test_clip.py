@@ -321,13 +321,13 @@ def test_load_clip_errors_are_fast_and_clear(monkeypatch, tmp_path):
         load_clip(str(tmp_path / "missing"), **QUIET)
     with pytest.raises(OptionError, match="resolution=0"):
         load_clip("ViT-B-32:random", resolution=0, **QUIET)
+    from huggingface_hub import constants, try_to_load_from_cache
     from open_clip import pretrained as ocp
 
+    # an empty hub cache (read at call time), so that weights cached on this machine cannot turn the errors into loads
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty-hub-cache"))
     hub = ocp.get_pretrained_cfg("ViT-B-32", "openai")["hf_hub"].rstrip("/")
-    from huggingface_hub import try_to_load_from_cache
-
-    if any(isinstance(try_to_load_from_cache(hub, f), str) for f in ("open_clip_model.safetensors", "open_clip_pytorch_model.bin")):
-        pytest.skip("ViT-B-32:openai weights are cached on this machine")
+    assert all(try_to_load_from_cache(hub, f) is None for f in ("open_clip_model.safetensors", "open_clip_pytorch_model.bin"))
     t0 = time.perf_counter()
     with pytest.raises(ModelNotFoundError, match="not in the local cache and offline mode is on.*ViT-B-32:random"):
         load_clip("ViT-B-32:openai", **QUIET)
@@ -490,7 +490,9 @@ def test_retrieval_eval_tuxpaint_end_to_end_near_chance(tiny_dirs, tmp_path, cap
         for key, p in res["chance"].items():
             lo, hi = _band(p, 538)
             assert lo <= row[key] <= hi, (key, row[key], p)
-    assert 0.9 < run["embed_cosine"] <= 1.0 + 1e-6
+    # measured (FNA s=16 of 65 tokens, this random net): embed cosine 1 - 5.8e-6 (min 1 - 6.2e-5), T->I top-1 agreement 0.974
+    assert 1.0 - 2e-5 < run["embed_cosine"] < 1.0 - 1e-6 and run["embed_cosine_min"] > 1.0 - 2e-4  # approximate, yet close
+    assert run["t2i_top1_agreement"] > 0.92
     printed = capsys.readouterr().out
     assert "T→I R@1" in printed and "chance" in printed and "fna (s=16)" in printed
 
@@ -512,7 +514,11 @@ def test_zeroshot_eval_imagenet_samples_end_to_end(tiny_dirs, tmp_path):
         for k, p in res["chance"].items():
             lo, hi = _band(p, 12)
             assert lo <= row[k] <= hi
-    assert all(0 <= r["agreement"] <= 1 and r["images_per_s"] > 0 for r in res["runs"])
+    # measured (FNA s=16 of 65 tokens, this random net; no sinks to mask): embed cosine 1 - 1.0e-5 (min 1 - 4.1e-5),
+    # top-1 agreement with dense 12/12 for both rows
+    for r in res["runs"]:
+        assert r["images_per_s"] > 0 and r["agreement"] >= 11 / 12
+        assert 1.0 - 3e-5 < r["embed_cosine"] < 1.0 - 1e-6 and r["embed_cosine_min"] > 1.0 - 1.5e-4  # approximate, yet close
 
 
 @pytest.mark.skipif(not IMAGENET.is_dir(), reason="shared/data/imagenet-1k-samples is absent")

@@ -35,6 +35,11 @@ def test_fna_s64_keeps_cls_cosine_on_real_weights_and_images(dino):
     assert default["approximated_layers"] == list(range(6, 12))
     assert layer0["cls_cosine"] < default["cls_cosine"]
     assert exact["cls_cosine"] == pytest.approx(1.0, abs=1e-5) and exact["mean_layer_error_teacher"] == 0.0
+    # the exact row is the dense model: same k-NN predictions, same scores
+    assert exact["knn_agreement"] == 1.0
+    assert (exact["knn_top1"], exact["knn_top5"]) == (res["dense"]["knn_top1"], res["dense"]["knn_top5"])
+    # measured: k-NN (k=5) top-1 predictions agree with dense on 20/21 images at the default layer, 9/21 from layer 0
+    assert default["knn_agreement"] >= 18 / 21 and layer0["knn_agreement"] < default["knn_agreement"]
 
 
 def test_dinov2_small_has_no_massive_tokens_and_a_cls_sink(dino):

@@ -326,7 +326,7 @@ def test_bad_options_and_misfits():
 
 def test_padding_mask_is_refused_not_ignored():
     from attnpatch.patchers.state import LayerContext
-    from attnpatch.patchers.vision_methods import FNAConfig, fna_forward
+    from attnpatch.patchers.methods.fna import FNAConfig, fna_forward
 
     q, k, v = _qkv(b=1, h=2, n=12, d=4, dtype=torch.float32)
     valid = torch.ones(1, 12, dtype=torch.bool)
@@ -353,7 +353,7 @@ def test_half_precision_nystrom_same_code_path(dtype):
 
 def test_fps_runs_once_per_forward_not_per_layer(monkeypatch):
     """The sample-once path pays for landmark selection once per forward call."""
-    from attnpatch.patchers import vision_methods
+    from attnpatch.patchers.methods import fna as vision_methods
 
     calls = []
     real = vision_methods.select_landmarks

@@ -37,7 +37,8 @@ def test_theta_inf_matches_dense_prefill_and_generate(causal_lm):
     valid = mask.bool()
     assert torch.allclose(out[valid], ref[valid], atol=1e-5, rtol=1e-5)
     assert torch.equal(gen.sequences, gen_ref.sequences)
-    for a, b in zip(gen.scores, gen_ref.scores):
+    assert len(gen.scores) == len(gen_ref.scores) == 6
+    for a, b in zip(gen.scores, gen_ref.scores, strict=True):
         assert torch.allclose(a, b, atol=1e-4)
 
 
@@ -207,7 +208,8 @@ def test_static_cache_prefill_and_generate_match_dense():
         gen = model.generate(ids, max_new_tokens=4, do_sample=False, cache_implementation="static", output_scores=True, return_dict_in_generate=True)
     assert torch.allclose(out, ref, atol=1e-5)
     assert torch.equal(gen.sequences, gen_ref.sequences)
-    assert all(torch.allclose(a, b, atol=1e-4) for a, b in zip(gen.scores, gen_ref.scores))
+    assert len(gen.scores) == len(gen_ref.scores) == 4
+    assert all(torch.allclose(a, b, atol=1e-4) for a, b in zip(gen.scores, gen_ref.scores, strict=True))
 
 
 @torch.no_grad()

@@ -368,7 +368,7 @@ def test_dinov2_small_renormalized_sink_mask_where_the_mass_estimate_goes_negati
     from attnpatch.attention import nystrom as ny
     from attnpatch.checkpoints import load_vision_model
     from attnpatch.evals.images import load_image_set, make_preprocess
-    from attnpatch.patchers import vision_methods as vm
+    from attnpatch.patchers.methods import fna as vm
 
     model, proc = load_vision_model("dinov2-small")
     images = load_image_set(None)

@@ -30,6 +30,8 @@ def test_niah_single_2k_patched_not_below_dense(smollm2):
 
 
 def test_unpatch_bit_exact_on_real_model(smollm2):
+    import math
+
     from attnpatch import patched
 
     model, tok = smollm2
@@ -39,6 +41,21 @@ def test_unpatch_bit_exact_on_real_model(smollm2):
         with patched(model, "anchor_attention", min_len=0):
             out = model(ids).logits
         again = model(ids).logits
+        with patched(model, "anchor_attention", min_len=0, theta=1e9):  # every key kept, through the sparse path
+            kept_all = model(ids).logits
+        with patched(model, "anchor_attention", min_len=0, theta=math.inf):  # exact limit: dispatched to dense
+            inf = model(ids).logits
     assert torch.equal(again, ref)
-    assert (out - ref).abs().max() > 0  # sparse at 700 tokens with min_len=0
-    assert torch.equal(out.argmax(-1)[0, -50:], ref.argmax(-1)[0, -50:]) or (out - ref).abs().max() < 5
+    assert torch.equal(inf, ref)
+    scale = float(ref.abs().max())  # 35.86 here
+    # measured: max |kept_all - ref| = 7.4e-5 (2.1e-6 of max |logit|): float rounding of the stripe-gathered softmax only
+    assert float((kept_all - ref).abs().max()) <= 1e-5 * scale
+    # default theta=12 at 700 tokens, min_len=0: measured max |out - ref| = 0.065 logit and a largest per-position
+    # KL(ref || out) of 1.3e-5 nats, argmax equal at all 700 positions.  Tolerances are ~3x the measurement; a
+    # broken selection fails them: theta=4 gives 2.4 / 7.6e-3, theta=-inf (init block + window only) 27 / 7.2
+    # (and both still agree on the argmax of the last 50 positions of this repetitive text, which the old check was).
+    diff = float((out - ref).abs().max())
+    kl = torch.nn.functional.kl_div(out.log_softmax(-1), ref.log_softmax(-1), log_target=True, reduction="none").sum(-1)
+    assert 0 < diff < 0.2  # sparse at 700 tokens with min_len=0, yet close
+    assert float(kl.max()) < 4e-5
+    assert torch.equal(out.argmax(-1), ref.argmax(-1))

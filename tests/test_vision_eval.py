@@ -42,17 +42,20 @@ def test_vision_eval_cli_end_to_end(task, tiny_vit_dir, tiny_images, tmp_path, c
     assert res["n_images"] == 12 and res["resolution"] == 70 and res["tokens"] == 26
     run = res["runs"][0]
     assert run["method"] == "fna" and run["options"]["s"] == 9 and run["images_per_s"] > 0 and res["dense"]["images_per_s"] > 0
+    # brightness classes are trivially separable: every task scores 1.0 dense, and FNA (s=9 of 26 tokens, measured
+    # cls cosine 1 - 3e-7, mean layer error 7.2e-4 on this random net) keeps them all at 1.0
     if task == "fidelity":
-        assert 0.5 < run["cls_cosine"] <= 1.0 + 1e-6
-        assert len(run["layer_error_teacher"]) == 4 and run["layer_error_teacher"][0] == 0.0  # layers before the sample layer are exact
-        assert run["mean_layer_error_teacher"] > 0 and run["approximated_layers"] == [2, 3]  # auto: no massive token -> 4 // 2
-        assert 0 <= run["knn_agreement"] <= 1
+        assert 1.0 - 1e-5 < run["cls_cosine"] <= 1.0 + 1e-6
+        assert len(run["layer_error_teacher"]) == 4 and run["layer_error_teacher"][:2] == [0.0, 0.0]  # layers before the sample layer are exact
+        assert 0 < run["mean_layer_error_teacher"] < 2.2e-3 and run["approximated_layers"] == [2, 3]  # auto: no massive token -> 4 // 2
+        assert run["knn_agreement"] == 1.0 and res["dense"]["knn_top1"] == run["knn_top1"] == 1.0
     if task == "knn":
-        assert res["dense"]["knn_top1"] == pytest.approx(1.0)  # brightness classes are trivially separable
+        assert res["dense"]["knn_top1"] == run["knn_top1"] == 1.0
     if task == "linear-probe":
-        assert 0 <= run["linear_probe"] <= 1
+        assert res["dense"]["linear_probe"] == run["linear_probe"] == 1.0 and run["linear_probe_folds"] == 4
     if task == "retrieval":
-        assert 0 <= run["map_at_r"] <= 1 and "recall_at_1" in run
+        for row in (res["dense"], run):
+            assert row["map_at_r"] == row["recall_at_1"] == row["recall_at_5"] == 1.0
     printed = capsys.readouterr().out
     assert "dense" in printed and "fna" in printed
 
@@ -63,8 +66,10 @@ def test_vision_eval_s_at_least_n_matches_dense(tiny_vit_dir, tiny_images, tmp_p
         rc = main(["eval", "fidelity", "--model", str(tiny_vit_dir), "--data", str(tiny_images), "--method", "fna", "-o", "s=26",
                    "--resolution", "70", "--k", "3", "--json", str(out)])
     assert rc == 0
-    run = json.loads(out.read_text())["runs"][0]
+    res = json.loads(out.read_text())
+    run = res["runs"][0]
     assert run["cls_cosine"] == pytest.approx(1.0, abs=1e-6) and run["knn_agreement"] == 1.0
+    assert run["knn_top1"] == res["dense"]["knn_top1"] and run["knn_top5"] == res["dense"]["knn_top5"]
     assert run["mean_layer_error_teacher"] == 0.0
 
 

@@ -19,7 +19,7 @@ The functions here are pure tensor functions (no model knowledge).  Tensors foll
 (grouped-query attention) and are never repeated in memory for the selection step.
 
 Beyond the paper, :class:`AnchorConfig` offers remedies for the paper-faithful setting's
-failure on retrieval (see the class docstring for the measurement that chose the defaults):
+failure on retrieval (the measurements that chose the defaults are in the README and BENCHMARKS.md):
 finer pooling (``pool_stride``; 1 = every query selects for itself), dense attention for the last
 ``dense_last`` prompt queries, dense fallback for chosen layers or (layer, head) pairs, and the recall
 guard (``min_recall``): heads whose kept keys lose softmax mass on probe blocks attend densely, decided
@@ -116,10 +116,9 @@ class AnchorConfig:
             compiled kernel over every causal key where it runs, else fused dense attention.  See
             "Which outputs depend on which tokens" below.
         select_dtype: ``"float32"`` or ``"bfloat16"``: the precision of the pooled queries and keys in
-            the stripe-scoring product (accumulated in float32).  ``"bfloat16"`` makes the selection about 1.4-1.5x
-            faster on CPUs with native bfloat16 dot products (AVX512-BF16, AMX; captured Qwen2.5-0.5B
-            layer, ``pool_stride=8``: 360 -> 260 ms at 16k, 1120 -> 727 ms at 32k) and flips stripes only
-            within rounding of the threshold (0.8 % of the kept stripes at 16k).
+            the stripe-scoring product (accumulated in float32).  ``"bfloat16"`` makes the selection faster
+            on CPUs with native bfloat16 dot products (AVX512-BF16, AMX) and flips stripes only within
+            rounding of the threshold (speed and flipped stripes measured: BENCHMARKS.md).
             The anchors, the recall guard and the attention itself stay in the input precision.
         kernel: how the attention over kept stripes runs.  ``"auto"``: the compiled CPU kernel
             (:mod:`attnpatch.attention.cpu_kernel`, built on first use) for float32 CPU tensors without
@@ -170,61 +169,15 @@ class AnchorConfig:
     its first block; it equals a one-pass prefill only for chunks that are multiples of
     ``block_size`` and at least ``min_len`` long, with ``min_recall=0`` and ``dense_last=0``.
 
-    Defaults, chosen by measurement on SmolLM2-135M-Instruct (offline catalogue, fp32, greedy,
-    RULER-style prompts through the chat template, seed 0, needle depths 0.1/0.5/0.9/0.3/0.7):
-    ``theta=12, block_size=128, init_block=128, local_window=128`` as in the paper, plus three
-    remedies: ``pool_stride=2`` (queries pooled 2 at a time instead of 128; a stripe is kept
-    for the block when any pool keeps it), ``dense_last=256`` (the question at the end of the
-    prompt attends densely) and the recall guard ``min_recall=0.9``.  The tables below were measured
-    with the recall guard's global scope (``guard="global"``, the only one then).
-
-    Why pooling: at 4096 tokens, repeated-sentence haystack, 6 samples:
-
-    ============================  ===========  ============  ========
-    setting                       niah_single  niah_multikey sparsity
-    ============================  ===========  ============  ========
-    dense                         6/6          4/6           0
-    paper (mean over 128)         6/6          1/6           49 %
-    + dense_last=64               6/6          2/6           47 %
-    + dense_last=512              -            2/6           35 %
-    + pool_stride=16, last 64     6/6          3/6           33 %
-    + pool_stride=8, last 64      -            4/6 (=dense)  27 %
-    pool_stride=1, last 64        -            4/6 (=dense)   9 %
-    ============================  ===========  ============  ========
-
-    Mean pooling over a whole block loses the needle for multi-key retrieval because the
-    queries of one block want different keys.  The paper setting keeps mean recall 0.98-0.99
-    but its worst heads (layer 17 head 3, layer 18 heads 6 and 7: the retrieval heads) fall
-    to 0.59-0.70.
-
-    Full NIAH table, 10 samples per cell (``attnpatch eval ruler --tasks niah_single
-    niah_multikey niah_multivalue niah_multiquery --lengths 1024 2048 4096``), dense / patched
-    accuracy (%) at 1k, 2k, 4k, and the sparsity at 1k / 2k / 4k; the last row is the defaults,
-    equal to dense in every cell, with mean and worst-5 % head recall 1.000 (3 samples per cell):
-
-    ==============================  ==============  ==============  ==============  ==============  ================
-    setting                         niah_single     niah_multikey   niah_multivalue niah_multiquery sparsity
-    ==============================  ==============  ==============  ==============  ==============  ================
-    dense                           100 100 100     90 100 60       17.5 27.5 22.5  7.5 10 17.5     0
-    stride 8, last 64 (no guard)    100 100 100     90  90 80       20 27.5 12.5    7.5 7.5 10      5 / 14 / 27 %
-    stride 8, last 256, guard 0.9   100 100 100     90  90 60       22.5 27.5 25    7.5 10 17.5     2 / 9 / 21 %
-    stride 2, last 256, guard 0.9   100 100 100     90 100 60       17.5 27.5 22.5  7.5 10 17.5     0.6 / 4 / 12 %
-    ==============================  ==============  ==============  ==============  ==============  ================
-
-    Each loss in this table is a few samples (one, in the guarded stride-8 row) whose greedy
-    answer flips between two near-equal continuations (a distractor's value; "One of the special magic numbers ..." vs "The
-    special magic numbers ...", after which the 135M model repeats the question instead of
-    answering).  They come from the skipped keys, not from float rounding: ``theta=1e9`` (every
-    causal key kept, through the sparse code path) scores exactly as dense.  Which sample flips
-    depends on the setting, not monotonically on sparsity: on the same prompts the guard at
-    0.8, or at 0.9 with ``pool_stride=4``, fixes the multi-key 2k sample of the stride-8 row
-    but flips a multi-query 2k sample (7.5 vs 10 %); ``theta=16`` with the guard (stride 8) gets both
-    of those samples right too, at a quarter of the stride-2 sparsity (2.7 vs 9.9 % on a captured 4k
-    prefill, layer 15).  The defaults buy accuracy with sparsity: at 4k they skip 12 % of the
-    pairs, and on the CPU they are slower than dense attention up to 16k; settings for speed are in
-    BENCHMARKS.md (``pool_stride=8`` selects 4x cheaper; ``theta=8, pool_stride=8, dense_last=64,
-    min_recall=0.75, select_dtype="bfloat16"`` is 2.2x faster than dense at 16k and 32k with mean
-    recall 0.957 and 0.954 on a captured Qwen2.5-0.5B layer).
+    Defaults: ``theta=12, block_size=128, init_block=128, local_window=128`` as in the paper, plus
+    three remedies for the paper setting's loss of multi-key retrieval: ``pool_stride=2`` (queries
+    pooled 2 at a time instead of a whole block, since the queries of one block want different keys;
+    a stripe is kept for the block when any pool keeps it), ``dense_last=256`` (the question at the
+    end of the prompt attends densely) and the recall guard ``min_recall=0.9`` (the retrieval heads
+    that thresholding hurts attend densely).  They were chosen by measurement on SmolLM2-135M-Instruct
+    so that needle-in-a-haystack accuracy is not below dense; they buy accuracy with sparsity.  The
+    measurements (accuracy, sparsity and recall per setting, and the speed of the defaults and of
+    settings chosen for speed) are in the README ("Methods") and BENCHMARKS.md.
     """
 
     theta: float = 12.0
@@ -909,14 +862,8 @@ def anchor_attention(
     kept keys padded to the largest kept set of a bucket of blocks sorted by kept count, and run
     batched fused attention.  There is no Python loop over queries or heads (see ``_sparse_attend``).
 
-    Speed (BENCHMARKS.md, 2 CPU cores, q/k/v captured from Qwen2.5-0.5B layer 11), ratio to
-    causal SDPA at 8k / 16k / 32k tokens with the mean recall: the defaults (chosen for
-    accuracy) 0.78x / 0.96x / 1.07x (recall 0.999 / 0.998 / 0.996); ``pool_stride=8`` with the
-    guard 1.04x / 1.16x / 1.39x (0.996 / 0.997 / 0.996); ``theta=8, pool_stride=8,
-    dense_last=64, min_recall=0.75, select_dtype="bfloat16"`` 1.65x / 2.18x / 2.16x (0.973 /
-    0.957 / 0.954); the paper setting (``pool_stride=None, dense_last=0, min_recall=0``) 2.29x /
-    3.36x / 5.13x (0.883 / 0.855 / 0.820).  In the compiled kernel a kept pair costs about 1.15x
-    what it costs inside PyTorch's fused causal attention (2x in the PyTorch path); heads the global recall
+    Speed and recall of the defaults and of faster settings, against causal SDPA on captured inputs:
+    BENCHMARKS.md.  Heads the global recall
     guard makes dense run PyTorch's fused causal attention (one call per key/value head, K/V not repeated);
     blocks the causal guard makes dense run the compiled kernel over every causal key, or on the PyTorch path
     fused attention over the rows from the first guarded block (:func:`_dense_rows`).

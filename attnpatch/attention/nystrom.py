@@ -20,9 +20,9 @@ pseudo-inverse with singular values below ``rtol x`` the largest dropped, comput
 the eigendecomposition of ``A^T A``),
 ``"newton"`` (the Newton-Schulz iteration of Nyströmformer, their Eq. 15-16, float32), and
 ``"exact"`` (float64 SVD pseudo-inverse with the default machine-precision cut-off).  The
-landmark kernel of a pretrained ViT is badly conditioned (condition numbers of 1e4-1e6 on
-DINOv2-S), so the exact pseudo-inverse amplifies the approximation error; the defaults in
-:class:`attnpatch.patchers.vision.FNAConfig` were chosen by measurement.
+landmark kernel of a pretrained ViT is badly conditioned, so the exact pseudo-inverse amplifies
+the approximation error; the defaults of :class:`attnpatch.patchers.methods.fna.FNAConfig` were
+chosen by measurement (README and BENCHMARKS.md).
 
 All functions are pure tensor functions: ``q, k, v`` are ``[batch, heads, tokens, head_dim]``.
 """
@@ -230,9 +230,8 @@ def local_blas_threads(n: int = 1, device: torch.device | str | None = None):
     Small matrix work (the ``s x s`` landmark kernel, its eigendecomposition, ``[s, s] @ [s, D]``
     products) is microseconds of arithmetic split over MKL's OpenMP team.  On an idle machine
     that costs nothing, but while another process keeps the cores busy every parallel region
-    waits for a descheduled team thread: ``torch.linalg.eigh`` of six 64 x 64 matrices goes
-    from 1-2 ms to 60-1000 ms, one ``[6, 64, 64]`` product from 0.05 ms to ~14 ms (2 cores, a
-    second PyTorch process looping ``tanh(a @ a)``; BENCHMARKS.md).  One thread has nothing to
+    waits for a descheduled team thread, and work of a few milliseconds takes far longer (measured
+    beside a competing process: BENCHMARKS.md).  One thread has nothing to
     wait for.  The setting is MKL's thread-local ``mkl_set_num_threads_local`` (restored on exit),
     so unlike ``torch.set_num_threads`` it is safe with other Python threads (PyTorch sets the same
     thread-local count to its thread count when a thread first runs an operator); ATen's own
@@ -287,22 +286,22 @@ def landmark_pinv(a: torch.Tensor, mode: str = "rtol", *, rtol: float = 1e-2, it
             ``rtol x sigma_max`` (regularised), ``V diag(1/sigma^2) V^T A^T`` from the symmetric
             eigendecomposition ``A^T A = V diag(sigma^2) V^T``, in float32 whatever ``a``'s dtype
             when ``rtol >= 1e-2`` (the cut-off ``rtol^2`` on ``sigma^2`` is then far above float32's
-            resolution: 5e-4 relative difference from a float64 truncated SVD at ``rtol=1e-2``,
-            1e-2 at ``rtol=1e-3``), in float64 for smaller ``rtol`` or float64 input; a batched
-            ``eigh`` is 3-4x faster than a batched SVD on the CPU; ``"newton"`` — ``iters`` Newton-Schulz steps in float32
+            resolution; ``tests/test_fna.py`` checks the agreement with a float64 truncated SVD), in
+            float64 for smaller ``rtol`` or float64 input; a batched ``eigh`` is faster than a batched
+            SVD on the CPU; ``"newton"`` — ``iters`` Newton-Schulz steps in float32
             from Nyströmformer's start ``Z0 = A^T / (max_j sum_i |a_ij| . max_i sum_j |a_ij|)``
             (Xiong et al. 2021, Eq. 15-16; the scaling is per matrix here, so items do not
             influence each other); ``"exact"`` — float64 SVD pseudo-inverse, default cut-off.
             On the CPU the factorisation runs on one MKL thread (:func:`local_blas_threads`): it
-            is tiny, and a multi-threaded ``eigh`` stalls for 60-1000 ms when another process
-            holds the cores.
+            is tiny, and a multi-threaded ``eigh`` stalls when another process holds the cores
+            (BENCHMARKS.md).
         rtol: relative singular-value cut-off of ``"rtol"`` (> 0).
         iters: Newton-Schulz iterations (>= 1).
 
     Returns:
         ``[..., s, s]`` in ``a``'s dtype.  For a half-precision ``a`` the entries can exceed the
-        dtype's range (``"exact"`` on a badly conditioned kernel reaches 1e5-1e6 > float16's
-        65504); :func:`nystrom_attention` therefore keeps the pseudo-inverse in float32 and never
+        dtype's range (``"exact"`` on a badly conditioned kernel can exceed float16's largest
+        value, 65504); :func:`nystrom_attention` therefore keeps the pseudo-inverse in float32 and never
         casts it back.
 
     Raises:
@@ -340,12 +339,12 @@ def nystrom_attention(
 
     Without ``key_keep``, ``B @ V`` is attention of the ``s`` landmark queries over all ``N``
     keys and ``F @ W`` attention of all ``N`` queries over the ``s`` landmark keys, so both run
-    as fused ``scaled_dot_product_attention`` calls (no ``[N, s]`` buffer either; 20x faster
-    than SDPA over all keys at ``N = 4097, s = 64`` on 2 CPU cores, see BENCHMARKS.md).
+    as fused ``scaled_dot_product_attention`` calls (no ``[N, s]`` buffer either; the speed against
+    SDPA over all keys is in BENCHMARKS.md).
 
     Half-precision inputs (bfloat16, float16): the landmark kernel's logits, its
     pseudo-inverse and ``W = pinv(A) (B V)`` are computed in float32 and the pseudo-inverse is
-    never cast back (``pinv="exact"`` reaches 1e5-1e6, beyond float16); ``F W`` runs in the
+    never cast back (``pinv="exact"`` can exceed float16's range); ``F W`` runs in the
     input dtype for ``pinv="rtol"`` (``||pinv|| <= 1/rtol`` keeps ``W`` small; in float16 ``W``
     is also scaled by an exact power of two when ``max|W| > 2^12``) and in float32 for
     ``"exact"`` and ``"newton"``; with ``key_keep`` and ``renormalize`` every logit and product
@@ -430,8 +429,8 @@ def _renormalized(f: torch.Tensor, z: torch.Tensor, bm: torch.Tensor, v: torch.T
 
     * ratio: ``F z (B_kept V) / F z (B_kept 1)``: consistent with unmasked FNA (exact with
       every token a landmark), but the Nyström estimate of the kept mass ``m_i`` in the
-      denominator can be near or below zero (-0.41 on dinov2-small, 448 px, layer 7 with
-      ``mask_layers=5``, where the exact mass is >= 0.03), and dividing by it amplifies the
+      denominator can be near or below zero (where the exact kept mass is not), and dividing by
+      it amplifies the
       Nyström error without bound (the earlier ``clamp(min=1e-6)`` multiplied such rows by 1e6);
     * rows: ``F z (B' V)`` with each landmark query's row of ``B_kept`` renormalised over the kept
       keys (``B`` holds complete softmax rows, so their kept mass is exact and ``B' V`` is a
@@ -439,19 +438,10 @@ def _renormalized(f: torch.Tensor, z: torch.Tensor, bm: torch.Tensor, v: torch.T
       normalisations instead of using the query's own.
 
     The ratio is used where the estimated mass exceeds :data:`RENORM_MIN_MASS` (0.1: the
-    division amplifies the Nyström error at most 10x), rows elsewhere.  Final-CLS cosine to
-    dense on dinov2-small, ``fna+sink_mask`` with ``renormalize=True`` (mean / worst image;
-    embedded image set at 224 and 448 px, 24 imagenet-det images at 448 px): at most 0.0002
-    below the old ``clamp(1e-6)`` in the settings where that scored best (the final LayerNorms
-    hide a blown-up patch token from the CLS token), and up to 0.020 above it elsewhere, e.g.
-    ``s=16, mask_layers=5`` on the embedded set at 448 px: 0.903 / 0.674 against the old
-    0.883 / 0.555, the ratio alone 0.898 / 0.638 and rows alone 0.900 / 0.624; rows alone loses
-    up to 0.003 / 0.036 elsewhere, and thresholds 0.05-0.3 were within 0.005 of each other
-    (BENCHMARKS.md).  On the image
-    whose layer-7 estimate is -0.41 (defaults, ``mask_layers=5``, 448 px) the old clamp put
-    8.5e5 into a row where ``max|V|`` is 3.9 and left four patch tokens with cosine < 0.5 to
-    dense (worst 0.02; CLS 0.990); this rule keeps the row at 4.1 and the worst patch token
-    at 0.57 (CLS 0.987).
+    division amplifies the Nyström error at most 10x), rows elsewhere.  The rule and its threshold
+    were chosen by measurement (final-CLS cosine to dense of ``fna+sink_mask`` with
+    ``renormalize=True`` on dinov2-small: BENCHMARKS.md); ``tests/test_precision.py`` holds the
+    image whose estimated kept mass goes below zero.
     """
     kept = bm.sum(-1, keepdim=True)  # [.., s, 1] exact kept mass of each landmark query's row
     bn = torch.where(kept > 0, bm / kept.clamp(min=torch.finfo(bm.dtype).tiny), bm)

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ..patchers.core import handle_of, record_stats
+from ..patchers.api import handle_of, record_stats
 from ..patchers.state import LayerRecord
 
 __all__ = ["attention_recall", "summarize_layers"]

@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..errors import DataError
-from ..patchers.core import patch, record_stats, unpatch
+from ..patchers.api import patch, record_stats, unpatch
 from ..patchers.registry import get_method, validate_options
 from . import ruler_tasks
 from .recall import attention_recall, summarize_layers
@@ -106,7 +106,7 @@ def run_ruler(
     Args:
         model: an unpatched causal LM (it is patched and unpatched per sample, and left unpatched).
         tokenizer: its tokenizer (the chat template is used when it has one).
-        method: registered method name, or ``"dense"`` for a baseline-only run (no patched columns).
+        method: registered method name; an exact method (``"dense"``) without options is a baseline-only run (no patched columns).
         options: the method's options.
         tasks: names from :data:`attnpatch.evals.ruler_tasks.TASKS`.
         lengths: context lengths in the model's tokens.
@@ -138,9 +138,9 @@ def run_ruler(
             result over the finished cells (``"interrupted": True``), or ``None`` before the first.
     """
     options = dict(options or {})
-    baseline_only = method == "dense" and not options
+    m = get_method(method)
+    baseline_only = m.exact and not options  # an exact method computes the baseline itself: nothing to compare
     if not baseline_only:
-        m = get_method(method)
         options = validate_options(m, options)
     bad = [t for t in tasks if t not in ruler_tasks.TASKS]
     if bad:

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from ..attention.sinks import attention_received, token_norm_stats
-from ..patchers.core import patched, record_stats
+from ..patchers.api import patched, record_stats
 
 __all__ = ["sink_diagnostic"]
 

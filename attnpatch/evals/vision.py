@@ -2,7 +2,8 @@
 
 One pass over the images computes, batch by batch and interleaved (so every setting sees the
 same machine state), the dense features and the features of each patched setting, timing each
-forward call (seconds; landmark selection included).  From the features:
+forward call (seconds; landmark selection included); it is the image pass the CLIP evals use too
+(:func:`attnpatch.evals.image_pass.run_image_pass`).  From the features:
 
 * ``knn``: leave-one-out k-NN top-1/top-5 (DINO's weighted vote, :func:`attnpatch.evals.frozen.knn_classify`);
 * ``linear_probe``: logistic regression, stratified cross-validation;
@@ -19,7 +20,6 @@ All metrics use the final CLS token (after the model's last norm) as the image f
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -27,8 +27,9 @@ import numpy as np
 import torch
 
 from ..errors import DataError, OptionError, UnsupportedModelError
-from ..patchers.core import patched, record_stats
-from ..patchers.registry import get_method, validate_options
+from ..patchers.api import patched, record_stats
+from .image_pass import ImagePass, finish, resolve_settings, run_image_pass, run_labels, throughput
+from .image_pass import count_sampled_at  # noqa: F401  (defined here before; importable from here still)
 from .report import EvalInterrupted
 
 __all__ = ["TASKS", "encode", "patch_size", "token_count", "run_feature_eval"]
@@ -120,20 +121,6 @@ def token_count(model: torch.nn.Module, resolution: int) -> int:
     return (resolution // patch_size(model)) ** 2 + _prefix_tokens(model)
 
 
-def count_sampled_at(layers: dict, counts: dict[int, int]) -> dict[int, int]:
-    """Add, per image of one forward call's layer records, the first layer that used FNA landmarks to ``counts`` (layer -> images)."""
-    first: dict[int, int] = {}
-    for li in sorted(layers):
-        lm = layers[li].landmarks
-        if lm is not None:
-            for bi in range(lm.shape[0]):
-                if bi not in first and int(lm[bi, 0]) >= 0:
-                    first[bi] = li
-    for li in first.values():
-        counts[li] = counts.get(li, 0) + 1
-    return counts
-
-
 def _cos(a: torch.Tensor, b: torch.Tensor) -> np.ndarray:
     return torch.nn.functional.cosine_similarity(a, b, dim=-1).numpy()
 
@@ -223,146 +210,97 @@ def run_feature_eval(
     bad = [t for t in tasks if t not in TASKS]
     if bad:
         raise OptionError(f"unknown task(s) {bad}; allowed: {', '.join(TASKS)}")
-    given = [dict(o) for _, o in settings]
-    settings = [(m, validate_options(get_method(m), dict(o))) for m, o in settings]
+    settings, given = resolve_settings(settings)
     model.eval()
-    n = len(images)
-    labels = np.asarray(images.labels)[:n]
-    dense_cls, dense_pm, dense_t = [], [], 0.0
-    dense_lay: dict[int, list] = {li: [] for li in feature_layers}
-    runs = [
-        {"cls": [], "pm": [], "t": 0.0, "teacher": {}, "free": {}, "sampled_at": {}, "lay": {li: [] for li in feature_layers}}
-        for _ in settings
-    ]
     fl = tuple(feature_layers)
 
     def enc(x):
         out = encode(model, x, fl)
         return out if fl else (*out, {})
-    resolution = tokens = None
-    done = 0
-    interrupted = False
+
+    def need_layers(start: int) -> bool:
+        return "fidelity" in tasks and start < layer_error_images
+
+    def dense_outputs(x, start):
+        if not need_layers(start):
+            return None
+        with patched(model, "dense"), record_stats(model, capture=True) as rec:
+            encode(model, x)
+        return rec.outputs[0]
+
+    def layer_errors(m, o, x, start, dense_out):
+        """Per-layer errors of setting ``(m, o)`` on batch ``x``: (teacher-forced, free-running)."""
+        if not need_layers(start):
+            return {}, {}
+        with patched(model, m, **o), record_stats(model, teacher_forced=True) as rec_t:
+            encode(model, x)
+        teacher = {li: lr.rel_error.numpy() for li, lr in rec_t.forwards[0].items() if lr.rel_error is not None}
+        with patched(model, m, **o), record_stats(model, capture=True) as rec_f:
+            encode(model, x)
+        return teacher, _layer_errors(rec_f.outputs[0], dense_out)
+
+    ip = run_image_pass(
+        model, images, preprocess, enc, settings, batch_size=batch_size, warmup=warmup, progress=progress,
+        after_dense=dense_outputs, after_setting=layer_errors,
+    )
+    labels = np.asarray(images.labels)[:ip.n]
+    args = (ip, tasks, settings, given, labels, fl)
     try:
-        for start in range(0, n, batch_size):
-            batch = [images[i][0] for i in range(start, min(n, start + batch_size))]
-            x = preprocess(batch)
-            resolution = int(x.shape[-1])
-            if warmup and start == 0:
-                encode(model, x[:1])
-                for m, o in settings:
-                    with patched(model, m, **o):
-                        encode(model, x[:1])
-            # everything of this batch is collected first and kept only once the batch is complete,
-            # so a Ctrl-C leaves the results of whole batches (see EvalInterrupted below)
-            t0 = time.perf_counter()
-            c, p, lay_d = enc(x)
-            dt = time.perf_counter() - t0
-            dense_b = (c, p, lay_d)
-            need_layers = "fidelity" in tasks and start < layer_error_images
-            dense_out = None
-            if need_layers:
-                with patched(model, "dense"), record_stats(model, capture=True) as rec:
-                    encode(model, x)
-                dense_out = rec.outputs[0]
-            per_run = []
-            for m, o in settings:
-                with patched(model, m, **o), record_stats(model) as rec:
-                    t0 = time.perf_counter()
-                    c, p, lay_p = enc(x)
-                    t_run = time.perf_counter() - t0
-                lay = rec.forwards[0] if rec.forwards else {}
-                teacher, free = {}, {}
-                if need_layers:
-                    with patched(model, m, **o), record_stats(model, teacher_forced=True) as rec_t:
-                        encode(model, x)
-                    teacher = {li: lr.rel_error.numpy() for li, lr in rec_t.forwards[0].items() if lr.rel_error is not None}
-                    with patched(model, m, **o), record_stats(model, capture=True) as rec_f:
-                        encode(model, x)
-                    free = _layer_errors(rec_f.outputs[0], dense_out)
-                per_run.append((c, p, lay_p, t_run, lay, teacher, free))
-            # the batch is complete: keep it
-            dense_t += dt
-            dense_cls.append(dense_b[0])
-            dense_pm.append(dense_b[1])
-            for li in fl:
-                dense_lay[li].append(dense_b[2][li])
-            for r, (c, p, lay_p, t_run, lay, teacher, free) in zip(runs, per_run):
-                r["t"] += t_run
-                r["cls"].append(c)
-                r["pm"].append(p)
-                for li in fl:
-                    r["lay"][li].append(lay_p[li])
-                tokens = next((rr.queries for rr in lay.values()), tokens)
-                count_sampled_at(lay, r["sampled_at"])
-                r.setdefault("modes", set()).update(rr.mode for rr in lay.values())
-                for li, e in teacher.items():
-                    r["teacher"].setdefault(li, []).append(e)
-                for li, e in free.items():
-                    r["free"].setdefault(li, []).append(e)
-            done += len(batch)
-            if progress:
-                progress(done, n)
-    except KeyboardInterrupt as exc:
-        if isinstance(exc, EvalInterrupted) or done == 0:
-            raise EvalInterrupted(None, f"0/{n} images") from None
-        interrupted = True
-    n_total, n = n, done
-    labels = labels[:n]
-    try:
-        result = _feature_result(
-            n, resolution, tokens, batch_size, tasks, settings, given, runs, labels, dense_cls, dense_pm, dense_t,
-            dense_lay, fl, compute_metrics, return_features, knn_k, folds, seed,
-        )
+        result = _feature_result(*args, compute_metrics, return_features, knn_k, folds, seed)
     except KeyboardInterrupt:
-        raise EvalInterrupted(None, f"{n}/{n_total} images") from None
+        raise EvalInterrupted(None, f"{ip.n}/{ip.n_planned} images") from None
     except (DataError, OptionError) as err:
-        if not interrupted:
+        if not ip.interrupted:
             raise
         # the finished images may be too few for a metric (e.g. one class so far): keep the rest
-        result = _feature_result(
-            n, resolution, tokens, batch_size, tasks, settings, given, runs, labels, dense_cls, dense_pm, dense_t,
-            dense_lay, fl, False, return_features, knn_k, folds, seed,
-        )
+        result = _feature_result(*args, False, return_features, knn_k, folds, seed)
         result["metrics_error"] = str(err)
-    if interrupted:
-        result.update(interrupted=True, n_images_planned=n_total)
-        raise EvalInterrupted(result, f"{n}/{n_total} images")
-    return result
+    return finish(result, ip)
+
+
+def _per_layer(batches: list[dict[int, np.ndarray]]) -> dict[int, list[np.ndarray]]:
+    """``{layer: [per-batch errors, ...]}`` from one ``{layer: errors}`` dict per batch."""
+    out: dict[int, list[np.ndarray]] = {}
+    for d in batches:
+        for li, e in d.items():
+            out.setdefault(li, []).append(e)
+    return out
 
 
 def _feature_result(
-    n, resolution, tokens, batch_size, tasks, settings, given, runs, labels, dense_cls, dense_pm, dense_t, dense_lay, fl,
-    compute_metrics, return_features, knn_k, folds, seed,
+    ip: ImagePass, tasks, settings, given, labels, fl, compute_metrics, return_features, knn_k, folds, seed,
 ) -> dict[str, Any]:
-    """The result dict of :func:`run_feature_eval` from the collected per-batch features."""
-    dcls = torch.cat(dense_cls)
+    """The result dict of :func:`run_feature_eval` from the image pass's per-batch features
+    (``encode`` outputs ``(cls, patch_mean, {layer: cls_l})``; extras ``(teacher, free)`` errors)."""
+    n = ip.n
+    dcls = torch.cat([b[0] for b in ip.dense])
     dense_metrics = _metrics(dcls.numpy(), labels, tasks, knn_k, folds, seed) if compute_metrics else {}
     dense_pred = dense_metrics.pop("_knn_pred", None)
     result: dict[str, Any] = {
         "n_images": n,
-        "resolution": resolution,
-        "tokens": tokens,
-        "batch_size": batch_size,
+        "resolution": ip.resolution,
+        "tokens": ip.tokens,
+        "batch_size": ip.batch_size,
         "tasks": list(tasks),
-        "dense": {**dense_metrics, "seconds": dense_t, "images_per_s": n / dense_t if dense_t else None},
+        "dense": {**dense_metrics, **throughput(ip.dense_seconds, n)},
         "runs": [],
     }
-    for (m, o), r, g in zip(settings, runs, given):
-        pcls = torch.cat(r["cls"])
+    for (m, o), r, g in zip(settings, ip.runs, given):
+        pcls = torch.cat([b[0] for b in r.outputs])
         met = _metrics(pcls.numpy(), labels, tasks, knn_k, folds, seed) if compute_metrics else {}
         pred = met.pop("_knn_pred", None)
-        row: dict[str, Any] = {"method": m, "options": o, "shown_options": g, **met, "seconds": r["t"], "images_per_s": n / r["t"] if r["t"] else None}
-        row["speedup"] = (dense_t / r["t"]) if r["t"] else None
+        row: dict[str, Any] = {"method": m, "options": o, "shown_options": g, **met, **throughput(r.seconds, n, ip.dense_seconds)}
         if "fidelity" in tasks:
             cc = _cos(pcls, dcls)
             row.update(
                 cls_cosine=float(cc.mean()),
                 cls_cosine_min=float(cc.min()),
-                patch_cosine=float(_cos(torch.cat(r["pm"]), torch.cat(dense_pm)).mean()),
+                patch_cosine=float(_cos(torch.cat([b[1] for b in r.outputs]), torch.cat([b[1] for b in ip.dense])).mean()),
                 knn_agreement=float(np.mean(pred == dense_pred)) if pred is not None else None,
             )
-            te = [float(np.concatenate(r["teacher"][li]).mean()) for li in sorted(r["teacher"])]
-            fe = [float(np.concatenate(r["free"][li]).mean()) for li in sorted(r["free"])]
+            teacher, free = _per_layer([e[0] for e in r.extras]), _per_layer([e[1] for e in r.extras])
+            te = [float(np.concatenate(teacher[li]).mean()) for li in sorted(teacher)]
+            fe = [float(np.concatenate(free[li]).mean()) for li in sorted(free)]
             approx = [i for i, e in enumerate(te) if e > 0]  # layers the method approximated
             row.update(
                 layer_error_teacher=te,
@@ -371,13 +309,14 @@ def _feature_result(
                 mean_layer_error_teacher=float(np.mean([te[i] for i in approx])) if approx else 0.0,
                 mean_layer_error_free=float(np.mean([fe[i] for i in approx])) if approx else 0.0,
             )
-        row["sampled_at"] = {str(k): v for k, v in sorted(r["sampled_at"].items())}
-        if r.get("modes") == {"dense:s>=N"}:
-            row["note"] = "exact attention: s >= N tokens"
+        row.update(run_labels(r))
         result["runs"].append(row)
     if return_features:
+        def layer(batches, li):
+            return torch.cat([b[2][li] for b in batches]).numpy()
+
         result["features"] = {
-            "labels": labels, "dense": dcls.numpy(), "runs": [torch.cat(r["cls"]).numpy() for r in runs],
-            "layers": {li: {"dense": torch.cat(dense_lay[li]).numpy(), "runs": [torch.cat(r["lay"][li]).numpy() for r in runs]} for li in fl},
+            "labels": labels, "dense": dcls.numpy(), "runs": [torch.cat([b[0] for b in r.outputs]).numpy() for r in ip.runs],
+            "layers": {li: {"dense": layer(ip.dense, li), "runs": [layer(r.outputs, li) for r in ip.runs]} for li in fl},
         }
     return result

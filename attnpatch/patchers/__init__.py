@@ -1,11 +1,16 @@
-"""Method registry and model adapters."""
+"""Method registry and model adapters.
 
-from .core import handle_of, is_patched, patch, patch_info, patched, record_stats, time_attention, unpatch
-from .registry import get_method, list_methods, register_method
-from . import vision_methods  # noqa: F401  (registers fna, sink_mask, fna+sink_mask)
+Layers, each importing only the ones below it: :mod:`.state` and :mod:`.options` ->
+:mod:`.bench_hook` -> :mod:`.registry` (the method contract) -> :mod:`.runtime` (what adapters call)
+-> :mod:`.adapter` / :mod:`.adapters` and :mod:`.methods` -> :mod:`.api` (the public functions).
+"""
+
+from . import methods  # noqa: F401  (imports every method module: each registers its method)
+from .api import handle_of, is_patched, patch, patch_info, patched, record_stats, time_attention, unpatch
+from .registry import get_method, list_methods, methods_markdown, register_method
 from .state import ForwardState, LayerRecord
 
 __all__ = [
     "patch", "unpatch", "patched", "is_patched", "patch_info", "record_stats", "time_attention", "handle_of",
-    "get_method", "list_methods", "register_method", "ForwardState", "LayerRecord",
+    "get_method", "list_methods", "register_method", "methods_markdown", "ForwardState", "LayerRecord",
 ]

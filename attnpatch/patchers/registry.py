@@ -1,194 +1,32 @@
-"""The registry of attention methods and the validation of their options.
+"""The method contract (:class:`Method`), the registry of methods, and the validation of their options.
 
-A method is one :class:`Method` entry: its options (name, type, default, help), the model
-kinds it fits (``"causal_lm"``, ``"vision"``), and a factory that turns validated options
-into the config object its attention function takes.  Adding a method means adding one
-entry with :func:`register_method`.
+A method is one :class:`Method` entry: its options (declared once, see :mod:`.options`), what it
+is and needs (exact or approximate, model kinds, the calls and model features it handles, the
+token roles it reads), the options that make it exact (:class:`ExactLimit`), a check of its
+options against the model (:class:`ModelGeometry`), and how to benchmark one attention layer
+(:mod:`.bench_hook`).  The patch, the adapters and the benches ask the method; none of them
+compares its name.  Methods live one per file in :mod:`attnpatch.patchers.methods` and register
+themselves with :func:`register_method` when that package imports them.
 """
 
 from __future__ import annotations
 
 import math
-
-import dataclasses
-import numbers
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
-from ..attention.anchor import _GUARDS, _KERNELS, _SELECT_DTYPES, AnchorConfig, anchor_attention
 from ..errors import OptionError, UnknownMethodError
-from .state import LayerContext, LayerRecord
+from .bench_hook import BenchCase, BenchInputs, default_bench
+from .options import Option
+from .state import LayerRecord
 
-__all__ = ["Option", "Method", "register_method", "get_method", "list_methods", "validate_options", "METHODS", "MODEL_FEATURES"]
+__all__ = [
+    "Option", "Method", "ExactLimit", "ModelGeometry", "register_method", "get_method", "list_methods", "validate_options",
+    "methods_markdown", "METHODS", "MODEL_FEATURES", "MODEL_KINDS",
+]
 
-
-@dataclass(frozen=True)
-class Option:
-    """One option of a method.
-
-    Attributes:
-        name: keyword name passed to :func:`attnpatch.patch`.
-        kind: ``"float"``, ``"int"``, ``"str"``, ``"bool"``, ``"int_or_auto"`` (an int or the
-            string ``"auto"``), ``"int_list"`` (list of ints) or ``"pair_list"`` (list of
-            ``(layer, head)`` pairs).
-        default: the value used when the option is not given.
-        help: one line, with units.
-        choices: allowed values for ``"str"`` options.
-        nullable: ``None`` (or the string ``"none"``) is an allowed value.
-    """
-
-    name: str
-    kind: str
-    default: Any
-    help: str
-    choices: tuple[str, ...] | None = None
-    nullable: bool = False
-
-    def coerce(self, value: Any) -> Any:
-        """Check ``value``'s type (accepting CLI strings) and return it normalised.
-
-        Raises:
-            OptionError: the value's type does not fit ``kind``, or is not among ``choices``.
-        """
-        where = f"option {self.name}={value!r}"
-        if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):  # numpy / torch scalars
-            value = value.item()
-        if self.nullable and (value is None or (isinstance(value, str) and value.strip().lower() == "none")):
-            return None
-        try:
-            if self.kind == "float":
-                if isinstance(value, str):
-                    value = float(value)
-                if isinstance(value, bool) or not isinstance(value, numbers.Real):
-                    raise TypeError
-                return float(value)
-            if self.kind == "int":
-                if isinstance(value, str):
-                    value = int(value)
-                if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-                    raise TypeError
-                return int(value)
-            if self.kind == "bool":
-                if isinstance(value, str):
-                    low = value.strip().lower()
-                    if low not in ("true", "false", "1", "0", "yes", "no"):
-                        raise ValueError
-                    value = low in ("true", "1", "yes")
-                if not isinstance(value, bool):
-                    raise TypeError
-                return value
-            if self.kind == "int_or_auto":
-                if isinstance(value, str):
-                    if value.strip().lower() == "auto":
-                        return "auto"
-                    value = int(value)
-                if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-                    raise TypeError
-                return int(value)
-            if self.kind == "str":
-                if not isinstance(value, str):
-                    raise TypeError
-                if self.choices and value not in self.choices:
-                    raise OptionError(f"{where}: allowed values are {', '.join(map(repr, self.choices))}")
-                return value
-            if self.kind == "int_list":
-                if isinstance(value, str):
-                    value = [int(x) for x in value.replace(",", " ").split()]
-                if isinstance(value, int) and not isinstance(value, bool):
-                    value = [value]
-                out = tuple(value)
-                if any(isinstance(x, bool) or not isinstance(x, int) for x in out):
-                    raise TypeError
-                return out
-            if self.kind == "pair_list":
-                if isinstance(value, str):  # "17:3,18:0"
-                    value = [tuple(int(y) for y in x.split(":")) for x in value.replace(",", " ").split()]
-                out = tuple(tuple(x) for x in value)
-                if any(len(x) != 2 or any(isinstance(y, bool) or not isinstance(y, int) for y in x) for x in out):
-                    raise TypeError
-                return out
-        except (TypeError, ValueError, OverflowError) as exc:
-            if isinstance(exc, OptionError):
-                raise
-            raise OptionError(f"{where}: expected {_KIND_TEXT[self.kind]}" + (" (or none)" if self.nullable else "")) from None
-        raise AssertionError(self.kind)
-
-
-_KIND_TEXT = {
-    "float": "a number",
-    "int": "an integer",
-    "str": "a string",
-    "bool": "true or false",
-    "int_or_auto": "an integer or 'auto'",
-    "int_list": "a list of integers (e.g. [17, 18] or '17,18')",
-    "pair_list": "a list of (layer, head) pairs (e.g. [(17, 3)] or '17:3,18:0')",
-}
-
-
-@dataclass(frozen=True)
-class Method:
-    """A registered attention method.
-
-    Attributes:
-        name: registry key, e.g. ``"anchor_attention"``.
-        summary: one line.
-        source: paper and section the algorithm follows.
-        options: the method's options, by name.
-        model_kinds: model kinds it fits: ``"causal_lm"`` (decoder prefill), ``"vision"`` (bidirectional encoder).
-        make_config: builds the config object from the validated option dict.
-        forward: ``forward(config, q, k, v, ctx)`` with ``q`` ``[B, H, Lq, D]``, ``k, v``
-            ``[B, Hkv, Lk, D]`` and ``ctx`` a :class:`~attnpatch.patchers.state.LayerContext`
-            (layer index, scale, positions, padding, token roles, per-forward state); returns
-            ``(out [B, H, Lq, D] or None, LayerRecord)`` where ``None`` asks the adapter to run
-            the model's exact attention for this call.
-        check: ``check(config, num_layers)`` run at patch time against the model's depth
-            (raises :class:`~attnpatch.errors.OptionError`), or ``None``.
-        exact: the method computes the model's own attention (``dense``): it fits every tower
-            and every model feature, and keeps autograd.
-        supports: the model features of :data:`MODEL_FEATURES` the method implements exactly;
-            ``patch()`` refuses a model that uses any other one (an exact method supports all).
-    """
-
-    name: str
-    summary: str
-    source: str
-    options: dict[str, Option]
-    model_kinds: frozenset[str]
-    make_config: Callable[[dict[str, Any]], Any]
-    forward: Callable[..., tuple[torch.Tensor | None, LayerRecord]]
-    check: Callable[[Any, int], None] | None = None
-    exact: bool = False
-    supports: frozenset[str] = frozenset()
-
-    def fits(self, kind: str) -> bool:
-        """Whether the method fits a tower of model kind ``kind`` (an exact method fits every kind)."""
-        return self.exact or kind in self.model_kinds
-
-    def lacks(self, features: dict[str, str]) -> dict[str, str]:
-        """The entries of ``features`` (model feature -> description) this method does not implement."""
-        if self.exact:
-            return {}
-        return {f: d for f, d in features.items() if f not in self.supports}
-
-    def describe(self) -> dict[str, Any]:
-        """Plain-data description: name, summary, source, model kinds, options with defaults and help."""
-        return {
-            "name": self.name,
-            "summary": self.summary,
-            "source": self.source,
-            "model_kinds": sorted(self.model_kinds),
-            "exact": self.exact,
-            "supports": sorted(MODEL_FEATURES) if self.exact else sorted(self.supports),
-            "options": {
-                o.name: {"kind": o.kind, "default": o.default, "help": o.help, **({"choices": list(o.choices)} if o.choices else {})}
-                for o in self.options.values()
-            },
-        }
-
-
-METHODS: dict[str, Method] = {}
 
 #: Model features an attention method may or may not implement; the adapters report which ones a
 #: model uses (``adapter.features``) and :func:`attnpatch.patch` refuses a method that lacks one.
@@ -200,6 +38,176 @@ MODEL_FEATURES: dict[str, str] = {
     "logit_bias": "an additive bias on the attention logits (relative position bias)",
     "value_head_dim": "a value head size different from the query/key head size",
 }
+
+#: Model (tower) kinds the adapters report, in words.
+MODEL_KINDS: dict[str, str] = {
+    "causal_lm": "causal LM (prefill; decoding runs exact)",
+    "vision": "vision (ViT, bidirectional)",
+    "text": "text encoder (CLIP / SigLIP / BERT-style)",
+}
+
+
+@dataclass(frozen=True)
+class ModelGeometry:
+    """What a method's :attr:`Method.check` knows about the routed attention of a model (built by the adapter).
+
+    Attributes:
+        num_layers: attention layers the patch routes.
+        heads: query heads per layer, or ``None`` where the adapter cannot tell.
+        kv_heads: key/value heads per layer (``heads`` without grouped-query attention), or ``None``.
+        head_dim: size of a query/key head, or ``None``.
+        tokens: tokens per call where fixed by the model (a ViT at its configured resolution), else ``None``.
+        kind: the routed towers' kind (``"causal_lm"``, ``"vision"``, ``"vision+text"``, ...).
+    """
+
+    num_layers: int
+    heads: int | None = None
+    kv_heads: int | None = None
+    head_dim: int | None = None
+    tokens: int | None = None
+    kind: str = ""
+
+
+@dataclass(frozen=True)
+class ExactLimit:
+    """The options that make a method compute exact attention (its "exact limit").
+
+    Attributes:
+        options: ``options(tokens)`` -> the option values that make the method exact on calls of
+            ``tokens`` tokens: ``patch(model, name, **options(n))`` computes what the unpatched
+            model computes (to float rounding where the method evaluates exact attention in its own code).
+        at_least: options whose larger values are exact too (``fna``'s ``s``: every ``s >= N``).
+        text: the condition in words, e.g. ``"s >= N"``.
+    """
+
+    options: Callable[[int], dict[str, Any]]
+    at_least: tuple[str, ...] = ()
+    text: str = ""
+
+    def holds(self, options: dict[str, Any], tokens: int) -> bool:
+        """Whether the complete option dict ``options`` makes the method exact at ``tokens`` tokens."""
+        for name, want in self.options(tokens).items():
+            got = options.get(name)
+            if name in self.at_least:
+                if got is None or got < want:
+                    return False
+            elif got != want:
+                return False
+        return True
+
+
+@dataclass(frozen=True)
+class Method:
+    """A registered attention method.
+
+    Attributes:
+        name: registry key, e.g. ``"anchor_attention"``.
+        summary: one line.
+        source: paper and section the algorithm follows.
+        options: the method's options, by name (:func:`~attnpatch.patchers.options.options_of`).
+        model_kinds: model kinds it fits: ``"causal_lm"`` (decoder prefill), ``"vision"`` (bidirectional encoder).
+        make_config: builds the config object from the validated option dict.
+        forward: ``forward(config, q, k, v, ctx)`` with ``q`` ``[B, H, Lq, D]``, ``k, v``
+            ``[B, Hkv, Lk, D]`` and ``ctx`` a :class:`~attnpatch.patchers.state.LayerContext`
+            (layer index, scale, positions, padding, token roles, per-forward state); returns
+            ``(out [B, H, Lq, D] or None, LayerRecord)`` where ``None`` asks the adapter to run
+            the model's exact attention for this call.
+        check: ``check(config, geometry)`` run at patch time against the routed attention's
+            :class:`ModelGeometry` (layer and head ranges; raises
+            :class:`~attnpatch.errors.OptionError`), or ``None``.
+        exact: the method computes the model's own attention (``dense``): it fits every tower
+            and every model feature, and keeps autograd.
+        supports: the model features of :data:`MODEL_FEATURES` the method implements exactly;
+            ``patch()`` refuses a model that uses any other one (an exact method supports all).
+        causal_calls: it handles causal attention calls.
+        noncausal_calls: it handles bidirectional attention calls.
+        key_padding: it handles key-padding masks (some keys of a sequence hidden).
+        token_roles: the token roles it reads from the :class:`~attnpatch.patchers.state.LayerContext`
+            (``"prefix"``: the leading CLS / register tokens; ``"hidden"``: the attention input;
+            ``"residual"``: the block input).
+        exact_limit_decl: the options that make it exact (:class:`ExactLimit`); ``None`` for an
+            exact method (no options needed) and for a method that has no exact setting.
+        bench_hook: ``bench_hook(config, q, k, v, inputs) -> BenchCase``: how to benchmark one
+            attention layer (see :mod:`.bench_hook`); ``None`` runs the forward on a synthetic
+            layer context (:func:`~attnpatch.patchers.bench_hook.default_bench`).
+        details: a paragraph for the README's method table (default: ``summary``).
+    """
+
+    name: str
+    summary: str
+    source: str
+    options: dict[str, Option]
+    model_kinds: frozenset[str]
+    make_config: Callable[[dict[str, Any]], Any]
+    forward: Callable[..., tuple[torch.Tensor | None, LayerRecord]]
+    check: Callable[[Any, ModelGeometry], None] | None = None
+    exact: bool = False
+    supports: frozenset[str] = frozenset()
+    causal_calls: bool = True
+    noncausal_calls: bool = True
+    key_padding: bool = True
+    token_roles: frozenset[str] = frozenset()
+    exact_limit_decl: ExactLimit | None = None
+    bench_hook: Callable[..., BenchCase] | None = None
+    details: str = ""
+
+    def fits(self, kind: str) -> bool:
+        """Whether the method fits a tower of model kind ``kind`` (an exact method fits every kind)."""
+        return self.exact or kind in self.model_kinds
+
+    def lacks(self, features: dict[str, str]) -> dict[str, str]:
+        """The entries of ``features`` (model feature -> description) this method does not implement."""
+        if self.exact:
+            return {}
+        return {f: d for f, d in features.items() if f not in self.supports}
+
+    def exact_limit(self, tokens: int) -> dict[str, Any] | None:
+        """Options that make the method exact on calls of ``tokens`` tokens: ``{}`` for an exact
+        method, ``None`` when no setting is exact; ``patch(model, name, **exact_limit(n))`` then
+        computes what the unpatched model computes."""
+        if self.exact:
+            return {}
+        if self.exact_limit_decl is None:
+            return None
+        return dict(self.exact_limit_decl.options(tokens))
+
+    def is_exact(self, options: dict[str, Any], tokens: int) -> bool:
+        """Whether the complete option dict ``options`` makes the method exact at ``tokens`` tokens."""
+        if self.exact:
+            return True
+        return self.exact_limit_decl is not None and self.exact_limit_decl.holds(options, tokens)
+
+    def exactness(self) -> str:
+        """In words: ``"exact"``, or ``"approximate; exact when <condition>"``."""
+        if self.exact:
+            return "exact"
+        if self.exact_limit_decl is None:
+            return "approximate"
+        return f"approximate; exact when {self.exact_limit_decl.text}"
+
+    def bench(self, config: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: BenchInputs) -> BenchCase:
+        """How to benchmark one attention layer on ``q, k, v``: the method's hook, else :func:`default_bench`."""
+        if self.bench_hook is not None:
+            return self.bench_hook(config, q, k, v, inputs)
+        return default_bench(self.forward, config, q, k, v, inputs)
+
+    def describe(self) -> dict[str, Any]:
+        """Plain-data description: name, summary, source, model kinds, capabilities, options with defaults and help."""
+        return {
+            "name": self.name,
+            "summary": self.summary,
+            "source": self.source,
+            "model_kinds": sorted(self.model_kinds),
+            "exact": self.exact,
+            "exactness": self.exactness(),
+            "supports": sorted(MODEL_FEATURES) if self.exact else sorted(self.supports),
+            "calls": {"causal": self.causal_calls, "noncausal": self.noncausal_calls, "key_padding": self.key_padding},
+            "token_roles": sorted(self.token_roles),
+            "options": {o.name: o.describe() for o in self.options.values()},
+        }
+
+
+METHODS: dict[str, Method] = {}
 
 
 def register_method(method: Method) -> Method:
@@ -231,7 +239,8 @@ def list_methods() -> list[dict[str, Any]]:
 
 
 def validate_options(method: Method, options: dict[str, Any]) -> dict[str, Any]:
-    """Fill defaults, check names and types, and build the method config once to check ranges.
+    """Fill defaults, check names, types and declared ranges, and build the method config once
+    for its cross-option checks.
 
     Returns:
         The complete option dict (defaults included).
@@ -247,113 +256,42 @@ def validate_options(method: Method, options: dict[str, Any]) -> dict[str, Any]:
     full = {n: o.default for n, o in method.options.items()}
     for n, v in options.items():
         full[n] = method.options[n].coerce(v)
-    method.make_config(full)  # range checks live in the config's constructor
+    method.make_config(full)  # cross-option checks live in the config's constructor
     return full
 
 
-# --------------------------------------------------------------------------- methods
+# --------------------------------------------------------------------------- the README's method table
 
 
-def _options_from_dataclass(
-    cls, helps: dict[str, tuple[str, str]], nullable: tuple[str, ...] = (), choices: dict[str, tuple[str, ...]] | None = None
-):
-    opts = {}
-    for f in dataclasses.fields(cls):
-        kind, help_ = helps[f.name]
-        opts[f.name] = Option(f.name, kind, f.default, help_, nullable=f.name in nullable, choices=(choices or {}).get(f.name))
-    return opts
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
 
 
-ANCHOR_OPTION_HELP = {
-    "theta": ("float", "stripe threshold on anchor - score, in logits (inf = dense, -inf = initial block + window only)"),
-    "block_size": ("int", "queries per query block (tokens)"),
-    "init_block": ("int", "initial keys always kept (tokens)"),
-    "local_window": ("int", "keys before each block's end always kept (tokens, >= block_size)"),
-    "min_len": ("int", "prompts shorter than this run dense (tokens)"),
-    "pool_stride": ("int", "queries averaged per pool for stripe selection (tokens; None = block_size as in the paper, 1 = per query; 2 chosen by measurement)"),
-    "dense_last": ("int", "the last n prompt queries attend densely (tokens)"),
-    "dense_layers": ("int_list", "layer indices that run dense attention"),
-    "dense_heads": ("pair_list", "(layer, head) pairs that run dense attention"),
-    "min_recall": ("float", "recall guard: heads whose kept keys carry less exact softmax mass than this on the probe blocks attend densely (0 = off)"),
-    "recall_probes": ("int", "query blocks the recall guard measures per layer (guard='global')"),
-    "guard": ("str", "recall guard scope, 'causal' or 'global': causal = dense/sparse per query block from probe "
-              "blocks at or before it (no output depends on later tokens); global = once per head from probes over "
-              "the whole prompt"),
-    "select_dtype": ("str", "precision of the stripe-scoring product (bfloat16: faster selection on CPUs with native bfloat16)"),
-    "kernel": ("str", "attention over kept stripes: auto = the compiled CPU kernel for float32 where it builds, else PyTorch operations"),
-}
-
-def _anchor_config(options: dict[str, Any]) -> AnchorConfig:
-    return AnchorConfig(**options)
+def _value(v: Any) -> str:
+    if isinstance(v, float) and math.isinf(v):
+        return "inf" if v > 0 else "-inf"
+    if isinstance(v, tuple):
+        return "()" if not v else repr(v)
+    return repr(v) if isinstance(v, str) else str(v)
 
 
-def anchor_forward(
-    cfg: AnchorConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: LayerContext
-) -> tuple[torch.Tensor | None, LayerRecord]:
-    """AnchorAttention on prefill; exact attention for decoding steps, short prompts and ``dense_layers``."""
-    layer, state = ctx.layer, ctx.state
-    lq, lk = q.shape[2], k.shape[2]
-    if lq == 1:
-        return None, LayerRecord(layer, "dense:decode", lq, lk)
-    if lq < cfg.min_len:
-        return None, LayerRecord(layer, "dense:short", lq, lk)
-    if layer in cfg.dense_layers:
-        return None, LayerRecord(layer, "dense:layer", lq, lk)
-    if cfg.theta == math.inf:  # every causal key kept: the model's own attention, at no extra cost
-        return None, LayerRecord(layer, "dense:theta=inf", lq, lk)
-    heads = [hd for (li, hd) in cfg.dense_heads if li == layer]
-    recall = bool(state is not None and state.recall)
-    out, st = anchor_attention(
-        q, k, v, cfg, scale=ctx.scale, q_offset=ctx.q_offset, key_valid=ctx.key_valid, dense_heads=heads,
-        return_stats=ctx.record, compute_recall=recall,
-    )
-    rec = LayerRecord(layer, "sparse", lq, lk)
-    if st is not None:
-        rec.causal_pairs = st.causal_pairs.cpu()
-        rec.kept_pairs = st.kept_pairs.cpu()
-        rec.kept_columns = None if st.kept_columns is None else st.kept_columns.cpu()
-        rec.recall = None if st.recall is None else st.recall.cpu()
-    return out, rec
+def methods_markdown() -> str:
+    """The README's "Methods" table, generated from the registry (one row per method, sorted by name).
 
-
-def dense_forward(cfg, q, k, v, ctx: LayerContext):
-    """The ``dense`` baseline: always the model's exact attention."""
-    return None, LayerRecord(ctx.layer, "dense", q.shape[2], k.shape[2])
-
-
-register_method(
-    Method(
-        name="anchor_attention",
-        summary="AnchorAttention sparse prefill: anchor-relative stripe selection, exact attention on kept keys; decoding dense",
-        source="AnchorAttention, arXiv 2505.23520, Sec. 3 (Eq. 2-4)",
-        options=_options_from_dataclass(
-            AnchorConfig, ANCHOR_OPTION_HELP, nullable=("pool_stride",), choices={"kernel": _KERNELS, "select_dtype": _SELECT_DTYPES, "guard": _GUARDS}
-        ),
-        model_kinds=frozenset({"causal_lm"}),
-        make_config=_anchor_config,
-        forward=anchor_forward,
-    )
-)
-
-
-@dataclass(frozen=True)
-class DenseConfig:
-    """The ``dense`` baseline has no options: exact attention through the patch machinery."""
-
-
-def _dense_config(options: dict[str, Any]) -> DenseConfig:
-    return DenseConfig()
-
-
-register_method(
-    Method(
-        name="dense",
-        summary="exact attention routed through the patch (a baseline and an overhead check)",
-        source="softmax attention (Vaswani et al. 2017, Eq. 1)",
-        options={},
-        model_kinds=frozenset({"causal_lm", "vision"}),
-        make_config=_dense_config,
-        forward=dense_forward,
-        exact=True,
-    )
-)
+    Columns: method, model kinds, what it does (with its source), exactness, options with defaults (and
+    the allowed values of string options).  ``attnpatch methods --markdown`` prints it; a test keeps the
+    README's copy (between ``<!-- methods:begin -->`` and ``<!-- methods:end -->``) equal to it.
+    """
+    lines = [
+        "| method | model kinds | what it does | exact? | options (default) |",
+        "|---|---|---|---|---|",
+    ]
+    for name in sorted(METHODS):
+        m = METHODS[name]
+        kinds = "any" if m.exact else ", ".join(MODEL_KINDS.get(k, k) for k in sorted(m.model_kinds))
+        what = f"{m.details or m.summary} Source: {m.source}."
+        opts = ", ".join(
+            f"`{o.name}={_value(o.default)}`" + (f" ({'/'.join(o.choices)})" if o.choices else "") for o in m.options.values()
+        ) or "none"
+        lines.append(f"| `{name}` | {_cell(kinds)} | {_cell(what)} | {_cell(m.exactness())} | {_cell(opts)} |")
+    return "\n".join(lines) + "\n"

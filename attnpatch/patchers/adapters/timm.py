@@ -3,7 +3,7 @@
 Every ``timm.layers.Attention`` module of the model (the attention of ``VisionTransformer``
 blocks, fused-attention builds included) gets its class swapped for a subclass whose
 ``forward`` computes ``q, k, v`` exactly as timm does and routes the attention itself through
-the patch (:func:`attnpatch.patchers.core.run_layer`); the model's exact attention (fused SDPA
+the patch (:func:`attnpatch.patchers.runtime.run_layer`); the model's exact attention (fused SDPA
 or timm's manual path, whichever the module uses) is the fallback.  Unpatching swaps the
 original class back, so the module computes bit for bit what it did before.
 
@@ -18,8 +18,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..errors import UnsupportedModelError
-from .core import PatchHandle, input_hook, run_layer, undo_class_swap
+from ...errors import UnsupportedModelError
+from ..registry import ModelGeometry
+from ..runtime import PatchHandle, input_hook, run_layer, undo_class_swap
 
 __all__ = ["TimmAdapter", "attention_modules"]
 
@@ -91,6 +92,9 @@ def _block_of(model: torch.nn.Module, name: str) -> torch.nn.Module | None:
 class TimmAdapter:
     """Adapter for timm models built of ``timm.layers.Attention`` modules (``VisionTransformer`` and relatives)."""
 
+    library = "timm"
+    supports = "timm VisionTransformer models (timm.layers.Attention)"
+
     @staticmethod
     def detect(model: torch.nn.Module) -> str | None:
         """``"vision"`` for a timm model with ``timm.layers.Attention`` modules, else ``None``."""
@@ -116,6 +120,34 @@ class TimmAdapter:
         return len(attention_modules(handle.model))
 
     @staticmethod
+    def towers(model: torch.nn.Module) -> dict[str, str]:
+        """One tower: ``{"vision": "vision"}``."""
+        return {"vision": "vision"}
+
+    @staticmethod
+    def default_towers(model: torch.nn.Module) -> tuple[str, ...]:
+        """``("vision",)``."""
+        return ("vision",)
+
+    @staticmethod
+    def features(handle: PatchHandle) -> dict[str, str]:
+        """None of :data:`~attnpatch.patchers.registry.MODEL_FEATURES` (a timm ``Attention`` is plain softmax attention)."""
+        return {}
+
+    @staticmethod
+    def geometry(handle: PatchHandle) -> ModelGeometry:
+        """Routed layers, heads and head size of the attention modules."""
+        mods = attention_modules(handle.model)
+        heads = int(mods[0][1].num_heads) if mods else None
+        head_dim = int(mods[0][1].head_dim) if mods else None
+        return ModelGeometry(num_layers=len(mods), heads=heads, kv_heads=heads, head_dim=head_dim, kind=handle.kind)
+
+    @staticmethod
+    def prefix_tokens(model: torch.nn.Module, kind: str) -> int:
+        """``model.num_prefix_tokens`` (CLS + registers; 1 when the model does not say)."""
+        return int(getattr(model, "num_prefix_tokens", 1))
+
+    @staticmethod
     def check(handle: PatchHandle) -> None:
         """No model-specific checks beyond the method's own."""
 
@@ -129,7 +161,7 @@ class TimmAdapter:
         model = handle.model
         mods = attention_modules(model)
         handle.num_layers = len(mods)
-        handle.prefix_tokens = int(getattr(model, "num_prefix_tokens", 1))
+        handle.prefix_tokens = TimmAdapter.prefix_tokens(model, "vision")
         swapped, hooks = [], []
         for i, (name, m) in enumerate(mods):
             original = type(m)

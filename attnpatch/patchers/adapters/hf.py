@@ -3,7 +3,7 @@
 One attention function, ``"attnpatch"``, is registered in ``AttentionInterface`` (with
 ``sdpa_mask`` as its mask builder in ``AttentionMaskInterface``).  Patching a model switches
 its attention implementation to it with ``model.set_attn_implementation`` and binds the
-model's :class:`~attnpatch.patchers.core.PatchHandle` to each attention module; the
+model's :class:`~attnpatch.patchers.runtime.PatchHandle` to each attention module; the
 registered function reads the handle from the module it is called with, so the global
 registration carries no state.  Unpatching restores the original implementation name.
 
@@ -28,8 +28,11 @@ from typing import Any
 
 import torch
 
-from ..errors import UnsupportedModelError
-from .core import PatchHandle, input_hook, run_layer
+from ...errors import UnsupportedModelError
+from ..registry import ModelGeometry
+from ..runtime import PatchHandle, input_hook, run_layer
+
+__all__ = ["HFAdapter", "attention_modules", "routed_modules", "prefix_tokens"]
 
 ATTN_NAME = "attnpatch"
 _DISPATCH_CLASSES: dict[type, bool] = {}
@@ -312,8 +315,8 @@ def _block_of(model: torch.nn.Module, name: str) -> torch.nn.Module | None:
     return None if found is None else found[1]
 
 
-def _prefix_tokens(model: torch.nn.Module, kind: str) -> int:
-    """CLS + register tokens for ViT encoders (token roles FNA and sink masking need); 0 for causal LMs.
+def prefix_tokens(model: torch.nn.Module, kind: str) -> int:
+    """CLS + register tokens of a Hugging Face ViT encoder (token roles FNA and sink masking need); 0 for causal LMs and text towers.
 
     A vision tower without a class token (SigLIP: ``*.embeddings`` holds no ``cls_token`` /
     ``class_embedding``; it pools with an attention head) has no CLS prefix.
@@ -332,6 +335,13 @@ def _prefix_tokens(model: torch.nn.Module, kind: str) -> int:
 
 class HFAdapter:
     """Adapter for Hugging Face ``PreTrainedModel`` subclasses that dispatch attention through AttentionInterface."""
+
+    library = "Hugging Face transformers"
+    supports = (
+        "Hugging Face transformers models whose attention dispatches through transformers.AttentionInterface "
+        "(e.g. LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Dinov2Model, Dinov2WithRegistersModel, "
+        "CLIPModel, CLIPVisionModel, SiglipModel)"
+    )
 
     @staticmethod
     def detect(model: torch.nn.Module) -> str | None:
@@ -425,27 +435,26 @@ class HFAdapter:
 
     @staticmethod
     def check(handle: PatchHandle) -> None:
-        """Method-specific checks against the model geometry.
+        """Nothing beyond what :meth:`apply` verifies (the method checks its own options against :meth:`geometry`)."""
 
-        Raises:
-            OptionError: layer or head indices out of range.
-        """
-        from ..errors import OptionError
-
-        model = handle.model
-        cfg = model.config
+    @staticmethod
+    def geometry(handle: PatchHandle) -> ModelGeometry:
+        """Routed layers; query heads, key/value heads and head size from the routed modules' config
+        (the text config for a multi-tower model whose modules carry none)."""
+        cfg = handle.model.config
         text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-        n_layers = len(routed_modules(handle))
-        n_heads = getattr(text_cfg, "num_attention_heads", None)
-        opts = handle.options
-        for li in opts.get("dense_layers", ()):
-            if not 0 <= li < n_layers:
-                raise OptionError(f"dense_layers contains {li}: layer indices must be in 0..{n_layers - 1}")
-        for li, hi in opts.get("dense_heads", ()):
-            if not 0 <= li < n_layers or (n_heads is not None and not 0 <= hi < n_heads):
-                raise OptionError(
-                    f"dense_heads contains ({li}, {hi}): layers must be in 0..{n_layers - 1}, heads in 0..{(n_heads or 1) - 1}"
-                )
+        mods = routed_modules(handle)
+        mcfg = getattr(mods[0][1], "config", None) if mods else None
+        src = mcfg if getattr(mcfg, "num_attention_heads", None) is not None else text_cfg
+        heads = getattr(src, "num_attention_heads", None)
+        kv = getattr(src, "num_key_value_heads", None) or heads
+        head_dim = getattr(src, "head_dim", None) or (getattr(src, "hidden_size", 0) // heads if heads else None)
+        return ModelGeometry(num_layers=len(mods), heads=heads, kv_heads=kv, head_dim=head_dim or None, kind=handle.kind)
+
+    @staticmethod
+    def prefix_tokens(model: torch.nn.Module, kind: str) -> int:
+        """See :func:`prefix_tokens`."""
+        return prefix_tokens(model, kind)
 
     @staticmethod
     def apply(handle: PatchHandle) -> Any:
@@ -485,7 +494,7 @@ class HFAdapter:
             request = {k: ATTN_NAME for k in sorted(keys)}
         handle.num_layers = len(mods)
         vision = any(kinds.get(t) == "vision" for t in handle.towers)
-        handle.prefix_tokens = _prefix_tokens(model, "vision" if vision else handle.kind)
+        handle.prefix_tokens = prefix_tokens(model, "vision" if vision else handle.kind)
         multi = len(handle.towers) > 1
         hooks = []
         eager_cfgs: list[Any] = []

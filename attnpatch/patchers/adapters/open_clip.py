@@ -8,7 +8,7 @@ used when qk-norm, scaled-cosine attention, head scaling or inner norms are conf
 attention module of every block of a routed tower gets its class swapped for a subclass whose
 ``forward`` computes ``q, k, v`` exactly as the original does (the packed ``in_proj`` projection,
 open_clip's ``ln_q`` / ``ln_k``, scaled-cosine logits folded into ``q``) and routes the attention
-itself through :func:`attnpatch.patchers.core.run_layer`; exact scaled-dot-product attention on
+itself through :func:`attnpatch.patchers.runtime.run_layer`; exact scaled-dot-product attention on
 the same ``q, k, v`` (with the call's mask) is the fallback. Unpatching swaps the original class
 back, so the module computes bit for bit what it did before.
 
@@ -34,8 +34,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..errors import UnsupportedModelError
-from .core import PatchHandle, input_hook, needs_attention_tensors, run_layer, run_module, undo_class_swap
+from ...errors import UnsupportedModelError
+from ..registry import ModelGeometry
+from ..runtime import PatchHandle, input_hook, needs_attention_tensors, run_layer, run_module, undo_class_swap
 
 __all__ = ["OpenClipAdapter", "tower_modules"]
 
@@ -220,6 +221,9 @@ def _patched_class(cls: type) -> type:
 class OpenClipAdapter:
     """Adapter for open_clip models (``CLIP``, ``CustomTextCLIP``, ``CoCa``) and their ``VisionTransformer`` tower."""
 
+    library = "open_clip"
+    supports = "open_clip models with a VisionTransformer image tower"
+
     @staticmethod
     def detect(model: torch.nn.Module) -> str | None:
         """``"vision"`` for an open_clip model (or tower) this adapter handles, else ``None``."""
@@ -271,6 +275,24 @@ class OpenClipAdapter:
         return sum(len(tower_modules(handle.model, t)) for t in handle.towers)
 
     @staticmethod
+    def features(handle: PatchHandle) -> dict[str, str]:
+        """None of :data:`~attnpatch.patchers.registry.MODEL_FEATURES` (scaled-cosine logits and head scaling are folded into ``q`` / applied outside the attention)."""
+        return {}
+
+    @staticmethod
+    def geometry(handle: PatchHandle) -> ModelGeometry:
+        """Routed layers; heads and head size of the first routed attention module."""
+        mods = [a for t in handle.towers for _, a in tower_modules(handle.model, t)]
+        heads = int(mods[0].num_heads) if mods else None
+        head_dim = int(mods[0].head_dim) if mods and getattr(mods[0], "head_dim", None) else None
+        return ModelGeometry(num_layers=len(mods), heads=heads, kv_heads=heads, head_dim=head_dim, kind=handle.kind)
+
+    @staticmethod
+    def prefix_tokens(model: torch.nn.Module, kind: str) -> int:
+        """1 for the ``"vision"`` tower (open_clip's ViT puts one class token first), else 0."""
+        return 1 if kind == "vision" else 0
+
+    @staticmethod
     def check(handle: PatchHandle) -> None:
         """The image tower must be an open_clip ``VisionTransformer``.
 
@@ -278,7 +300,7 @@ class OpenClipAdapter:
             UnsupportedModelError: the vision tower is routed but is a ``ModifiedResNet`` or a timm trunk.
         """
         if "vision" in handle.towers and _vision_root(handle.model) is None:
-            from .timm_adapter import TimmAdapter
+            from .timm import TimmAdapter
 
             visual = getattr(handle.model, "visual", None)
             trunk = getattr(visual, "trunk", None)
@@ -304,7 +326,7 @@ class OpenClipAdapter:
         model = handle.model
         swapped, hooks = [], []
         i = 0
-        handle.prefix_tokens = 1 if "vision" in handle.towers else 0  # open_clip's ViT: one class token first
+        handle.prefix_tokens = OpenClipAdapter.prefix_tokens(model, "vision" if "vision" in handle.towers else "text")
         try:
             for tower in ("vision", "text"):
                 if tower not in handle.towers:

@@ -1,0 +1,319 @@
+"""The public API: ``patch`` / ``unpatch`` / ``patched``, ``record_stats``, ``time_attention`` and friends.
+
+:func:`patch` finds the model's adapter in :data:`~attnpatch.patchers.adapters.ADAPTERS`, checks
+the method against the model (model kinds of the routed towers, model features, the method's own
+option checks against the :class:`~attnpatch.patchers.registry.ModelGeometry`) and installs a
+:class:`~attnpatch.patchers.runtime.PatchHandle`.  Layering: this module sits on top; the
+adapters, the runtime and the methods never import it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator
+
+import torch
+
+from ..errors import OptionError, PatchStateError, UnsupportedModelError
+from .adapter import Adapter
+from .adapters import ADAPTERS
+from .registry import MODEL_FEATURES, Method, get_method, validate_options
+from .runtime import PatchHandle, Recorder
+from .state import ForwardState, LayerRecord
+
+__all__ = [
+    "PatchHandle",
+    "ForwardState",
+    "LayerRecord",
+    "patch",
+    "unpatch",
+    "patched",
+    "is_patched",
+    "handle_of",
+    "patch_info",
+    "record_stats",
+    "time_attention",
+    "find_adapter",
+    "prefix_tokens",
+]
+
+_HANDLE_ATTR = "_attnpatch_handle"
+
+
+def _supported_text() -> str:
+    phrases = [a.supports for a in ADAPTERS]
+    return phrases[0] if len(phrases) == 1 else ", ".join(phrases[:-1]) + " and " + phrases[-1]
+
+
+def find_adapter(model: torch.nn.Module) -> tuple[Adapter, str]:
+    """``(adapter, kind)``: the first adapter of :data:`~attnpatch.patchers.adapters.ADAPTERS` that handles ``model``.
+
+    Raises:
+        UnsupportedModelError: no adapter handles it; the message lists what each adapter supports.
+    """
+    for adapter in ADAPTERS:
+        kind = adapter.detect(model)
+        if kind is not None:
+            return adapter, kind
+    raise UnsupportedModelError(
+        f"cannot patch a {type(model).__module__}.{type(model).__name__}: supported are {_supported_text()}"
+    )
+
+
+def prefix_tokens(model: torch.nn.Module, kind: str | None = None) -> int:
+    """Leading special tokens (CLS + registers) of ``model``'s tower of kind ``kind`` (default: the
+    kind its adapter detects), as the adapters give them to the methods; 0 for causal LMs.
+
+    Raises:
+        UnsupportedModelError: no adapter handles the model.
+    """
+    adapter, detected = find_adapter(model)
+    return int(adapter.prefix_tokens(model, kind or detected))
+
+
+# --------------------------------------------------------------------------- towers
+
+_KIND_NOTE = {
+    "vision": " (bidirectional attention; this method is causal-only)",
+    "text": (
+        " (a text encoder: BERT-style bidirectional, or CLIP's / SigLIP's text transformer; the approximate methods "
+        "are built for ViT image tokens (CLS + patches) and causal LM prefill, so only 'dense' fits it)"
+    ),
+}
+
+
+def _tower_kinds(adapter: Adapter, model: torch.nn.Module, kind: str) -> dict[str, str]:
+    """Every tower of ``model`` and its kind, in model order (one tower of the detected kind if the adapter lists none)."""
+    kinds = dict(adapter.towers(model))
+    return kinds or {("vision" if kind == "vision" else "text"): kind}
+
+
+def _choose_towers(model: torch.nn.Module, adapter: Adapter, kinds: dict[str, str], towers: Any) -> tuple[str, ...]:
+    """Validate ``towers`` (``None``, ``"all"``, a name, or a sequence of names) against ``kinds``.
+
+    Raises:
+        OptionError: an empty selection, a value that is not a tower name, or a tower the model lacks.
+    """
+    default = tuple(adapter.default_towers(model))
+    allowed = ", ".join(map(repr, kinds))
+    where = f"{type(model).__name__} has the tower(s) {allowed} (default: {', '.join(map(repr, default))}; 'all' = every tower)"
+    if towers is None:
+        return default
+    names = [towers] if isinstance(towers, str) else towers
+    try:
+        names = list(names)
+    except TypeError:
+        raise OptionError(f"towers={towers!r}: expected a tower name or a sequence of names; {where}") from None
+    if any(not isinstance(t, str) for t in names):
+        raise OptionError(f"towers={towers!r}: tower names must be strings; {where}")
+    if names == ["all"]:
+        return tuple(kinds)
+    if not names:
+        raise OptionError(f"towers={towers!r}: empty; {where}")
+    bad = [t for t in names if t not in kinds]
+    if bad:
+        raise OptionError(f"towers={towers!r}: {', '.join(map(repr, bad))} is not a tower of this model; {where}")
+    return tuple(t for t in kinds if t in names)  # model order, no duplicates
+
+
+def _check_features(model: torch.nn.Module, method: Method, adapter: Adapter, handle: PatchHandle) -> None:
+    """Refuse a model whose routed attention uses a feature (sliding windows, soft-capping, ...) the method lacks."""
+    lacking = method.lacks(adapter.features(handle))
+    if lacking:
+        what = "; ".join(f"{MODEL_FEATURES.get(f, f)}: {d}" for f, d in lacking.items())
+        supported = ", ".join(MODEL_FEATURES[f] for f in sorted(method.supports)) or "none of the checked model features"
+        raise UnsupportedModelError(
+            f"{type(model).__name__} uses {what}. Method {method.name!r} does not implement this, so its output would "
+            f"differ from the model's (it supports: {supported}); use method 'dense' (the model's own attention), "
+            "or a model without it"
+        )
+
+
+def patch(model: torch.nn.Module, method: str = "anchor_attention", *, towers: Any = None, **options: Any) -> torch.nn.Module:
+    """Replace ``model``'s attention with ``method``, in place.
+
+    Args:
+        model: a supported model (see :func:`attnpatch.list_methods` for methods and the model kinds each fits).
+        method: a registered method name, e.g. ``"anchor_attention"`` or ``"dense"``.
+        towers: which towers of a multi-tower model to route (keyword only): a tower name, a
+            sequence of names, ``"all"``, or ``None`` for the adapter's default. Dual-tower
+            models (Hugging Face ``CLIPModel`` / ``SiglipModel``, open_clip ``CLIP``) have the
+            towers ``"vision"`` and ``"text"`` and route ``("vision",)`` by default, so the text
+            tower stays exactly as it was; single-tower models have one tower (``"vision"`` for
+            ViTs, ``"text"`` for causal LMs and text encoders), routed by default. Each routed
+            tower must fit the method: ``"vision"`` towers are of kind ``"vision"``, causal LM
+            towers ``"causal_lm"``, and CLIP/SigLIP text towers ``"text"``, which only ``dense`` fits.
+        **options: the method's options; unknown names, wrong types and out-of-range values are refused.
+
+    Returns:
+        The same ``model`` object, patched.
+
+    Raises:
+        UnknownMethodError: ``method`` is not registered.
+        OptionError: an option is unknown, of the wrong type or out of range; ``towers`` names no
+            tower of this model (the message lists the model's towers).
+        UnsupportedModelError: no adapter handles this model class, or the method does not fit
+            the model or one of the chosen towers (e.g. a causal-only method on a bidirectional
+            vision encoder, or ``fna`` on CLIP's causal text tower).
+        PatchStateError: ``model`` is already patched (call :func:`unpatch` first).
+    """
+    m = get_method(method)
+    full = validate_options(m, options)
+    if getattr(model, _HANDLE_ATTR, None) is not None:
+        cur = getattr(model, _HANDLE_ATTR)
+        raise PatchStateError(
+            f"{type(model).__name__} is already patched with {cur.method.name!r}; call attnpatch.unpatch(model) first"
+        )
+    adapter, kind = find_adapter(model)
+    kinds = _tower_kinds(adapter, model, kind)
+    chosen = _choose_towers(model, adapter, kinds, towers)
+    if len(kinds) == 1:
+        (only,) = kinds.values()
+        if not m.fits(only):
+            raise UnsupportedModelError(
+                f"method {m.name!r} fits model kinds {sorted(m.model_kinds)}, but {type(model).__name__} is a {only!r} model"
+                + _KIND_NOTE.get(only, "")
+            )
+        kind = only
+    else:
+        for t in chosen:
+            if not m.fits(kinds[t]):
+                fitting = [n for n in kinds if m.fits(kinds[n])]
+                raise UnsupportedModelError(
+                    f"method {m.name!r} does not fit the {t!r} tower of {type(model).__name__}: that tower is a "
+                    f"{kinds[t]!r} tower{_KIND_NOTE.get(kinds[t], '')}, and {m.name!r} fits kinds {sorted(m.model_kinds)}. "
+                    + (f"Route only {', '.join(map(repr, fitting))} (towers={tuple(fitting)!r})" if fitting else "No tower of this model fits it")
+                    + f"; the default is towers={tuple(adapter.default_towers(model))!r}"
+                )
+        kind = "+".join(dict.fromkeys(kinds[t] for t in chosen))
+    handle = PatchHandle(model, m, full, adapter, kind, towers=chosen, tower_kinds=kinds)
+    adapter.check(handle)
+    _check_features(model, m, adapter, handle)
+    if m.check is not None:
+        m.check(handle.config, adapter.geometry(handle))
+    handle.install()
+    object.__setattr__(model, _HANDLE_ATTR, handle)
+    return model
+
+
+def unpatch(model: torch.nn.Module) -> torch.nn.Module:
+    """Undo :func:`patch`: the model computes exactly what it computed before (bit for bit).
+
+    Raises:
+        PatchStateError: ``model`` is not patched.
+    """
+    handle = getattr(model, _HANDLE_ATTR, None)
+    if handle is None:
+        raise PatchStateError(f"{type(model).__name__} is not patched; nothing to unpatch")
+    handle.remove()
+    object.__delattr__(model, _HANDLE_ATTR)
+    return model
+
+
+@contextlib.contextmanager
+def patched(model: torch.nn.Module, method: str = "anchor_attention", *, towers: Any = None, **options: Any) -> Iterator[torch.nn.Module]:
+    """Context-manager form of :func:`patch` (same arguments, ``towers`` included): patched inside
+    the ``with`` block, restored on exit (also on error).
+
+    Raises:
+        The errors of :func:`patch`.
+    """
+    patch(model, method, towers=towers, **options)
+    try:
+        yield model
+    finally:
+        if is_patched(model):  # the block may have unpatched it already; do not mask its own error
+            unpatch(model)
+
+
+def is_patched(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is currently patched."""
+    return getattr(model, _HANDLE_ATTR, None) is not None
+
+
+def handle_of(model: torch.nn.Module) -> PatchHandle:
+    """The :class:`PatchHandle` of a patched model.
+
+    Raises:
+        PatchStateError: ``model`` is not patched.
+    """
+    handle = getattr(model, _HANDLE_ATTR, None)
+    if handle is None:
+        raise PatchStateError(f"{type(model).__name__} is not patched")
+    return handle
+
+
+def patch_info(model: torch.nn.Module) -> dict[str, Any] | None:
+    """``{"method", "options", "kind", "layers", "towers"}`` of a patched model, or ``None`` if not patched."""
+    handle = getattr(model, _HANDLE_ATTR, None)
+    if handle is None:
+        return None
+    return {
+        "method": handle.method.name,
+        "options": dict(handle.options),
+        "kind": handle.kind,
+        "layers": handle.adapter.layer_count(handle),
+        "towers": list(handle.towers),
+    }
+
+
+@contextlib.contextmanager
+def record_stats(
+    model: torch.nn.Module,
+    recall: bool = False,
+    *,
+    teacher_forced: bool = False,
+    capture: bool = False,
+    probe: Callable[..., None] | None = None,
+) -> Iterator[Recorder]:
+    """Record per-layer statistics of every forward call made inside the block.
+
+    Args:
+        model: a patched model.
+        recall: also measure attention recall in sparse layers (one extra dense ``Q K^T`` pass per layer).
+        teacher_forced: every patched layer also computes exact attention on its inputs, records
+            ``rel_error`` (relative Frobenius error of the method's output) and passes the exact
+            output on, so each layer's error is measured with exact inputs.
+        capture: keep every layer's attention output ``[B, H, N, D]`` (in ``outputs``; memory:
+            one activation per layer).
+        probe: called as ``probe(ctx, q, k, v)`` at every routed layer (diagnostics).
+
+    Yields:
+        A recorder whose ``forwards`` list gets, per top-level forward call (prefill and each
+        decoding step of ``generate``), a dict ``{layer_index: LayerRecord}`` (and, with
+        ``capture``, ``outputs`` a dict ``{layer_index: tensor}`` per call).
+
+    Raises:
+        PatchStateError: ``model`` is not patched.
+    """
+    handle = handle_of(model)
+    rec = Recorder(recall=recall, teacher_forced=teacher_forced, capture=capture, probe=probe)
+    handle.recorders.append(rec)
+    try:
+        yield rec
+    finally:
+        handle.recorders.remove(rec)
+
+
+@contextlib.contextmanager
+def time_attention(model: torch.nn.Module) -> Iterator[Recorder]:
+    """Measure the wall time spent in the patched attention calls of every forward made inside the block.
+
+    Times the method's forward plus the model's own exact attention wherever the method
+    declines (decode steps, layers before FNA's sample layer, ...), i.e. everything that
+    replaces the model's attention function, with a CUDA synchronisation before and after
+    each call on GPU.  No per-layer statistics are recorded.
+
+    Yields:
+        A recorder whose ``attention_seconds`` list gets one float (seconds) per top-level forward call.
+
+    Raises:
+        PatchStateError: ``model`` is not patched.
+    """
+    handle = handle_of(model)
+    rec = Recorder(recall=False, stats=False, timing=True)
+    handle.recorders.append(rec)
+    try:
+        yield rec
+    finally:
+        handle.recorders.remove(rec)

@@ -1,0 +1,259 @@
+"""``fna``: Fast Nyström Attention for ViTs (the math: :mod:`attnpatch.attention.nystrom`).
+
+Landmark indices are sampled once per forward call (at ``sample_layer``) and kept in the
+per-forward :class:`~attnpatch.patchers.state.ForwardState`, so later layers reuse them.  What
+each option does is declared once on :class:`FNAConfig`; how the defaults were chosen, and the
+accuracy and speed they give, is measured in BENCHMARKS.md and the README.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ...attention.nystrom import PINV_MODES, STRATEGIES, exact_attention, nystrom_attention, select_landmarks
+from ...attention.sinks import massive_tokens
+from ...errors import OptionError
+from ..bench_hook import BenchCase, BenchInputs
+from ..options import check_fields, opt, options_of
+from ..registry import ExactLimit, Method, ModelGeometry, register_method
+from ..state import LayerContext, LayerRecord
+from ._shared import check_call, repeat_kv, say
+
+__all__ = ["FNA", "FNAConfig", "FEATURES", "fna_forward", "fna_core", "fna_bench", "check_fna"]
+
+FEATURES = ("keys", "hidden")
+_ACROSS = "act across layers"
+_LAYER_RULE = "must be 'auto' or a layer index >= 0"
+
+
+@dataclass(frozen=True)
+class FNAConfig:
+    """Options of Fast Nyström Attention (arXiv 2507.16018).
+
+    Attributes:
+        s: landmarks per image (tokens), CLS and register tokens included.  When ``s >= N``
+            the layer runs exact attention (Nyström with every token a landmark is exact) and
+            the patch says so once.
+        sample_layer: layer where landmarks are sampled (an int, 0-based) or ``"auto"``: the
+            first layer whose input has a massive token (L2 norm above ``massive_ratio x`` the
+            median token norm, per image), and at the latest the layer ``auto_fallback`` when
+            no massive token appears.  Layers before it run exact attention; the same indices
+            are reused in every later layer.  Early layers attend sharply and locally, which a
+            few landmarks represent poorly, so later sampling layers approximate better and
+            approximate fewer layers.
+        resample: run landmark selection again at every patched layer.
+        strategy: ``"fps"`` (farthest-point sampling), ``"random"``, ``"strided"``, ``"kmeans"``.
+        features: what landmark selection runs on: ``"keys"`` (the layer's keys, heads
+            concatenated; every adapter has them) or ``"hidden"`` (the attention layer's input
+            hidden states).
+        pinv: pseudo-inverse of the landmark kernel: ``"rtol"`` (regularised: singular values
+            below ``rtol`` x the largest dropped), ``"newton"`` (Newton-Schulz), ``"exact"``
+            (unregularised; amplifies the Nyström error).
+        rtol: relative singular-value cut-off of ``pinv="rtol"``.
+        newton_iters: iterations of ``pinv="newton"``.
+        massive_ratio: norm ratio defining a massive token for ``sample_layer="auto"``.
+        auto_fallback: ``sample_layer="auto"`` samples at this layer at the latest (an int, or
+            ``"auto"`` = half the depth, ``num_layers // 2``: a model without massive tokens
+            then has half its layers approximated).
+        seed: seed of the ``random`` and ``kmeans`` strategies.
+
+    The defaults were chosen by measurement on the offline ``dinov2-small``; the sweeps (sample
+    layer, pseudo-inverse, landmark features and strategy; final-CLS cosine to dense and
+    teacher-forced layer error) are in BENCHMARKS.md and the README.
+    """
+
+    s: int = field(default=64, metadata=opt(
+        "int", "landmarks per image (tokens, CLS and registers included; s >= N runs exact attention)", low=1,
+        rule="the number of landmarks must be an integer >= 1 (tokens)"))
+    sample_layer: int | str = field(default="auto", metadata=opt(
+        "int_or_auto", "layer where landmarks are sampled once and reused later ('auto' = first layer with a massive "
+        "token, else auto_fallback)", low=0, rule=_LAYER_RULE, model_scope=_ACROSS))
+    resample: bool = field(default=False, metadata=opt(
+        "bool", "sample landmarks again at every patched layer", model_scope=_ACROSS))
+    strategy: str = field(default="fps", metadata=opt("str", "landmark selection strategy", choices=STRATEGIES))
+    features: str = field(default="keys", metadata=opt(
+        "str", "what landmark selection runs on: the keys (heads concatenated) or the attention input hidden states",
+        choices=FEATURES, model_scope=_ACROSS))
+    pinv: str = field(default="rtol", metadata=opt(
+        "str", "pseudo-inverse of the s x s landmark kernel (rtol: singular values below rtol x the largest dropped, "
+        "float32 eigendecomposition of A^T A; newton: Newton-Schulz; exact: float64 SVD, unregularised)", choices=PINV_MODES))
+    rtol: float = field(default=1e-2, metadata=opt(
+        "float", "relative singular-value cut-off of pinv=rtol", low=0.0, high=1.0, low_open=True, high_open=True,
+        rule="must be in (0, 1)"))
+    newton_iters: int = field(default=6, metadata=opt("int", "iterations of pinv=newton", low=1, rule="must be an integer >= 1"))
+    massive_ratio: float = field(default=5.0, metadata=opt(
+        "float", "massive token: block-input L2 norm above this many times the median (sample_layer=auto)", low=1.0,
+        low_open=True, finite=True, rule="must be a finite number > 1", model_scope=_ACROSS))
+    auto_fallback: int | str = field(default="auto", metadata=opt(
+        "int_or_auto", "sample_layer=auto samples here at the latest ('auto' = num_layers // 2)", low=0, rule=_LAYER_RULE,
+        model_scope=_ACROSS))
+    seed: int = field(default=0, metadata=opt("int", "seed of the random and kmeans strategies"))
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+
+
+def check_fna(cfg: FNAConfig, geo: ModelGeometry) -> None:
+    """``sample_layer`` and ``auto_fallback`` must name a layer the model has.
+
+    Raises:
+        OptionError: a layer index out of range.
+    """
+    num_layers = geo.num_layers
+    for name in ("sample_layer", "auto_fallback"):
+        val = getattr(cfg, name)
+        if val != "auto" and val >= num_layers:
+            raise OptionError(f"{name}={val}: the model has {num_layers} attention layers (0..{num_layers - 1})")
+
+
+def _landmark_features(cfg: FNAConfig, k: torch.Tensor, ctx: LayerContext) -> torch.Tensor:
+    if cfg.features == "keys":
+        b, h, n, d = k.shape
+        return k.transpose(1, 2).reshape(b, n, h * d)
+    if ctx.hidden is None:
+        raise OptionError("features='hidden': this adapter does not expose the attention layer's input; use features='keys'")
+    return ctx.hidden
+
+
+def _fna_landmarks(cfg: FNAConfig, k: torch.Tensor, ctx: LayerContext) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """``(landmarks [B, s] or None, active [B] bool)`` for this layer; updates the per-forward state."""
+    b = k.shape[0]
+    st = ctx.shared("fna")
+    active = st.get("active")
+    if active is None or active.shape[0] != b:
+        active = torch.zeros(b, dtype=torch.bool, device=k.device)
+        st["active"] = active
+        st["landmarks"] = torch.zeros(b, cfg.s, dtype=torch.long, device=k.device)
+        st["sampled_at"] = torch.full((b,), -1, dtype=torch.long)
+    if cfg.sample_layer == "auto":
+        fallback = ctx.num_layers // 2 if cfg.auto_fallback == "auto" else cfg.auto_fallback
+        trigger = ~active
+        if ctx.layer < fallback:
+            if ctx.residual is None:
+                raise OptionError("sample_layer='auto' needs the block input hidden states, which this adapter does not expose")
+            trigger = trigger & massive_tokens(ctx.residual, cfg.massive_ratio).any(-1)
+    else:
+        trigger = ~active if ctx.layer >= cfg.sample_layer else torch.zeros_like(active)
+    if cfg.resample:
+        trigger = trigger | active
+    if bool(trigger.any()):
+        rows = torch.nonzero(trigger).flatten()
+        feats = _landmark_features(cfg, k, ctx)[rows]
+        st["landmarks"][rows] = select_landmarks(feats, cfg.s, prefix=ctx.prefix_tokens, strategy=cfg.strategy, seed=cfg.seed)
+        st["sampled_at"][rows.cpu()] = ctx.layer
+        active |= trigger
+    return (st["landmarks"] if bool(active.any()) else None), active.clone()
+
+
+def fna_core(cfg: FNAConfig, q, k, v, ctx: LayerContext, key_keep=None, renormalize=False, mode="fna"):
+    """FNA for the images whose landmarks are sampled, exact attention for the others (shared with ``fna+sink_mask``)."""
+    b, h, n, _ = q.shape
+    k, v = repeat_kv(k, h), repeat_kv(v, h)
+    rec = LayerRecord(ctx.layer, mode, n, n)
+    landmarks, active = _fna_landmarks(cfg, k, ctx)
+    if landmarks is None:
+        if key_keep is None:
+            rec.mode = "dense:before_sample"
+            return None, rec
+        return exact_attention(q, k, v, scale=ctx.scale, key_keep=key_keep, renormalize=renormalize), rec
+    kw = dict(scale=ctx.scale, pinv=cfg.pinv, rtol=cfg.rtol, iters=cfg.newton_iters, renormalize=renormalize)
+    if bool(active.all()):
+        out = nystrom_attention(q, k, v, landmarks, key_keep=key_keep, **kw)
+    else:
+        out = exact_attention(q, k, v, scale=ctx.scale, key_keep=key_keep, renormalize=renormalize)
+        rows = torch.nonzero(active).flatten()
+        out[rows] = nystrom_attention(
+            q[rows], k[rows], v[rows], landmarks[rows], key_keep=None if key_keep is None else key_keep[rows], **kw
+        )
+    if ctx.record:
+        s = landmarks.shape[1]
+        rec.landmarks = torch.where(active[:, None], landmarks, torch.full_like(landmarks, -1)).cpu()
+        full = float(n * n)
+        kept = torch.where(active.cpu(), torch.full((b,), 2.0 * s * n + s * s), torch.full((b,), full)).double()
+        rec.causal_pairs = torch.full((b, h), full, dtype=torch.float64)
+        rec.kept_pairs = kept[:, None].expand(b, h).clone()
+    return out, rec
+
+
+def fna_forward(cfg: FNAConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: LayerContext):
+    """FNA from ``sample_layer`` on; exact attention before it and wherever ``s >= N``."""
+    check_call(FNA, ctx)
+    n = q.shape[2]
+    if cfg.s >= n:
+        say(ctx, f"fna: s={cfg.s} >= N={n} tokens, so Nyström attention is exact attention; running exact attention")
+        return None, LayerRecord(ctx.layer, "dense:s>=N", n, n)
+    return fna_core(cfg, q, k, v, ctx)
+
+
+def fna_bench(cfg: FNAConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: BenchInputs) -> BenchCase:
+    """One non-causal layer, three ways: ``fps`` (landmark selection on the keys, heads concatenated, alone),
+    ``nystrom`` (landmarks given), and the layer's time = Nyström + the FPS amortised over the
+    ``inputs.reuse_layers`` layers that reuse one sampling (FNA samples once per forward); besides
+    ``fna_incl_seconds`` = Nyström + one whole FPS.  Peak memory: FPS + Nyström in one call.
+
+    Raises:
+        OptionError: ``N <= s`` (nothing to approximate).
+    """
+    b, heads, n, d = q.shape
+    if n <= cfg.s:
+        raise OptionError(f"fna s={cfg.s}: every length must exceed s (got N={n})")
+    kr, vr = repeat_kv(k, heads), repeat_kv(v, heads)
+    feats = kr.transpose(1, 2).reshape(b, n, heads * d)
+    prefix, scale, reuse = inputs.prefix_tokens, inputs.scale, inputs.reuse_layers
+    lm = select_landmarks(feats, cfg.s, prefix=prefix, strategy=cfg.strategy, seed=cfg.seed)
+
+    def fps():
+        return select_landmarks(feats, cfg.s, prefix=prefix, strategy=cfg.strategy, seed=cfg.seed)
+
+    def nys():
+        return nystrom_attention(q, kr, vr, lm, scale=scale, pinv=cfg.pinv, rtol=cfg.rtol, iters=cfg.newton_iters)
+
+    def whole():
+        return nystrom_attention(q, kr, vr, fps(), scale=scale, pinv=cfg.pinv, rtol=cfg.rtol, iters=cfg.newton_iters)
+
+    def extra(t: dict[str, float], ref: float) -> dict[str, Any]:
+        incl = t["nystrom"] + t["fps"]
+        return {"fna_incl_seconds": incl, "speedup_incl": ref / incl, "speedup_nystrom": ref / t["nystrom"],
+                "reuse_layers": reuse, "s": cfg.s}
+
+    return BenchCase(
+        call=whole, parts={"fps": fps, "nystrom": nys}, seconds=lambda t: t["nystrom"] + t["fps"] / reuse, extra=extra,
+        exponents=("fps", "nystrom"), plot={"fps": "FPS alone"},
+    )
+
+
+def _config(options: dict[str, Any]) -> FNAConfig:
+    return FNAConfig(**options)
+
+
+def _every_token(tokens: int) -> dict[str, Any]:
+    # every token a landmark: Nyström attention is exact attention, and the layer runs the model's own
+    return {"s": max(1, int(tokens))}
+
+
+FNA = register_method(
+    Method(
+        name="fna",
+        summary="Fast Nyström Attention: s landmark tokens by farthest-point sampling, sampled once and reused",
+        source="FNA, arXiv 2507.16018, Sec. 3 (Eq. 3); Nyströmformer, arXiv 2102.03902, Eq. 13-16",
+        options=options_of(FNAConfig),
+        model_kinds=frozenset({"vision"}),
+        make_config=_config,
+        forward=fna_forward,
+        check=check_fna,
+        causal_calls=False,
+        noncausal_calls=True,
+        key_padding=False,
+        token_roles=frozenset({"prefix", "hidden", "residual"}),
+        exact_limit_decl=ExactLimit(_every_token, at_least=("s",), text="s >= N"),
+        bench_hook=fna_bench,
+        details=(
+            "Fast Nyström Attention: `s` landmark tokens (CLS and registers always among them) chosen by farthest-point sampling once, at "
+            "`sample_layer`, and reused by every later layer; `softmax(QK̃ᵀ)·pinv(softmax(Q̃K̃ᵀ))·softmax(Q̃Kᵀ)·V` "
+            "evaluated right to left, never forming an N×N matrix. `s ≥ N` runs exact attention and says so."
+        ),
+    )
+)

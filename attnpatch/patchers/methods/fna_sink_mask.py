@@ -1,0 +1,81 @@
+"""``fna+sink_mask``: FNA in every patched layer, with sink tokens masked (in Nyström form) in the last layers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+from ..registry import ExactLimit, Method, ModelGeometry, register_method
+from ..state import LayerContext, LayerRecord
+from ._shared import check_call, say
+from .fna import FNA, FNAConfig, check_fna, fna_core
+from .sink_mask import NO_SINKS, SINK_MASK, SinkMaskConfig, check_sink, sink_mask_forward, sinks_of
+
+__all__ = ["FNA_SINK_MASK", "FNASinkConfig", "fna_sink_forward"]
+
+_FNA_NAMES = tuple(f.name for f in fields(FNAConfig))
+
+
+@dataclass(frozen=True)
+class FNASinkConfig:
+    """``fna+sink_mask``: FNA in every patched layer, with sink tokens masked in the last layers."""
+
+    fna: FNAConfig
+    sink: SinkMaskConfig
+
+
+def _config(options: dict[str, Any]) -> FNASinkConfig:
+    return FNASinkConfig(
+        FNAConfig(**{k: v for k, v in options.items() if k in _FNA_NAMES}),
+        SinkMaskConfig(**{k: v for k, v in options.items() if k not in _FNA_NAMES}),
+    )
+
+
+def _check(cfg: FNASinkConfig, geo: ModelGeometry) -> None:
+    check_fna(cfg.fna, geo)
+    check_sink(cfg.sink, geo)
+
+
+def fna_sink_forward(cfg: FNASinkConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: LayerContext):
+    """FNA in every patched layer; sink tokens masked (in Nyström form) in the last ``mask_layers`` layers."""
+    check_call(FNA_SINK_MASK, ctx)
+    sinks = sinks_of(cfg.sink, q, k, ctx)
+    n = q.shape[2]
+    if cfg.fna.s >= n:
+        say(ctx, f"fna: s={cfg.fna.s} >= N={n} tokens, so Nyström attention is exact attention; running exact attention")
+        if sinks is None:
+            return None, LayerRecord(ctx.layer, "dense:s>=N", n, n)
+        return sink_mask_forward(cfg.sink, q, k, v, ctx)
+    keep = None if sinks is None else ~sinks
+    out, rec = fna_core(cfg.fna, q, k, v, ctx, key_keep=keep, renormalize=cfg.sink.renormalize, mode="fna+sink_mask")
+    if ctx.record and sinks is not None:
+        rec.sinks = sinks.cpu()
+    return out, rec
+
+
+def _exact(tokens: int) -> dict[str, Any]:
+    return {**FNA.exact_limit(tokens), **NO_SINKS.options(tokens)}
+
+
+assert not set(FNA.options) & set(SINK_MASK.options)
+
+FNA_SINK_MASK = register_method(
+    Method(
+        name="fna+sink_mask",
+        summary="fna in every patched layer, with sink tokens masked (in Nyström form) in the last layers",
+        source="FNA, arXiv 2507.16018, Sec. 3-4",
+        options={**FNA.options, **SINK_MASK.options},
+        model_kinds=frozenset({"vision"}),
+        make_config=_config,
+        forward=fna_sink_forward,
+        check=_check,
+        causal_calls=False,
+        noncausal_calls=True,
+        key_padding=False,
+        token_roles=FNA.token_roles | SINK_MASK.token_roles,
+        exact_limit_decl=ExactLimit(_exact, at_least=("s", "mass_ratio"), text=f"s >= N, {NO_SINKS.text}"),
+        details="Both: FNA everywhere it applies, sink columns zeroed in Nyström form in the last layers.",
+    )
+)
