@@ -37,7 +37,15 @@ __all__ = ["TASKS", "encode", "patch_size", "token_count", "run_feature_eval"]
 TASKS = ("fidelity", "knn", "linear_probe", "retrieval")
 
 
-def _prefix_tokens(model: torch.nn.Module) -> int:
+def _feature_prefix_tokens(model: torch.nn.Module) -> int:
+    """Leading tokens this eval leaves out of the mean patch token: slot 0, which :func:`encode`
+    always reads as the image feature, plus any register tokens.
+
+    Not :func:`attnpatch.patchers.api.prefix_tokens` (the special tokens the adapters give the
+    methods): the two agree on ViTs with a class token (DINOv2, CLIP, timm), but a SigLIP vision
+    tower has no class token, so the adapters count 0 while slot 0 here is its first patch, read
+    as the feature and kept out of the mean (and counted once more by :func:`token_count`).
+    """
     if hasattr(model, "num_prefix_tokens"):  # timm
         return int(model.num_prefix_tokens)
     cfg = getattr(model, "config", None)
@@ -99,7 +107,7 @@ def encode(
     finally:
         for hk in hooks:
             hk.remove()
-    p = _prefix_tokens(model)
+    p = _feature_prefix_tokens(model)
     cls, pm = h[:, 0].float().cpu(), h[:, p:].float().mean(1).cpu()
     return (cls, pm, got) if layers else (cls, pm)
 
@@ -118,7 +126,7 @@ def patch_size(model: torch.nn.Module) -> int | None:
 
 def token_count(model: torch.nn.Module, resolution: int) -> int:
     """Tokens ``N`` a square ``resolution`` input gives (patches + CLS + registers)."""
-    return (resolution // patch_size(model)) ** 2 + _prefix_tokens(model)
+    return (resolution // patch_size(model)) ** 2 + _feature_prefix_tokens(model)
 
 
 def _cos(a: torch.Tensor, b: torch.Tensor) -> np.ndarray:

@@ -1,0 +1,67 @@
+"""Command line: ``attnpatch methods``, ``models``, ``eval ruler``, ``eval {fidelity,knn,linear-probe,retrieval}``,
+``eval {zeroshot,clip-retrieval}`` (CLIP), ``sinks``, ``bench {attention,capture,model}``.
+
+Thin by design: it parses, calls the library, prints. One module per command group, each command's
+parser next to its handler (every module's ``add_parser`` registers its commands and sets
+``func``); :mod:`.common` holds what they share.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+from ..errors import AttnpatchError
+from . import bench, clip, methods, ruler, sinks, vision
+
+# The handlers and shared helpers stay importable (and patchable) as ``attnpatch.cli.<name>``, as
+# before the split; a patch here does not reach the command modules, which import them directly.
+from .bench import _cmd_bench_attention, _cmd_bench_capture, _cmd_bench_model  # noqa: F401
+from .clip import _cmd_eval_clip  # noqa: F401
+from .common import (  # noqa: F401
+    DEFAULT_CLIP_MODEL,
+    DEFAULT_MODEL,
+    DEFAULT_VISION_MODEL,
+    _check_out_paths,
+    _check_outputs,
+    _device,
+    _method_spec,
+    _parse_options,
+    _Repeatable,
+    _slug,
+)
+from .methods import _cmd_methods, _cmd_models  # noqa: F401
+from .ruler import _cmd_eval_ruler  # noqa: F401
+from .sinks import _cmd_sinks  # noqa: F401
+from .vision import VISION_EVALS, _cmd_eval_vision  # noqa: F401
+
+__all__ = ["main", "build_parser"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``attnpatch`` command."""
+    p = argparse.ArgumentParser(prog="attnpatch", description="Training-free attention patching and its evals.")
+    sub = p.add_subparsers(dest="command", required=True)
+    methods.add_parser(sub)  # methods, models
+    pe = sub.add_parser("eval", help="run an eval, dense vs patched")
+    esub = pe.add_subparsers(dest="eval", required=True)
+    ruler.add_parser(esub)
+    vision.add_parser(esub)  # fidelity, knn, linear-probe, retrieval
+    clip.add_parser(esub)  # zeroshot, clip-retrieval
+    bench.add_parser(sub)  # bench attention, capture, model
+    sinks.add_parser(sub)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``attnpatch`` console script; returns the exit status (2 on a usage or input error)."""
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except AttnpatchError as exc:
+        print(f"attnpatch: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:  # Ctrl-C outside an eval's own handling (loading, writing): one line, no traceback
+        print("attnpatch: interrupted (Ctrl-C); nothing more written", file=sys.stderr)
+        return 130

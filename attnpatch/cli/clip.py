@@ -1,0 +1,138 @@
+"""``attnpatch eval {zeroshot,clip-retrieval}``: CLIP zero-shot classification and image<->text retrieval,
+dense vs patched image tower."""
+
+from __future__ import annotations
+
+from .common import (
+    DEFAULT_CLIP_MODEL,
+    _check_outputs,
+    _device,
+    _image_progress,
+    _interrupted,
+    _json_path,
+    _parse_options,
+    _positive_int,
+    _Repeatable,
+    _report,
+)
+
+
+def _cmd_eval_clip(args) -> int:
+    import torch
+
+    from ..clip_models import load_clip
+    from ..evals import clip as clip_eval
+    from ..evals.report import CLIP_RETRIEVAL_COLUMNS, ZEROSHOT_COLUMNS, EvalInterrupted, clip_rows, machine_info
+    from ..patchers.registry import get_method, validate_options
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    zeroshot = args.eval in ("zeroshot", "clip-zeroshot")
+    settings = []
+    for method in args.method:
+        opts = _parse_options(args.option)
+        validate_options(get_method(method), opts)  # fail before loading anything
+        settings.append((method, opts))
+    _check_outputs(("--json", _json_path(args)), ("--markdown", args.markdown))
+    templates = None
+    if zeroshot and args.templates != "auto":
+        templates = clip_eval.resolve_templates(args.templates)  # fail early on a bad name
+    if zeroshot:
+        from ..evals.images import load_image_set
+
+        data = load_image_set(args.data, split=args.split or "train", limit=args.limit)
+        classnames, names_source = clip_eval.resolve_classnames(args.classnames, data)
+        if templates is None:
+            templates = clip_eval.resolve_templates("openai" if names_source == "imagenet1k" else "photo")
+    else:
+        data = clip_eval.load_caption_set(args.data, split=args.split, caption_column=args.caption_column, limit=args.limit)
+    bundle = load_clip(args.model, device=_device(args.device), resolution=args.resolution, resolution_flag="--resolution")
+    towers = args.towers
+    stop = None
+    with _image_progress(args.eval, len(data)) as progress:
+        common = dict(settings=settings, towers=towers, batch_size=args.batch_size, text_batch_size=args.text_batch_size, progress=progress)
+        try:
+            if zeroshot:
+                result = clip_eval.run_zeroshot_eval(bundle, data, classnames, templates, ks=(1, 5), **common)
+            else:
+                result = clip_eval.run_retrieval_eval(bundle, data, ks=tuple(args.ks), **common)
+        except EvalInterrupted as exc:
+            stop, result = exc, exc.partial
+    if stop is not None and result is None:
+        return _interrupted(args, stop, None, None)
+    result.update(
+        model=args.model, model_kind=bundle.kind, random_init=bundle.random_init, data=args.data or "default",
+        split=getattr(data, "split", None), machine=machine_info(),
+    )
+    if zeroshot:
+        result.update(classnames=names_source)
+    columns = ZEROSHOT_COLUMNS if zeroshot else CLIP_RETRIEVAL_COLUMNS
+    if not zeroshot:
+        from ..evals.report import Column
+
+        keep = [c for c in columns if "@" not in c.key]
+        recall = [Column(f"{d}_recall@{k}", f"{'T→I' if d == 't2i' else 'I→T'} R@{k}", "pct") for d in ("t2i", "i2t") for k in result["ks"]]
+        columns = keep[:3] + recall + keep[3:]
+    rows = clip_rows(result)
+    what = (
+        f"{result['n_images']} images, {result['n_classes']} classes ({names_source} names) x {result['n_templates']} templates"
+        if zeroshot else f"{result['n_images']} images, {result['n_texts']} captions"
+    )
+    title = f"{args.eval} — {args.model}{' (random weights)' if bundle.random_init else ''} — {getattr(data, 'name', args.data)}, {what}, {result['resolution']} px"
+    return _report(args, title, rows, columns, result, interrupted=stop)
+
+
+
+def clip_common(q) -> None:
+    """The options shared by both CLIP evals."""
+    q.add_argument(
+        "--model", default=DEFAULT_CLIP_MODEL,
+        help="open_clip ARCH:TAG (e.g. ViT-B-32:openai, ViT-L-14:openai), ARCH:random (random weights, offline), "
+        "hf-hub:ORG/REPO, a Hugging Face id (e.g. openai/clip-vit-base-patch32) or a local directory (default: %(default)s)",
+    )
+    q.add_argument("--method", nargs="+", action=_Repeatable, default=["fna"], help="registered method(s); each is compared with dense in the same run")
+    q.add_argument("-o", "--option", action="append", default=[], metavar="NAME=VALUE", help="method option, repeatable (e.g. -o s=64)")
+    q.add_argument("--towers", nargs="+", action=_Repeatable, metavar="TOWER", help="towers the patch routes: vision (default), text, or all (text takes only 'dense')")
+    q.add_argument("--split", help="dataset split (default: train for a directory; zeroshot: train, clip-retrieval hub ids: test)")
+    q.add_argument("--limit", type=_positive_int, help="use at most this many images")
+    q.add_argument("--resolution", type=_positive_int, help="input size in pixels (square; position embeddings resampled)")
+    q.add_argument("--batch-size", type=_positive_int, default=32, help="images per forward call (default: %(default)s)")
+    q.add_argument("--text-batch-size", type=_positive_int, default=256, help="texts per forward call (default: %(default)s)")
+    q.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: auto = cuda if available)")
+    q.add_argument("--threads", type=_positive_int, help="torch CPU threads")
+    q.add_argument("--json", help="result JSON path (default: <eval>_<model>_<method>.json)")
+    q.add_argument("--markdown", help="also write the table as Markdown to this path")
+
+
+def add_parser(esub) -> None:
+    """Register ``eval zeroshot`` and ``eval clip-retrieval`` on the ``eval`` subparsers."""
+    pz = esub.add_parser(
+        "zeroshot", aliases=["clip-zeroshot"], help="CLIP zero-shot classification (top-1/top-5), dense vs patched image tower",
+    )
+    clip_common(pz)
+    pz.add_argument("--data", help="labelled imagefolder directory or hub dataset id (default: the embedded image set)")
+    pz.add_argument(
+        "--classnames", default="auto",
+        help="auto (ImageNet-1k CLIP names when the set is ImageNet-1k in torchvision order, else the set's own), "
+        "imagenet1k, dataset, or a file (JSON list / one name per line) (default: %(default)s)",
+    )
+    pz.add_argument(
+        "--templates", default="auto",
+        help="openai (CLIP's 80 prompts), openai-7, photo ('a photo of a {}.'), or a file with one template per line; "
+        "auto = openai for ImageNet names, photo otherwise (default: %(default)s)",
+    )
+    pz.set_defaults(func=_cmd_eval_clip)
+
+    pt = esub.add_parser(
+        "clip-retrieval", aliases=["image-text-retrieval"],
+        help="CLIP image<->text retrieval recall@k (CLIP_benchmark definition), dense vs patched image tower",
+    )
+    clip_common(pt)
+    pt.add_argument(
+        "--data", required=True,
+        help="imagefolder directory with a caption column (e.g. ../shared/data/tuxpaint-captions) or a hub dataset id "
+        "(e.g. clip-benchmark/wds_flickr30k, clip-benchmark/wds_mscoco_captions)",
+    )
+    pt.add_argument("--caption-column", help="caption column (default: the first of caption, captions, sentences, txt, text, raw)")
+    pt.add_argument("--ks", nargs="+", action=_Repeatable, type=_positive_int, default=[1, 5, 10], help="recall cut-offs (default: 1 5 10)")
+    pt.set_defaults(func=_cmd_eval_clip)

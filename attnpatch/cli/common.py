@@ -1,0 +1,263 @@
+"""What the command modules share: option and method-spec parsing, argparse value types, output-path
+checks, Ctrl-C handling of an interrupted eval, the result report and progress printing, ``--device``."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import re
+import sys
+from typing import Any, Sequence
+
+from ..errors import AttnpatchError
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+DEFAULT_VISION_MODEL = "dinov2-small"
+DEFAULT_CLIP_MODEL = "ViT-B-32:openai"
+
+
+def _parse_options(pairs: Sequence[str]) -> dict[str, Any]:
+    """``["theta=12", "dense_layers=17,18"]`` -> ``{"theta": "12", "dense_layers": "17,18"}`` (typed later by the registry)."""
+    out: dict[str, Any] = {}
+    for p in pairs:
+        if "=" not in p:
+            raise AttnpatchError(f"option {p!r}: expected NAME=VALUE (e.g. -o theta=12, or METHOD:s=32)")
+        k, v = p.split("=", 1)
+        k = k.strip().replace("-", "_")
+        if k in out:
+            raise AttnpatchError(f"option {k} given twice ({k}={out[k]} and {k}={v.strip()}): give each option once")
+        out[k] = v.strip()
+    return out
+
+
+
+def _method_spec(spec: str, common: Sequence[str]) -> tuple[str, dict[str, Any]]:
+    """``"fna:s=32,sample_layer=0"`` -> ``("fna", {"s": "32", "sample_layer": "0"})``; ``-o`` options apply to every method."""
+    name, _, rest = spec.partition(":")
+    own = [p for p in rest.split(",") if p.strip()] if rest else []
+    return name, {**_parse_options(common), **_parse_options(own)}
+
+
+
+def _unique_settings(specs: Sequence[str], common: Sequence[str]) -> list[tuple[str, dict[str, Any]]]:
+    out = [_method_spec(m, common) for m in specs]
+    seen = set()
+    for m, o in out:
+        key = (m, tuple(sorted(o.items())))
+        if key in seen:
+            raise AttnpatchError(f"--method {m} with options {o or '{}'} is given twice")
+        seen.add(key)
+    return out
+
+
+
+def _int_at_least(text: str, lo: int, what: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < lo:
+        raise argparse.ArgumentTypeError(f"{value} is not {what}")
+    return value
+
+
+
+class _Repeatable(argparse.Action):
+    """A ``nargs="+"`` option that may also be repeated: ``--method a --method b`` keeps both
+    (argparse's default keeps the last); the values replace the default, they do not extend it."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        current = getattr(namespace, self.dest, None)
+        if current is None or current is self.default:
+            current = []
+        setattr(namespace, self.dest, [*current, *values])
+
+
+
+def _positive_int(text: str) -> int:
+    return _int_at_least(text, 1, "a positive integer")
+
+
+
+def _nonnegative_int(text: str) -> int:
+    return _int_at_least(text, 0, "an integer >= 0")
+
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"{value} is not in [0, 1]")
+    return value
+
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        val = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 < val < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text}: must be a positive number of seconds")
+    return val
+
+
+
+def _slug(s: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", s).strip("-")
+
+
+
+def _fmt_opts(opts: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in opts.items()) if opts else ""
+
+
+
+def _interrupted(args, stop, json_path: str | None, markdown: str | None) -> int:
+    """After Ctrl-C in an eval: the finished part is in ``stop.partial`` (its JSON already written to
+    ``json_path`` by the caller); write ``markdown`` to ``--markdown``, say so in one line, return 130."""
+    from ..evals.report import write_text
+
+    if stop.partial is None:
+        print(f"attnpatch: interrupted (Ctrl-C) before any result was finished ({stop.done or 'nothing done'}); nothing written", file=sys.stderr)
+        return 130
+    wrote = [json_path] if json_path else []
+    if markdown and getattr(args, "markdown", None):
+        write_text(args.markdown, markdown)
+        wrote.append(args.markdown)
+    print(
+        f"attnpatch: interrupted (Ctrl-C) after {stop.done}; wrote the finished part to {' and '.join(wrote) or 'nothing'} "
+        f"(marked \"interrupted\": true)",
+        file=sys.stderr,
+    )
+    return 130
+
+
+
+def _json_path(args) -> str:
+    """``--json``, or the default ``<eval>_<model>_<methods>.json``."""
+    return args.json or f"{_slug(args.eval)}_{_slug(args.model)}_{_slug('+'.join(args.method))}.json"
+
+
+
+def _report(args, title: str, rows, columns, result: dict[str, Any], interrupted=None) -> int:
+    """Print the table, write the JSON (``--json``, default ``<eval>_<model>_<methods>.json``) and the optional Markdown.
+
+    With ``interrupted`` (an :class:`~attnpatch.evals.report.EvalInterrupted`), ``result`` is the
+    finished part: it is written (no table printed), and the exit status is 130."""
+    from ..evals.report import print_table, rows_to_markdown, write_json, write_text
+
+    path = _json_path(args)
+    if interrupted is not None:
+        write_json(path, result)
+        return _interrupted(args, interrupted, path, f"### {title} (interrupted: {interrupted.done})\n\n" + rows_to_markdown(rows, columns) + "\n")
+    print_table(rows, columns, title=title)
+    write_json(path, result)
+    print(f"wrote {path}")
+    if args.markdown:
+        write_text(args.markdown, f"### {title}\n\n" + rows_to_markdown(rows, columns) + "\n")
+        print(f"wrote {args.markdown}")
+    return 0
+
+
+
+def _check_outputs(*flags: tuple[str, str | None]) -> None:
+    """Fail before any work when an output file cannot be written: it is a directory, it lies under
+    a file, its folder (or the nearest existing folder above a missing one, which will be created)
+    does not accept a new file, the file exists and cannot be written, or two outputs share a path.
+
+    ``flags`` are ``(flag, path)`` pairs, e.g. ``("--json", "r.json")``; ``None`` paths are skipped.
+    Nothing is left behind by the check.
+    """
+    import os
+    import tempfile
+    from pathlib import Path
+
+    seen: dict[str, str] = {}
+    for flag, path in flags:
+        if not path:
+            continue
+        p = Path(path).expanduser()
+        if p.is_dir():
+            raise AttnpatchError(f"{flag} {path}: is a directory; give a file path")
+        key = os.path.abspath(p)
+        if key in seen:
+            raise AttnpatchError(f"{flag} {path}: the same file as {seen[key]}; give different paths")
+        seen[key] = f"{flag} {path}"
+        parent = next((x for x in Path(key).parents if x.exists()), None)
+        if parent is not None and not parent.is_dir():
+            raise AttnpatchError(f"{flag} {path}: {parent} is a file, not a folder")
+        try:
+            if p.exists():
+                with open(p, "a"):
+                    pass
+            else:
+                with tempfile.NamedTemporaryFile(dir=parent, prefix=".attnpatch-write-test-"):
+                    pass
+        except OSError as err:
+            what = f"cannot write {p}" if p.exists() else f"cannot create a file in {parent}"
+            raise AttnpatchError(f"{flag} {path}: {what} ({err.strerror or err})") from None
+
+
+
+def _check_out_paths(**paths: str | None) -> None:
+    """Fail before any work when an output path cannot be written (a directory, or under a file)."""
+    from pathlib import Path
+
+    for flag, path in paths.items():
+        if not path:
+            continue
+        p = Path(path)
+        if p.is_dir():
+            raise AttnpatchError(f"--{flag.replace('_', '-')} {path}: is a directory; give a file path")
+        parent = next((x for x in p.parents if x.exists()), None)
+        if parent is not None and not parent.is_dir():
+            raise AttnpatchError(f"--{flag.replace('_', '-')} {path}: {parent} is a file, not a folder")
+
+
+
+def _progress_line(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+
+@contextlib.contextmanager
+def _image_progress(label: str, total: int):
+    """A progress bar over ``total`` images; yields the ``progress(done, total)`` callback the evals take
+    (plain lines on stderr when the output is not a terminal)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from rich.markup import escape
+
+    with Progress(TextColumn(f"[bold]{escape(label)}[/bold]"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()) as prog:
+        bar = prog.add_task("", total=total)
+
+        def progress(done: int, total: int) -> None:
+            prog.update(bar, completed=done)
+            if not prog.console.is_terminal:
+                print(f"[{done}/{total}] images", file=sys.stderr, flush=True)
+
+        yield progress
+
+
+
+def _device(name: str) -> str:
+    """``--device``: ``auto`` resolved (cuda if available, else cpu), and a clear error for a device this
+    machine cannot use (allowed: cpu, cuda, cuda:N)."""
+    import torch
+
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise AttnpatchError(f"--device {name!r}: not a device name (allowed: auto, cpu, cuda, cuda:N)") from None
+    if dev.type == "cpu":
+        return name
+    if dev.type != "cuda":
+        raise AttnpatchError(f"--device {name!r}: only cpu and cuda are supported")
+    if not torch.cuda.is_available():
+        raise AttnpatchError(f"--device {name!r}: CUDA is not available on this machine (allowed here: cpu)")
+    if dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise AttnpatchError(f"--device {name!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return name

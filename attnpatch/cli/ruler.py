@@ -1,0 +1,104 @@
+"""``attnpatch eval ruler``: RULER-style long-context tasks on a causal LM, dense vs patched."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from .common import (
+    DEFAULT_MODEL,
+    _check_outputs,
+    _fmt_opts,
+    _fraction,
+    _interrupted,
+    _parse_options,
+    _positive_int,
+    _Repeatable,
+    _slug,
+)
+
+
+def _cmd_eval_ruler(args) -> int:
+    import torch
+    from rich.markup import escape
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from ..checkpoints import load_causal_lm
+    from ..evals import ruler_tasks
+    from ..evals.report import RULER_COLUMNS, EvalInterrupted, machine_info, print_table, rows_to_markdown, write_json, write_text
+    from ..evals.ruler import run_ruler
+    from ..patchers.registry import get_method, validate_options
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    # fail before loading the model; a method without options (``dense``) validates to {}
+    options = validate_options(get_method(args.method), _parse_options(args.option))
+    tasks = args.tasks or ["niah_single"]
+    if tasks == ["all"]:
+        tasks = list(ruler_tasks.TASKS)
+    path = args.json or f"ruler_{_slug(args.model)}_{_slug(args.method)}.json"
+    _check_outputs(("--json", path), ("--markdown", args.markdown))  # before the long work, not after it
+    model, tok = load_causal_lm(args.model)
+    total = len(tasks) * len(args.lengths) * args.samples
+    with Progress(
+        TextColumn("[bold]ruler[/bold]"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("{task.description}"),
+        transient=False,
+    ) as prog:
+        bar = prog.add_task("", total=total)
+
+        def progress(msg: str) -> None:
+            prog.update(bar, advance=1, description=escape(msg))  # task text, not rich markup
+            if not prog.console.is_terminal:  # a log file gets one plain line per sample
+                done = int(prog.tasks[0].completed)
+                print(f"[{done}/{total}] {msg}", file=sys.stderr, flush=True)
+
+        machine = machine_info()
+
+        def save(partial: dict[str, Any], complete: bool = False) -> None:
+            write_json(path, {**partial, "model": args.model, "machine": machine, "complete": complete})
+
+        try:
+            result = run_ruler(
+                model, tok, method=args.method, options=options, tasks=tasks, lengths=args.lengths,
+                num_samples=args.samples, seed=args.seed, depths=args.depths, haystack=args.haystack,
+                recall=not args.no_recall, recall_samples=args.recall_samples, progress=progress, on_cell=save,
+            )
+        except EvalInterrupted as stop:
+            result = stop.partial
+            if result is not None:
+                save(result)  # "interrupted": true is in the partial result
+            return _interrupted(args, stop, path, result and (
+                f"### RULER-style eval — {args.model} — {args.method} {_fmt_opts(result['options'])} (interrupted: {stop.done})\n\n"
+                + rows_to_markdown(result["cells"], RULER_COLUMNS) + "\n"
+            ))
+    save(result, complete=True)
+    title = f"RULER-style eval — {args.model} — {args.method} {_fmt_opts(result['options'])}"
+    print_table(result["cells"], RULER_COLUMNS, title=title)
+    print(f"wrote {path}")
+    if args.markdown:
+        write_text(args.markdown, f"### {title}\n\n" + rows_to_markdown(result["cells"], RULER_COLUMNS) + "\n")
+        print(f"wrote {args.markdown}")
+    return 0
+
+
+
+def add_parser(esub) -> None:
+    """Register ``eval ruler`` on the ``eval`` subparsers."""
+    from ..evals import ruler_tasks
+
+    pr = esub.add_parser("ruler", help="RULER-style long-context tasks (needle-in-a-haystack and friends)")
+    pr.add_argument("--model", default=DEFAULT_MODEL, help="catalogue name, local directory or hub id (default: %(default)s)")
+    pr.add_argument("--method", default="anchor_attention", help="registered method, or 'dense' for a baseline-only run")
+    pr.add_argument("-o", "--option", action="append", default=[], metavar="NAME=VALUE", help="method option, repeatable (e.g. -o theta=12)")
+    pr.add_argument("--tasks", nargs="+", action=_Repeatable, choices=list(ruler_tasks.TASKS) + ["all"], help="default: niah_single")
+    pr.add_argument("--lengths", nargs="+", action=_Repeatable, type=_positive_int, default=[1024, 2048, 4096], help="context lengths in model tokens")
+    pr.add_argument("--samples", type=_positive_int, default=10, help="samples per (task, length) cell (default: %(default)s)")
+    pr.add_argument("--seed", type=int, default=0)
+    pr.add_argument("--depths", nargs="+", action=_Repeatable, type=_fraction, help="needle depths in [0, 1], cycled over samples")
+    pr.add_argument("--haystack", choices=["repeat", "essay"], default="repeat")
+    pr.add_argument("--no-recall", action="store_true", help="skip the attention-recall measuring pass")
+    pr.add_argument("--recall-samples", type=_positive_int, metavar="N", help="measure recall on the first N samples of each cell only (default: all)")
+    pr.add_argument("--json", help="result JSON path, rewritten after every finished cell (default: ruler_<model>_<method>.json)")
+    pr.add_argument("--markdown", help="also write the table as Markdown to this path")
+    pr.add_argument("--threads", type=_positive_int, help="torch CPU threads")
+    pr.set_defaults(func=_cmd_eval_ruler)

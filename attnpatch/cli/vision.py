@@ -1,0 +1,95 @@
+"""``attnpatch eval {fidelity,knn,linear-probe,retrieval}``: frozen ViT features, dense vs patched."""
+
+from __future__ import annotations
+
+from .common import (
+    DEFAULT_VISION_MODEL,
+    _check_outputs,
+    _image_progress,
+    _interrupted,
+    _json_path,
+    _method_spec,
+    _positive_int,
+    _Repeatable,
+    _report,
+)
+
+VISION_EVALS = {"fidelity": "fidelity", "knn": "knn", "linear-probe": "linear_probe", "retrieval": "retrieval"}
+
+
+def _load_images_and_model(args):
+    from ..checkpoints import load_vision_model
+    from ..evals.images import fit_resolution, load_image_set, make_preprocess
+    from ..evals.vision import patch_size
+    from ..fetch import _stderr
+
+    images = load_image_set(args.data, limit=args.limit)
+    model, processor = load_vision_model(args.model, backend=args.backend)
+    resolution = fit_resolution(args.resolution, patch_size(model), log=_stderr, what="--resolution")
+    return images, model, make_preprocess(processor, resolution)
+
+
+
+def _cmd_eval_vision(args) -> int:
+    import torch
+
+    from ..evals.report import VISION_COLUMNS, EvalInterrupted, machine_info, vision_rows
+    from ..evals.vision import run_feature_eval
+    from ..patchers.registry import get_method, validate_options
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    task = VISION_EVALS[args.eval]
+    tasks = ["fidelity", "knn"] if task == "fidelity" else [task]
+    settings = []
+    for spec in args.method:
+        method, opts = _method_spec(spec, args.option)
+        validate_options(get_method(method), opts)  # fail before loading anything
+        settings.append((method, opts))
+    _check_outputs(("--json", _json_path(args)), ("--markdown", args.markdown))
+    images, model, preprocess = _load_images_and_model(args)
+    stop = None
+    with _image_progress(args.eval, len(images)) as progress:
+        try:
+            result = run_feature_eval(
+                model, images, preprocess, settings=settings, tasks=tasks, batch_size=args.batch_size,
+                layer_error_images=args.layer_error_images, knn_k=args.k, progress=progress,
+            )
+        except EvalInterrupted as exc:
+            stop, result = exc, exc.partial
+    if stop is not None and result is None:
+        return _interrupted(args, stop, None, None)
+    result.update(model=args.model, backend=args.backend, data=args.data or "default", eval=args.eval, machine=machine_info())
+    rows = vision_rows(result)
+    title = f"{args.eval} — {args.model} ({args.backend}) — {images.name}, {result['n_images']} images, {result['resolution']} px"
+    return _report(args, title, rows, VISION_COLUMNS, result, interrupted=stop)
+
+
+
+def vision_common(q) -> None:
+    """The ViT options shared by the feature evals and ``sinks``: model, backend, data, resolution, limit, threads."""
+    q.add_argument("--model", default=DEFAULT_VISION_MODEL, help="catalogue name, local directory or hub id (default: %(default)s)")
+    q.add_argument("--backend", choices=["hf", "timm"], default="hf", help="model implementation (default: %(default)s)")
+    q.add_argument("--data", help="imagefolder directory or hub dataset id (default: the embedded image set)")
+    q.add_argument("--resolution", type=_positive_int, help="input size in pixels (square; position embeddings interpolated)")
+    q.add_argument("--limit", type=_positive_int, help="use at most this many images")
+    q.add_argument("--threads", type=_positive_int, help="torch CPU threads")
+
+
+def add_parser(esub) -> None:
+    """Register the four feature evals on the ``eval`` subparsers."""
+    for name, task in VISION_EVALS.items():
+        pv = esub.add_parser(name, help=f"{task.replace('_', ' ')} on frozen ViT features, dense vs patched")
+        vision_common(pv)
+        pv.add_argument(
+            "--method", nargs="+", action=_Repeatable, default=["fna"], metavar="METHOD[:NAME=VALUE,...]",
+            help="registered method(s), each compared with dense in the same run; options per method after a colon "
+            "(e.g. fna:s=32 fna:s=128,sample_layer=0 sink_mask); -o options apply to every method",
+        )
+        pv.add_argument("-o", "--option", action="append", default=[], metavar="NAME=VALUE", help="method option, repeatable (e.g. -o s=64)")
+        pv.add_argument("--batch-size", type=_positive_int, default=16)
+        pv.add_argument("--layer-error-images", type=int, default=32, help="images on which per-layer errors are measured (fidelity)")
+        pv.add_argument("--k", type=_positive_int, default=20, help="k-NN neighbours (default: %(default)s)")
+        pv.add_argument("--json", help="result JSON path (default: <eval>_<model>_<method>.json)")
+        pv.add_argument("--markdown", help="also write the table as Markdown to this path")
+        pv.set_defaults(func=_cmd_eval_vision)
