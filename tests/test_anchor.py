@@ -160,9 +160,9 @@ def test_bf16_and_shapes():
         (dict(pool_stride=0), "pool_stride=0"),
         (dict(pool_stride=48), "pool_stride=48 does not divide block_size=128"),
         (dict(dense_last=-1), "dense_last=-1"),
-        (dict(kernel="cuda"), "kernel='cuda': must be one of 'auto', 'compiled', 'torch'"),
-        (dict(select_dtype="float16"), "select_dtype='float16': must be one of 'float32', 'bfloat16'"),
-        (dict(guard="local"), "guard='local': must be one of 'global', 'causal'"),
+        (dict(kernel="cuda"), "kernel='cuda': allowed values are 'auto', 'compiled', 'torch'"),
+        (dict(select_dtype="float16"), "select_dtype='float16': allowed values are 'float32', 'bfloat16'"),
+        (dict(guard="local"), "guard='local': allowed values are 'global', 'causal'"),
     ],
 )
 def test_config_errors_name_the_value(kw, match):
@@ -187,7 +187,8 @@ def test_right_padding_matches_reference_and_sequence_alone():
 def test_both_attend_paths_agree(lq, lk, hkv, dtype):
     """The CPU two-part path (diagonal + gathered keys merged by log-sum-exp) and the one-call masked path
     (used on other devices and with inner padding) give the same output."""
-    from attnpatch.attention.anchor import _geometry, _select, _sparse_attend
+    from attnpatch.attention.anchor.attend import _sparse_attend
+    from attnpatch.attention.anchor.select import _geometry, _select
 
     q, k, v, _ = _inputs(2, 4, hkv, lq, lk, 8, seed=11)
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
@@ -206,7 +207,8 @@ def test_both_attend_paths_agree(lq, lk, hkv, dtype):
 def test_recall_guard_makes_low_recall_heads_dense_like_the_reference(pad):
     """min_recall: heads whose kept keys carry too little exact mass on the probe blocks attend densely;
     the fast path and the explicit reference agree on which heads and on the outputs."""
-    from attnpatch.attention.anchor import _geometry, _probe_recall, _select
+    from attnpatch.attention.anchor.guard import _probe_recall
+    from attnpatch.attention.anchor.select import _geometry, _select
 
     b, h, hkv, n, d = 2, 6, 2, 64, 8
     q, k, v, kv = _inputs(b, h, hkv, n, n, d, pad=pad, seed=21)
@@ -239,7 +241,7 @@ def test_chunking_and_bucketing_do_not_change_the_result(monkeypatch, pad):
     """The stripe selection runs in chunks of query blocks times tiles of keys and the attention in buckets
     of groups; with tiny budgets (one block, 5 keys, one group at a time) the stripes are identical
     and the outputs agree with the reference."""
-    import attnpatch.attention.anchor as A
+    from attnpatch.attention.anchor import tiles
 
     q, k, v, kv = _inputs(2, 6, 2, 72, 72, 8, pad=pad, seed=31)
     cfg = AnchorConfig(
@@ -247,10 +249,10 @@ def test_chunking_and_bucketing_do_not_change_the_result(monkeypatch, pad):
     )
     keep = select_stripes(q, k, cfg, scale=8**-0.5, key_valid=kv)
     out = anchor_attention(q, k, v, cfg, scale=8**-0.5, key_valid=kv)[0]
-    monkeypatch.setattr(A, "_SELECT_CHUNK_ELEMENTS", 1)
-    monkeypatch.setattr(A, "_SELECT_ROWS", 1)
-    monkeypatch.setattr(A, "_SELECT_MIN_TILE", 5)  # key tiles of 5 keys: tiles end inside blocks
-    monkeypatch.setattr(A, "_CHUNK_ELEMENTS", 2)
+    monkeypatch.setattr(tiles, "SELECT_CHUNK_ELEMENTS", 1)
+    monkeypatch.setattr(tiles, "SELECT_ROWS", 1)
+    monkeypatch.setattr(tiles, "SELECT_MIN_TILE", 5)  # key tiles of 5 keys: tiles end inside blocks
+    monkeypatch.setattr(tiles, "CHUNK_ELEMENTS", 2)
     keep_small = select_stripes(q, k, cfg, scale=8**-0.5, key_valid=kv)
     out_small = anchor_attention(q, k, v, cfg, scale=8**-0.5, key_valid=kv)[0]
     ref, _ = anchor_attention_reference(q, k, v, cfg, scale=8**-0.5, key_valid=kv)
@@ -275,18 +277,18 @@ def test_chunking_and_bucketing_do_not_change_the_result(monkeypatch, pad):
 def test_compiled_kernel_matches_torch_path(monkeypatch, b, h, hkv, lq, lk, d, bq, kv_tile, q_tile, theta):
     """The compiled kernel (gather fused into an online-softmax loop, diagonal block last, long blocks taken a
     few query rows at a time) gives the PyTorch path's output for the same stripes, whatever the tiles."""
-    import attnpatch.attention.anchor as A
+    from attnpatch.attention.anchor import attend, select, tiles
 
     _need_compiled()
-    monkeypatch.setattr(A, "_KV_TILE", kv_tile)
-    monkeypatch.setattr(A, "_Q_TILE", q_tile)
+    monkeypatch.setattr(tiles, "KV_TILE", kv_tile)
+    monkeypatch.setattr(tiles, "Q_TILE", q_tile)
     q, k, v, _ = _inputs(b, h, hkv, lq, lk, d, seed=5)
     k = k.transpose(2, 3).contiguous().transpose(2, 3)  # non-contiguous keys, as models hand them over
     kw = dict(theta=theta, block_size=bq, init_block=4, local_window=bq, min_len=0, dense_last=0, pool_stride=None)
-    geo = A._geometry(q, k, AnchorConfig(**kw), lk - lq, None)
-    keep = A._select(q, k, AnchorConfig(**kw), d**-0.5, geo)
-    compiled = A._sparse_attend(q, k, v, keep, geo, AnchorConfig(**kw, kernel="compiled"), d**-0.5)
-    torch_path = A._sparse_attend(q, k, v, keep, geo, AnchorConfig(**kw, kernel="torch"), d**-0.5)
+    geo = select._geometry(q, k, AnchorConfig(**kw), lk - lq, None)
+    keep = select._select(q, k, AnchorConfig(**kw), d**-0.5, geo)
+    compiled = attend._sparse_attend(q, k, v, keep, geo, AnchorConfig(**kw, kernel="compiled"), d**-0.5)
+    torch_path = attend._sparse_attend(q, k, v, keep, geo, AnchorConfig(**kw, kernel="torch"), d**-0.5)
     assert compiled.shape == (b, h, lq, d) and compiled.dtype == torch.float32
     assert (compiled - torch_path).abs().max() < 1e-5
 
@@ -303,11 +305,11 @@ def test_compiled_kernel_matches_torch_path(monkeypatch, b, h, hkv, lq, lk, d, b
 def test_compiled_selection_matches_torch_selection(monkeypatch, b, h, hkv, lq, lk, d, bq, stride, rows, tile, pad):
     """The compiled stripe selection (one parallel region over chunks of blocks x key tiles) keeps exactly
     the stripes the PyTorch path keeps, whatever the chunk and tile sizes."""
-    import attnpatch.attention.anchor as A
+    from attnpatch.attention.anchor import tiles
 
     _need_compiled()
-    monkeypatch.setattr(A, "_SELECT_KERNEL_ROWS", rows)
-    monkeypatch.setattr(A, "_SELECT_KERNEL_TILE", tile)
+    monkeypatch.setattr(tiles, "SELECT_KERNEL_ROWS", rows)
+    monkeypatch.setattr(tiles, "SELECT_KERNEL_TILE", tile)
     q, k, _, kv = _inputs(b, h, hkv, lq, lk, d, pad=pad, seed=9)
     k = k.transpose(2, 3).contiguous().transpose(2, 3)  # non-contiguous keys, as models hand them over
     kw = dict(theta=1.0, block_size=bq, init_block=4, local_window=bq, min_len=0, dense_last=0, pool_stride=stride)
@@ -402,17 +404,17 @@ def test_bad_inputs_name_the_value_on_every_path(change, match, kernel):
 def test_compiled_probe_matches_torch_probe(monkeypatch, b, h, hkv, lq, lk, d, bq, kv_tile, q_tile, probes):
     """The recall guard's probe (exact softmax mass on the kept keys of a few query blocks) in the compiled
     kernel, one pass of running sums over the causal keys, equals the PyTorch softmax per block."""
-    import attnpatch.attention.anchor as A
+    from attnpatch.attention.anchor import guard, select, tiles
 
     _need_compiled()
-    monkeypatch.setattr(A, "_KV_TILE", kv_tile)
-    monkeypatch.setattr(A, "_Q_TILE", q_tile)
+    monkeypatch.setattr(tiles, "KV_TILE", kv_tile)
+    monkeypatch.setattr(tiles, "Q_TILE", q_tile)
     q, k, _, _ = _inputs(b, h, hkv, lq, lk, d, seed=9)
     kw = dict(theta=1.0, block_size=bq, init_block=4, local_window=bq, min_len=0, dense_last=3, pool_stride=None,
               recall_probes=probes)
-    geo = A._geometry(q, k, AnchorConfig(**kw), lk - lq, None)
-    keep = A._select(q, k, AnchorConfig(**kw), d**-0.5, geo)
-    rec_c = A._probe_recall(q, k, keep, geo, AnchorConfig(**kw, kernel="compiled"), d**-0.5, lq - 3)
-    rec_t = A._probe_recall(q, k, keep, geo, AnchorConfig(**kw, kernel="torch"), d**-0.5, lq - 3)
+    geo = select._geometry(q, k, AnchorConfig(**kw), lk - lq, None)
+    keep = select._select(q, k, AnchorConfig(**kw), d**-0.5, geo)
+    rec_c = guard._probe_recall(q, k, keep, geo, AnchorConfig(**kw, kernel="compiled"), d**-0.5, lq - 3)
+    rec_t = guard._probe_recall(q, k, keep, geo, AnchorConfig(**kw, kernel="torch"), d**-0.5, lq - 3)
     assert 0.3 < float(rec_t.mean()) < 0.99  # kept stripes carry part of the mass, not all
     assert (rec_c - rec_t).abs().max() < 1e-5

@@ -15,14 +15,12 @@ import torch
 import attnpatch
 from attnpatch.attention.anchor import (
     AnchorConfig,
-    _causal_guard,
-    _causal_probe_blocks,
-    _geometry,
-    _select,
     anchor_attention,
     anchor_attention_reference,
     dense_causal_attention,
 )
+from attnpatch.attention.anchor.guard import _causal_guard, _causal_probe_blocks
+from attnpatch.attention.anchor.select import _geometry, _select
 from attnpatch.errors import OptionError
 
 BLOCK = 32
@@ -191,7 +189,7 @@ def _guarded_fraction(q, k, cfg, scale, q_offset=0):
 def test_global_guard_attention_depends_on_a_later_key():
     """The fault on the attention function: a key in the last block moves a head's probe recall across
     min_recall, and with it the outputs of the first blocks."""
-    from attnpatch.attention.anchor import _probe_recall
+    from attnpatch.attention.anchor.guard import _probe_recall
 
     q, k, v = _qkv(1, 6, 2, 96, 8, seed=21)
     scale = 8**-0.5
@@ -347,16 +345,16 @@ def test_dense_rows_are_exact_causal_attention(monkeypatch, lse, q_offset, r0, r
     """The guarded blocks' dense rows on the PyTorch path: flash attention over the keys before the rows
     merged with causal attention over their own keys, or (other devices, inner padding) masked attention in
     chunks of rows; both equal exact causal attention for the selected heads and give zeros elsewhere."""
-    import attnpatch.attention.anchor as A
+    from attnpatch.attention.anchor import attend, tiles
 
     if not lse:
-        monkeypatch.setattr(A, "_lse_path_ok", lambda q, geo: False)
-        monkeypatch.setattr(A, "_CHUNK_ELEMENTS", 7 * (90 + q_offset))  # chunks of 7 rows
+        monkeypatch.setattr(attend, "_lse_path_ok", lambda q, geo: False)
+        monkeypatch.setattr(tiles, "CHUNK_ELEMENTS", 7 * (90 + q_offset))  # chunks of 7 rows
     q, k, v = _qkv(2, 6, 2, 90 + q_offset, 16, seed=8)
     q = q[:, :, q_offset:]
     geo = _geometry(q, k, AnchorConfig(block_size=8, init_block=4, local_window=8), q_offset, None)
     heads = torch.tensor([True, False, True, True, False, False])
-    out = A._dense_rows(q, k, v, heads, 0.25, geo, r0, r1)
+    out = attend._dense_rows(q, k, v, heads, 0.25, geo, r0, r1)
     ref = dense_causal_attention(q, k, v, scale=0.25, q_offset=q_offset)[:, :, r0:r1]
     assert float((out[:, heads] - ref[:, heads]).abs().max()) < 1e-5
     assert not bool(out[:, ~heads].any())

@@ -1,6 +1,7 @@
 """Method registry and model adapters.
 
-Layers, each importing only the ones below it: :mod:`.state` and :mod:`.options` ->
+Layers, each importing only the ones below it (and :mod:`attnpatch.options`, :mod:`attnpatch.errors`,
+:mod:`attnpatch.attention`): :mod:`.state` ->
 :mod:`.bench_hook` -> :mod:`.registry` (the method contract) -> :mod:`.runtime` (what adapters call)
 -> :mod:`.adapter` / :mod:`.adapters` and :mod:`.methods` -> :mod:`.api` (the public functions).
 """

@@ -1,6 +1,6 @@
 """The method contract (:class:`Method`), the registry of methods, and the validation of their options.
 
-A method is one :class:`Method` entry: its options (declared once, see :mod:`.options`), what it
+A method is one :class:`Method` entry: its options (declared once, see :mod:`attnpatch.options`), what it
 is and needs (exact or approximate, model kinds, the calls and model features it handles, the
 token roles it reads), the options that make it exact (:class:`ExactLimit`), a check of its
 options against the model (:class:`ModelGeometry`), and how to benchmark one attention layer
@@ -18,8 +18,8 @@ from typing import Any, Callable
 import torch
 
 from ..errors import OptionError, UnknownMethodError
+from ..options import Option
 from .bench_hook import BenchCase, BenchInputs, default_bench
-from .options import Option
 from .state import LayerRecord
 
 __all__ = [
@@ -104,7 +104,7 @@ class Method:
         name: registry key, e.g. ``"anchor_attention"``.
         summary: one line.
         source: paper and section the algorithm follows.
-        options: the method's options, by name (:func:`~attnpatch.patchers.options.options_of`).
+        options: the method's options, by name (:func:`~attnpatch.options.options_of`).
         model_kinds: model kinds it fits: ``"causal_lm"`` (decoder prefill), ``"vision"`` (bidirectional encoder).
         make_config: builds the config object from the validated option dict.
         forward: ``forward(config, q, k, v, ctx)`` with ``q`` ``[B, H, Lq, D]``, ``k, v``

@@ -1,7 +1,7 @@
 """``anchor_attention``: AnchorAttention sparse prefill for causal LMs (the math: :mod:`attnpatch.attention.anchor`).
 
-What each option does is declared once below (:data:`ANCHOR_OPTIONS`, defaults in
-:class:`~attnpatch.attention.anchor.AnchorConfig`); how the defaults were chosen and what they
+What each option does is declared once, on the fields of
+:class:`~attnpatch.attention.anchor.AnchorConfig` (kind, default, help, range); how the defaults were chosen and what they
 cost and keep is measured in BENCHMARKS.md and the README.
 """
 
@@ -12,44 +12,14 @@ from typing import Any
 
 import torch
 
-from ...attention.anchor import _GUARDS, _KERNELS, _SELECT_DTYPES, AnchorConfig, anchor_attention, select_stripes
+from ...attention.anchor import AnchorConfig, anchor_attention, select_stripes
 from ...errors import OptionError
 from ..bench_hook import BenchCase, BenchInputs
-from ..options import opt, options_of
+from ...options import options_of
 from ..registry import ExactLimit, Method, ModelGeometry, register_method
 from ..state import LayerContext, LayerRecord
 
-__all__ = ["ANCHOR", "ANCHOR_OPTIONS", "anchor_forward", "anchor_bench"]
-
-_LAYERS = "name model layers"
-
-#: One declaration per option of :class:`AnchorConfig` (its dataclass fields hold the defaults).
-ANCHOR_OPTIONS = {
-    "theta": opt("float", "stripe threshold on anchor - score, in logits (inf = dense, -inf = initial block + window only)",
-                 rule="must be a real number (inf and -inf allowed)"),
-    "block_size": opt("int", "queries per query block (tokens)", low=1, rule="must be an integer >= 1 (tokens)"),
-    "init_block": opt("int", "initial keys always kept (tokens)", low=1, rule="must be an integer >= 1 (tokens)"),
-    "local_window": opt("int", "keys before each block's end always kept (tokens, >= block_size)", low=1,
-                        rule="must be an integer >= 1 (tokens)"),
-    "min_len": opt("int", "prompts shorter than this run dense (tokens)", low=0, rule="must be an integer >= 0 (tokens)"),
-    "pool_stride": opt("int", "queries averaged per pool for stripe selection (tokens; None = block_size as in the paper, "
-                       "1 = per query; must divide block_size)", nullable=True, low=1, rule="must be None or an integer >= 1"),
-    "dense_last": opt("int", "the last n prompt queries attend densely (tokens)", low=0, rule="must be an integer >= 0 (tokens)"),
-    "dense_layers": opt("int_list", "layer indices that run dense attention", model_scope=_LAYERS),
-    "dense_heads": opt("pair_list", "(layer, head) pairs that run dense attention", model_scope=_LAYERS),
-    "min_recall": opt("float", "recall guard: heads whose kept keys carry less exact softmax mass than this on the probe "
-                      "blocks attend densely (0 = off)", low=0.0, high=1.0, rule="must be a number in [0, 1] (0 = off)"),
-    "recall_probes": opt("int", "query blocks the recall guard measures per layer (guard='global')", low=1,
-                         rule="must be an integer >= 1 (query blocks)"),
-    "guard": opt("str", "recall guard scope, 'causal' or 'global': causal = dense/sparse per query block from probe "
-                 "blocks at or before it (no output depends on later tokens); global = once per head from probes over "
-                 "the whole prompt", choices=_GUARDS),
-    "select_dtype": opt("str", "precision of the stripe-scoring product (bfloat16: faster selection on CPUs with native "
-                        "bfloat16)", choices=_SELECT_DTYPES),
-    "kernel": opt("str", "attention over kept stripes: auto = the compiled CPU kernel for float32 where it builds, else "
-                  "PyTorch operations", choices=_KERNELS),
-}
-
+__all__ = ["ANCHOR", "anchor_forward", "anchor_bench"]
 
 def anchor_forward(
     cfg: AnchorConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: LayerContext
@@ -137,7 +107,7 @@ ANCHOR = register_method(
         name="anchor_attention",
         summary="AnchorAttention sparse prefill: anchor-relative stripe selection, exact attention on kept keys; decoding dense",
         source="AnchorAttention, arXiv 2505.23520, Sec. 3 (Eq. 2-4)",
-        options=options_of(AnchorConfig, ANCHOR_OPTIONS),
+        options=options_of(AnchorConfig),
         model_kinds=frozenset({"causal_lm"}),
         make_config=_config,
         forward=anchor_forward,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..options import options_of
+from ...options import options_of
 from ..registry import Method, register_method
 from ..state import LayerContext, LayerRecord
 

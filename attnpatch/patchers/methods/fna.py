@@ -17,7 +17,7 @@ from ...attention.nystrom import PINV_MODES, STRATEGIES, exact_attention, nystro
 from ...attention.sinks import massive_tokens
 from ...errors import OptionError
 from ..bench_hook import BenchCase, BenchInputs
-from ..options import check_fields, opt, options_of
+from ...options import check_fields, opt, options_of
 from ..registry import ExactLimit, Method, ModelGeometry, register_method
 from ..state import LayerContext, LayerRecord
 from ._shared import check_call, repeat_kv, say

@@ -16,7 +16,7 @@ import torch
 from ...attention.nystrom import exact_attention
 from ...attention.sinks import attention_sinks, massive_tokens
 from ...errors import OptionError
-from ..options import check_fields, opt, options_of
+from ...options import check_fields, opt, options_of
 from ..registry import ExactLimit, Method, ModelGeometry, register_method
 from ..state import LayerContext, LayerRecord
 from ._shared import check_call, repeat_kv

@@ -6,11 +6,11 @@ An option is declared once, on the field of the method's config dataclass::
     class FNAConfig:
         s: int = field(default=64, metadata=opt("int", "landmarks per image (tokens)", low=1))
 
-or, for a config class that lives outside the patchers (``AnchorConfig`` in
-:mod:`attnpatch.attention.anchor`), in one ``{field: opt(...)}`` dict next to the method, the
-default still coming from the dataclass field.  :func:`options_of` builds the
-:class:`Option` objects the registry, ``patch()`` and the command line use; :func:`check_fields`
-lets a config's ``__post_init__`` run the same checks on a directly constructed config.
+:func:`options_of` builds the :class:`Option` objects the registry, ``patch()`` and the command
+line use; :func:`check_fields` lets a config's ``__post_init__`` run the same checks on a directly
+constructed config.  This module depends on :mod:`attnpatch.errors` only, so that configs that
+live with their math (``AnchorConfig`` in :mod:`attnpatch.attention.anchor`) declare their options
+the same way as the patchers' own.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import numbers
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import OptionError
+from .errors import OptionError
 
 __all__ = ["Option", "opt", "options_of", "check_fields", "KINDS"]
 
@@ -219,8 +219,7 @@ def opt(
 ) -> dict[str, Any]:
     """Field metadata declaring a config field as a method option (see :class:`Option` for the arguments).
 
-    Use as ``field(default=..., metadata=opt(...))``, or as a value of the ``declared`` dict of
-    :func:`options_of`.
+    Use as ``field(default=..., metadata=opt(...))``.
     """
     if kind not in KINDS:
         raise ValueError(f"option kind {kind!r}: one of {', '.join(KINDS)}")
@@ -229,26 +228,20 @@ def opt(
     return {_META_KEY: spec}
 
 
-def options_of(cls: type, declared: dict[str, dict[str, Any]] | None = None) -> dict[str, Option]:
-    """The :class:`Option` of every field of the config dataclass ``cls``, in field order.
-
-    Each field's declaration is its ``metadata=opt(...)``, or ``declared[name]`` (an :func:`opt`
-    result) for a class whose fields carry none; the default is the field's default.
+def options_of(cls: type) -> dict[str, Option]:
+    """The :class:`Option` of every field of the config dataclass ``cls``, in field order: each
+    field's ``metadata=opt(...)`` declaration with the field's default.
 
     Raises:
-        TypeError: a field without a declaration, or a declaration without a field.
+        TypeError: a field without a declaration.
     """
-    declared = dict(declared or {})
     out: dict[str, Option] = {}
     for f in dataclasses.fields(cls):
-        meta = f.metadata.get(_META_KEY) or declared.pop(f.name, {}).get(_META_KEY)
+        meta = f.metadata.get(_META_KEY)
         if meta is None:
             raise TypeError(f"{cls.__name__}.{f.name}: no option declaration (metadata=opt(...))")
-        declared.pop(f.name, None)
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
         out[f.name] = Option(f.name, default=default, **meta)
-    if declared:
-        raise TypeError(f"{cls.__name__}: declarations {sorted(declared)} name no field")
     return out
 
 

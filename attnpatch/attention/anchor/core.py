@@ -1,0 +1,222 @@
+"""``anchor_attention``: one call of AnchorAttention (selection, recall guard, sparse attention, dense rows),
+per sequence when padding differs between rows.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ...errors import OptionError
+from .attend import _compiled, _dense_heads, _dense_rows, _pair_counts, _sparse_attend, dense_causal_attention
+from .config import AnchorConfig, AnchorStats
+from .guard import _causal_guard, _kept_mass, _probe_recall
+from .select import _causal_keys, _check_inputs, _geometry, _select
+
+
+def anchor_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cfg: AnchorConfig,
+    *,
+    scale: float,
+    q_offset: int = 0,
+    key_valid: torch.Tensor | None = None,
+    dense_heads: list[int] | tuple[int, ...] = (),
+    return_stats: bool = False,
+    compute_recall: bool = False,
+) -> tuple[torch.Tensor, AnchorStats | None]:
+    """AnchorAttention sparse prefill (arXiv 2505.23520, Sec. 3, Eq. 2-4), fast batched implementation.
+
+    Selection (anchors, pooled scores) is computed in fp32 (the stripe-scoring product in
+    bfloat16 with ``select_dtype="bfloat16"``) on grouped query heads, without repeating keys.
+    Attention over kept stripes: float32 CPU tensors run the compiled kernel (``cfg.kernel``; each
+    (batch, head, query block) gathers its kept keys tile by tile inside an online-softmax loop,
+    K/V never repeated or copied whole); other inputs gather, per (batch, head, query block), the
+    kept keys padded to the largest kept set of a bucket of blocks sorted by kept count, and run
+    batched fused attention.  There is no Python loop over queries or heads (see ``_sparse_attend``).
+
+    Speed and recall of the defaults and of faster settings, against causal SDPA on captured inputs:
+    BENCHMARKS.md.  Heads the global recall
+    guard makes dense run PyTorch's fused causal attention (one call per key/value head, K/V not repeated);
+    blocks the causal guard makes dense run the compiled kernel over every causal key, or on the PyTorch path
+    fused attention over the rows from the first guarded block (:func:`_dense_rows`).
+
+    Args:
+        q: ``[B, H, Lq, D]`` queries at absolute positions ``q_offset .. q_offset+Lq-1``.
+        k, v: ``[B, Hkv, Lk, D]``, ``H % Hkv == 0``; ``Lk >= q_offset + Lq``.
+        cfg: :class:`AnchorConfig`.
+        scale: logit scale.
+        q_offset: absolute position of the first query (``Lk - Lq`` for a prompt continued on a cache).
+        key_valid: ``[B, Lk]`` bool, False at padding keys (left padding), or ``None``.
+        dense_heads: query-head indices that attend densely (all causal keys).
+        return_stats: also return :class:`AnchorStats` (sparsity, kept columns per block).
+        compute_recall: also fill ``AnchorStats.recall`` (exact softmax mass on kept keys; costs
+            one dense ``Q K^T`` pass in query chunks, never an ``Lq x Lk`` buffer).
+
+    Returns:
+        ``(out, stats)``: ``out`` is ``[B, H, Lq, D]`` in ``q.dtype``; queries with no valid key
+        (padding) give zeros.  ``stats`` is ``None`` unless requested.
+
+    Raises:
+        ValueError: inputs that do not fit: ranks, batch or head dim of ``q`` and ``k``, ``v`` shaped
+            unlike ``k``, ``H`` not a multiple of ``Hkv``, ``q_offset < 0`` or ``Lk < q_offset + Lq``,
+            ``key_valid`` not bool ``[B, Lk]``, a scale that is not a positive finite number.
+        OptionError: a ``dense_heads`` index outside ``0..H-1``; ``kernel="compiled"`` for inputs
+            it does not take.
+        RuntimeError: ``kernel="compiled"`` where the compiled kernel cannot be built.
+    """
+    _check_inputs(q, k, v, scale, q_offset, key_valid)
+    b, h, lq, d = q.shape
+    hkv = k.shape[1]
+    want_stats = return_stats or compute_recall
+    split = _split_padding(key_valid, q_offset, lq)
+    if split is not None:
+        return _per_sequence(
+            anchor_attention, q, k, v, cfg, split, scale=scale, q_offset=q_offset, key_valid=key_valid,
+            dense_heads=dense_heads, return_stats=return_stats, compute_recall=compute_recall,
+        )
+    n_dense = min(cfg.dense_last, lq)
+    ls = lq - n_dense  # queries that follow the sparse rule; the last n_dense attend densely
+    dense_set = sorted({int(x) for x in dense_heads})
+    if any(x < 0 or x >= h for x in dense_set):
+        raise OptionError(f"dense_heads={dense_set}: head indices must be in 0..{h - 1}")
+    geo = _geometry(q, k, cfg, q_offset, key_valid)
+    sparse_heads = [x for x in range(h) if x not in dense_set]
+    if cfg.theta == math.inf or not sparse_heads or ls == 0 or lq < cfg.min_len:
+        # every causal key is kept (or the prompt is shorter than min_len): exactly dense
+        out = dense_causal_attention(q, k, v, scale=scale, q_offset=q_offset, key_valid=key_valid)
+        stats = None
+        if want_stats:
+            causal = _pair_counts(None, geo, cfg)[0].expand(b, h).clone()
+            stats = AnchorStats(causal, causal.clone(), None, torch.ones_like(causal) if compute_recall else None)
+        return out, stats
+    g = h // hkv
+    if dense_set:
+        sidx = torch.tensor(sparse_heads, device=q.device)
+        qh, kh, vh = q.index_select(1, sidx), k.index_select(1, sidx // g), v.index_select(1, sidx // g)
+    else:
+        qh, kh, vh = q, k, v
+    keep = _select(qh, kh, cfg, scale, geo)
+    low = None  # [B, Hs, nb] bool: the (sequence, head, query block) triples the recall guard makes dense
+    if cfg.min_recall > 0 and cfg.guard == "global":  # heads that lose too much mass on the probe blocks
+        heads_low = _probe_recall(qh, kh, keep, geo, cfg, scale, ls) < cfg.min_recall  # [B, Hs]
+        low = heads_low[:, :, None].expand(-1, -1, geo.nb) if bool(heads_low.any()) else None
+    elif cfg.min_recall > 0:  # causal: blocks whose probes so far lost too much mass
+        low = _causal_guard(qh, kh, keep, geo, cfg, scale)
+    if low is None:
+        o = _sparse_attend(qh, kh, vh, keep, geo, cfg, scale)
+    elif cfg.guard == "causal" and _compiled(qh, geo, cfg) is not None:
+        # the compiled kernel takes a guarded block's every causal key at about the fused kernel's cost per pair
+        o = _sparse_attend(qh, kh, vh, torch.where(low[..., None], _causal_keys(geo)[:, None], keep), geo, cfg, scale)
+    else:
+        # guarded blocks gather nothing (diagonal block only) and take the fused dense result
+        o = _sparse_attend(qh, kh, vh, keep.masked_fill(low[..., None], False), geo, cfg, scale)
+        if cfg.guard == "global":
+            dense = _dense_heads(qh, kh, vh, low[:, :, 0].any(0), scale, q_offset, key_valid)
+            o = torch.where(low[:, :, :1, None], dense, o)
+        else:
+            r0 = int(low.any(1).any(0).nonzero()[0]) * cfg.block_size  # first guarded query row
+            if r0 < ls:  # rows from ls on attend densely anyway (dense_last)
+                rows = low.repeat_interleave(cfg.block_size, -1)[:, :, r0:ls, None]
+                dense = _dense_rows(qh, kh, vh, low.any(-1).any(0), scale, geo, r0, ls)
+                o[:, :, r0:ls] = torch.where(rows, dense, o[:, :, r0:ls])
+    if dense_set:
+        configured = torch.zeros(h, dtype=torch.bool, device=q.device)
+        configured[dense_set] = True
+        out = _dense_heads(q, k, v, configured, scale, q_offset, key_valid)
+        out[:, sidx] = o
+    else:
+        out = o
+    if n_dense:
+        out[:, :, ls:] = dense_causal_attention(
+            q[:, :, ls:], k, v, scale=scale, q_offset=q_offset + ls, key_valid=key_valid
+        )
+    if not want_stats:
+        return out, None
+    if low is not None:  # guarded blocks kept every causal key
+        keep = torch.where(low[..., None], _causal_keys(geo)[:, None], keep)
+    causal, kept_s = _pair_counts(keep, geo, cfg, dense_from=ls)
+    causal = causal.expand(b, h).clone()
+    kept = causal.clone()
+    kept[:, sparse_heads] = kept_s
+    kept_cols = torch.full((b, h, geo.nb), -1, dtype=torch.long, device=q.device)
+    kept_cols[:, sparse_heads] = keep.sum(-1)
+    stats = AnchorStats(causal, kept, kept_cols)
+    if compute_recall:
+        r = _kept_mass(qh, kh, keep, geo, cfg, scale)  # [B, Hs, Lq]
+        r[:, :, ls:] = 1.0
+        qv = geo.query_valid[:, :lq].double()
+        recall = torch.ones(b, h, dtype=torch.float64, device=q.device)
+        recall[:, sparse_heads] = (r * qv[:, None]).sum(-1) / qv.sum(-1).clamp(min=1)[:, None]
+        stats.recall = recall
+    return out, stats
+
+
+
+def _split_padding(key_valid: torch.Tensor | None, q_offset: int, lq: int) -> list[tuple[int, int]] | None:
+    """``(first, end)`` valid key range of each sequence when any sequence is padded, else ``None``.
+
+    Query blocks, the initial block, the local window and ``dense_last`` are defined relative
+    to each sequence's own first and last real tokens, so a padded sequence (left padding,
+    or right padding in a prompt) is computed exactly as it would be alone.
+    """
+    if key_valid is None:
+        return None
+    lk = key_valid.shape[1]
+    any_valid = key_valid.any(1)
+    first = torch.argmax(key_valid.to(torch.int8), dim=1)
+    end = lk - torch.argmax(key_valid.flip(1).to(torch.int8), dim=1)
+    first = torch.where(any_valid, first, 0)
+    end = torch.where(any_valid, end, 0)
+    # keys after the last query are empty cache slots or future tokens, not padding to strip
+    end = end.clamp(max=q_offset + lq)
+    if bool((first == 0).all()) and bool((end == q_offset + lq).all()):
+        return None
+    return [(int(a), int(e)) for a, e in zip(first, end)]
+
+
+def _per_sequence(fn, q, k, v, cfg, ranges, *, scale, q_offset, key_valid, dense_heads, return_stats, compute_recall):
+    """Run ``fn`` on each sequence with its padding stripped; padded query rows get zeros."""
+    b, h, lq, d = q.shape
+    out = torch.zeros_like(q)
+    parts = []
+    for bi, (p, e) in enumerate(ranges):
+        qi0 = min(lq, max(0, p - q_offset))
+        qi1 = max(qi0, min(lq, e - q_offset))
+        if qi1 <= qi0:
+            parts.append(None)
+            continue
+        kv = key_valid[bi : bi + 1, p:e]
+        o, st = fn(
+            q[bi : bi + 1, :, qi0:qi1], k[bi : bi + 1, :, p:e], v[bi : bi + 1, :, p:e], cfg, scale=scale,
+            q_offset=q_offset + qi0 - p, key_valid=None if bool(kv.all()) else kv, dense_heads=dense_heads,
+            **({"return_stats": return_stats, "compute_recall": compute_recall} if fn is anchor_attention else {}),
+        )
+        out[bi : bi + 1, :, qi0:qi1] = o
+        parts.append(st if fn is anchor_attention else (qi0, p, st))
+    if fn is not anchor_attention:  # the reference returns the kept mask [1, H, Lq', Lk']
+        kept = torch.zeros(b, h, lq, k.shape[2], dtype=torch.bool)
+        for bi, part in enumerate(parts):
+            if part is not None:
+                qi0, p, km = part
+                kept[bi, :, qi0 : qi0 + km.shape[2], p : p + km.shape[3]] = km[0]
+        return out, kept
+    if not (return_stats or compute_recall):
+        return out, None
+    zero = torch.zeros(1, h, dtype=torch.float64, device=q.device)
+    causal = torch.cat([zero if st is None else st.causal_pairs for st in parts])
+    kept = torch.cat([zero if st is None else st.kept_pairs for st in parts])
+    recall = None
+    if compute_recall:
+        recall = torch.cat([torch.ones_like(zero) if st is None else st.recall for st in parts])
+    nbs = [st.kept_columns.shape[-1] for st in parts if st is not None and st.kept_columns is not None]
+    cols = None
+    if nbs:
+        cols = torch.full((b, h, max(nbs)), -1, dtype=torch.long, device=q.device)
+        for bi, st in enumerate(parts):
+            if st is not None and st.kept_columns is not None:
+                cols[bi, :, : st.kept_columns.shape[-1]] = st.kept_columns[0]
+    return out, AnchorStats(causal, kept, cols, recall)
