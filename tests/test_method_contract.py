@@ -8,24 +8,24 @@ import dataclasses
 import math
 import re
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 import torch
 
 import attnpatch
-from attnpatch import OptionError, UnsupportedModelError, list_methods, patch, patched, unpatch
+from attnpatch import OptionError, UnsupportedModelError, list_methods, patch, patched
 from attnpatch.cli import main
 from attnpatch.evals.bench import bench_attention
+from attnpatch.options import KINDS
 from attnpatch.patchers.adapter import Adapter
 from attnpatch.patchers.adapters import ADAPTERS, HFAdapter
 from attnpatch.patchers.api import find_adapter, handle_of, prefix_tokens
 from attnpatch.patchers.methods import discover
-from attnpatch.patchers.options import KINDS
 from attnpatch.patchers.registry import METHODS, ModelGeometry, get_method, methods_markdown, register_method
 
 from conftest import tiny_causal_lm
+from throwaway_method import scaled_dense_source
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -218,52 +218,13 @@ class _nothing:
 # --------------------------------------------------------------------------- a new method is one new file
 
 
-_SCALED_DENSE = '''
-"""A throwaway method: exact attention with the logits multiplied by ``factor`` (1.0 = exact), through SDPA."""
-
-from dataclasses import dataclass, field
-
-import torch.nn.functional as F
-
-from attnpatch.patchers.options import check_fields, opt, options_of
-from attnpatch.patchers.registry import ExactLimit, Method, register_method
-from attnpatch.patchers.state import LayerRecord
-
-
-@dataclass(frozen=True)
-class ScaledConfig:
-    factor: float = field(default=1.0, metadata=opt("float", "multiplier of the attention logits", low=0.0, low_open=True))
-
-    def __post_init__(self):
-        check_fields(self)
-
-
-def forward(cfg, q, k, v, ctx):
-    lq, lk = q.shape[2], k.shape[2]
-    if ctx.key_valid is not None or ctx.q_offset != 0 or lq != lk:
-        return None, LayerRecord(ctx.layer, "dense:layout", lq, lk)
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=ctx.causal, scale=ctx.scale * cfg.factor,
-                                         enable_gqa=q.shape[1] != k.shape[1])
-    return out, LayerRecord(ctx.layer, "scaled", lq, lk)
-
-
-def one(tokens):
-    return {"factor": 1.0}
-
-
-register_method(Method(
-    name="contract_scaled_dense", summary="logits times factor, through SDPA (a test method)", source="a test",
-    options=options_of(ScaledConfig), model_kinds=frozenset({"causal_lm", "vision"}),
-    make_config=lambda o: ScaledConfig(**o), forward=forward, exact_limit_decl=ExactLimit(one, text="factor = 1"),
-))
-'''
 
 
 def test_a_new_method_file_is_discovered_patched_and_benchmarked(tmp_path, monkeypatch):
     pkg = tmp_path / "contract_methods"
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
-    (pkg / "scaled_dense.py").write_text(textwrap.dedent(_SCALED_DENSE))
+    (pkg / "scaled_dense.py").write_text(scaled_dense_source("contract_scaled_dense"))
     (pkg / "_helper.py").write_text("raise RuntimeError('modules starting with _ are not imported')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     try:
