@@ -35,3 +35,10 @@ class DataError(AttnpatchError, ValueError):
 class InferenceOnlyError(AttnpatchError, RuntimeError):
     """An approximate method called where it would be silently wrong at run time: with autograd on
     inputs that require grad (its gradients are not implemented), or with attention dropout in training mode."""
+
+
+def first_line(err: BaseException) -> str:
+    """The first line of ``err``'s message (its type name when the message is empty), for one-line errors
+    that wrap a library's exception."""
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__

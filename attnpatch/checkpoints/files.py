@@ -16,7 +16,7 @@ import os
 import shutil
 from pathlib import Path
 
-from ..errors import AttnpatchError, ModelNotFoundError, UnsupportedModelError
+from ..errors import AttnpatchError, ModelNotFoundError, UnsupportedModelError, first_line
 from ..fetch import _stderr, cache_dir, fetch_package_dir
 from .entries import CatalogueEntry, Log, _check_kind, _entry
 
@@ -198,11 +198,6 @@ _KIND_WORDS = {
 }
 
 
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
-
-
 def _check_safetensors(path: Path, fix: str) -> None:
     from safetensors import safe_open
 
@@ -211,7 +206,7 @@ def _check_safetensors(path: Path, fix: str) -> None:
             f.keys()
     except Exception as err:  # noqa: BLE001 - SafetensorError, OSError ...: all mean the file is unusable
         raise ModelFileError(
-            f"{path}: not a readable safetensors file ({type(err).__name__}: {_first_line(err)}); "
+            f"{path}: not a readable safetensors file ({type(err).__name__}: {first_line(err)}); "
             f"it is truncated or corrupt: {fix}"
         ) from None
 
@@ -241,9 +236,9 @@ def check_model_files(folder: str | os.PathLike, fix: str = "re-save or re-downl
         try:
             data = json.loads(f.read_text(encoding="utf-8"))
         except (ValueError, UnicodeDecodeError) as err:
-            raise ModelFileError(f"{f}: not valid JSON ({_first_line(err)}); the file is truncated or corrupt: {fix}") from None
+            raise ModelFileError(f"{f}: not valid JSON ({first_line(err)}); the file is truncated or corrupt: {fix}") from None
         except OSError as err:
-            raise ModelFileError(f"{f}: cannot be read ({err.strerror or _first_line(err)})") from None
+            raise ModelFileError(f"{f}: cannot be read ({err.strerror or first_line(err)})") from None
         if name.endswith(".index.json"):
             shards = sorted(set((data.get("weight_map") or {}).values())) if isinstance(data, dict) else []
             missing = [sh for sh in shards if not (folder / sh).is_file()]

@@ -11,12 +11,12 @@ import os
 import time
 from pathlib import Path
 
-from ..errors import ModelNotFoundError, OptionError, UnsupportedModelError
+from ..errors import ModelNotFoundError, OptionError, UnsupportedModelError, first_line
 from ..fetch import _stderr
 from ..hub import HUB_ID as _HUB_ID
 from ..hub import hub_cached_or_reachable, hub_offline
 from .entries import _LOADER, CATALOGUE, Log, _check_kind, _entry, _is_complete, _names, model_dir
-from .files import _TOKENIZER_FILES, ModelFileError, _config_kind, _first_line, _wrong_kind, check_model_files
+from .files import _TOKENIZER_FILES, ModelFileError, _config_kind, _wrong_kind, check_model_files
 from .from_gguf import _prepare_causal_lm
 from .from_onnx import _prepare_vision
 from .timm_dinov2 import _timm_dinov2
@@ -178,7 +178,7 @@ def load_causal_lm(name_or_path: str | os.PathLike, dtype=None, device="cpu", lo
             raise _hub_error(name, err) from err
         if not local:
             raise
-        raise ModelFileError(f"{folder.resolve()}: could not load the {what} ({type(err).__name__}: {_first_line(err)})") from err
+        raise ModelFileError(f"{folder.resolve()}: could not load the {what} ({type(err).__name__}: {first_line(err)})") from err
     _check_lm_tokenizer(tokenizer, folder.resolve() if local else name)
     model = model.to(device).eval()
     log(f"loaded {type(model).__name__} in {time.perf_counter() - t0:.2f} s")
@@ -191,7 +191,7 @@ def _check_lm_tokenizer(tokenizer, where) -> None:
     try:
         ids = tokenizer("The grass is green. 1234567", add_special_tokens=False)["input_ids"]
     except Exception as err:  # noqa: BLE001
-        raise ModelFileError(f"{where}: the tokenizer cannot encode text ({type(err).__name__}: {_first_line(err)})") from err
+        raise ModelFileError(f"{where}: the tokenizer cannot encode text ({type(err).__name__}: {first_line(err)})") from err
     if not ids:
         raise ModelFileError(
             f"{where}: the tokenizer ({type(tokenizer).__name__}) has a vocabulary of {len(tokenizer)} token(s) and encodes "
@@ -277,7 +277,7 @@ def load_vision_model(
             raise _hub_error(name, err, kind="vision") from err
         if not local:
             raise
-        raise ModelFileError(f"{folder.resolve()}: could not load the {what} ({type(err).__name__}: {_first_line(err)})") from err
+        raise ModelFileError(f"{folder.resolve()}: could not load the {what} ({type(err).__name__}: {first_line(err)})") from err
     if backend == "timm":
         model = _timm_dinov2(hf.config, hf.state_dict())
         del hf

@@ -14,14 +14,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import AttnpatchError, DataError
+from ..errors import AttnpatchError, DataError, first_line
 
 __all__ = ["WIDE_GRAY_MODES", "check_image_files", "decode_image", "image_files"]
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
 
 
 def decode_image(image_set, j: int):
@@ -34,7 +29,7 @@ def decode_image(image_set, j: int):
         files = getattr(image_set, "file_paths", None)
         where = files[j] if files and files[j] else f"{image_set.name}: image {j} (row {int(image_set.rows[j])})"
         raise DataError(
-            f"{where}: cannot decode the image ({type(err).__name__}: {_first_line(err)}); remove it from the set "
+            f"{where}: cannot decode the image ({type(err).__name__}: {first_line(err)}); remove it from the set "
             f"(or replace it) and run again"
         ) from None
 
@@ -112,11 +107,11 @@ def check_image_files(files: Sequence, name: str = "") -> None:
                         try:
                             im.load()
                         except Exception as err:  # noqa: BLE001
-                            why = f"a truncated or corrupt {fmt} file ({_first_line(err)})"
+                            why = f"a truncated or corrupt {fmt} file ({first_line(err)})"
             except (KeyboardInterrupt, AttnpatchError):
                 raise
             except Exception as err:  # noqa: BLE001 - PIL.UnidentifiedImageError, OSError, SyntaxError ...
-                why = f"not an image file PIL can read ({type(err).__name__}: {_first_line(err)})"
+                why = f"not an image file PIL can read ({type(err).__name__}: {first_line(err)})"
         if why:
             bad.append((str(path), why))
     if bad:
