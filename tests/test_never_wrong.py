@@ -249,6 +249,24 @@ def test_repr_shows_the_patch_and_unpatch_removes_it():
     assert repr(model) == before
 
 
+def test_readme_names_is_patched_and_patch_info_and_they_answer():
+    """The README's "Seeing the patch" names both functions; they answer as it says (method, options, kind, layers)."""
+    from pathlib import Path
+
+    import attnpatch
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert "`attnpatch.is_patched(model)`" in readme and "`attnpatch.patch_info(model)`" in readme
+    model = _llama()
+    assert not attnpatch.is_patched(model) and attnpatch.patch_info(model) is None
+    with patched(model, "anchor_attention", theta=8.0):
+        info = attnpatch.patch_info(model)
+        assert attnpatch.is_patched(model)
+        assert info["method"] == "anchor_attention" and info["options"]["theta"] == 8.0
+        assert info["kind"] == "causal_lm" and info["layers"] == len(model.model.layers)
+    assert not attnpatch.is_patched(model)
+
+
 def test_open_clip_convnext_refusal_does_not_suggest_patching_the_trunk():
     open_clip = pytest.importorskip("open_clip")
     with warnings.catch_warnings():
