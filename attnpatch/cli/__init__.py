@@ -23,7 +23,6 @@ from .common import (  # noqa: F401
     DEFAULT_CLIP_MODEL,
     DEFAULT_MODEL,
     DEFAULT_VISION_MODEL,
-    _check_out_paths,
     _check_outputs,
     _device,
     _method_spec,

@@ -8,7 +8,7 @@ from ..errors import AttnpatchError
 from .common import (
     DEFAULT_MODEL,
     DEFAULT_VISION_MODEL,
-    _check_out_paths,
+    _check_outputs,
     _device,
     _nonnegative_int,
     _positive_int,
@@ -21,13 +21,11 @@ from .common import (
 _DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16"}
 
 
-
 _BACKGROUND_LOAD_HELP = (
     "run the bench beside a competing PyTorch process (a = tanh(a @ a) on 512x512 float32, default torch threads), "
     "as a data-loader worker or a second job would; it is started by the bench, killed when the bench ends or fails, "
     "and stops by itself after MAX_SECONDS (default: 900)"
 )
-
 
 
 def _load_note(load: dict[str, Any] | None) -> str:
@@ -40,7 +38,6 @@ def _load_note(load: dict[str, Any] | None) -> str:
         note += (f" WARNING: it was gone before the bench ended (its {load['limit_s']:.0f} s limit, --background-load "
                  "MAX_SECONDS, or it died), so part of the bench ran without it.")
     return note
-
 
 
 def _bench_out(args, title: str, rows, columns, result: dict[str, Any], footer: str = "") -> None:
@@ -60,13 +57,11 @@ def _bench_out(args, title: str, rows, columns, result: dict[str, Any], footer: 
         print(f"wrote {args.markdown}")
 
 
-
 def _check_max_positions(model, lengths: Sequence[int], flag: str) -> None:
     limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     too_long = [n for n in lengths if limit and n > limit]
     if too_long:
         raise AttnpatchError(f"{flag} {too_long}: the model's max_position_embeddings is {limit} tokens")
-
 
 
 def _cmd_bench_attention(args) -> int:
@@ -78,7 +73,7 @@ def _cmd_bench_attention(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     args.device = _device(args.device)
-    _check_out_paths(json=args.json, markdown=args.markdown, plot=args.plot)
+    _check_outputs(("--json", args.json), ("--markdown", args.markdown), ("--plot", args.plot))
     if args.plot and not args.plot.lower().endswith(".png"):
         raise AttnpatchError(f"--plot {args.plot}: give a .png path (it writes <stem>_time.png and <stem>_speedup.png)")
     causal = args.mode == "causal"
@@ -129,7 +124,6 @@ def _cmd_bench_attention(args) -> int:
     return 0
 
 
-
 def _cmd_bench_capture(args) -> int:
     import torch
 
@@ -139,7 +133,7 @@ def _cmd_bench_capture(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     args.device = _device(args.device)
-    _check_out_paths(output=args.output)
+    _check_outputs(("--output", args.output))
     model, tok = load_causal_lm(args.model, device=args.device)
     _check_max_positions(model, [args.length], "--length")
     ids = prefill_ids(tok, args.length).to(args.device)
@@ -150,7 +144,6 @@ def _cmd_bench_capture(args) -> int:
         print(f"layer {layer}: q {tuple(e['q'].shape)}, k {tuple(e['k'].shape)}, v {tuple(e['v'].shape)}, scale {e['scale']:.4f}")
     print(f"wrote {args.output}")
     return 0
-
 
 
 def _cmd_bench_model(args) -> int:
@@ -164,7 +157,7 @@ def _cmd_bench_model(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     args.device = _device(args.device)
-    _check_out_paths(json=args.json, markdown=args.markdown)
+    _check_outputs(("--json", args.json), ("--markdown", args.markdown))
     kind = args.kind
     if kind == "auto":
         from pathlib import Path
@@ -220,7 +213,6 @@ def _cmd_bench_model(args) -> int:
     title = f"bench model — {args.model} ({what}) on {where}, median of {args.repeats}" + (", under background load" if load else "")
     _bench_out(args, title, result["rows"], columns, result, footer=_load_note(load))
     return 0
-
 
 
 def add_parser(sub) -> None:

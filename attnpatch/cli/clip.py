@@ -82,7 +82,6 @@ def _cmd_eval_clip(args) -> int:
     return _report(args, title, rows, columns, result, interrupted=stop)
 
 
-
 def clip_common(q) -> None:
     """The options shared by both CLIP evals."""
     q.add_argument(

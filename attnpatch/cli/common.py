@@ -30,13 +30,11 @@ def _parse_options(pairs: Sequence[str]) -> dict[str, Any]:
     return out
 
 
-
 def _method_spec(spec: str, common: Sequence[str]) -> tuple[str, dict[str, Any]]:
     """``"fna:s=32,sample_layer=0"`` -> ``("fna", {"s": "32", "sample_layer": "0"})``; ``-o`` options apply to every method."""
     name, _, rest = spec.partition(":")
     own = [p for p in rest.split(",") if p.strip()] if rest else []
     return name, {**_parse_options(common), **_parse_options(own)}
-
 
 
 def _unique_settings(specs: Sequence[str], common: Sequence[str]) -> list[tuple[str, dict[str, Any]]]:
@@ -50,7 +48,6 @@ def _unique_settings(specs: Sequence[str], common: Sequence[str]) -> list[tuple[
     return out
 
 
-
 def _int_at_least(text: str, lo: int, what: str) -> int:
     try:
         value = int(text)
@@ -59,7 +56,6 @@ def _int_at_least(text: str, lo: int, what: str) -> int:
     if value < lo:
         raise argparse.ArgumentTypeError(f"{value} is not {what}")
     return value
-
 
 
 class _Repeatable(argparse.Action):
@@ -73,15 +69,12 @@ class _Repeatable(argparse.Action):
         setattr(namespace, self.dest, [*current, *values])
 
 
-
 def _positive_int(text: str) -> int:
     return _int_at_least(text, 1, "a positive integer")
 
 
-
 def _nonnegative_int(text: str) -> int:
     return _int_at_least(text, 0, "an integer >= 0")
-
 
 
 def _fraction(text: str) -> float:
@@ -89,7 +82,6 @@ def _fraction(text: str) -> float:
     if not 0.0 <= value <= 1.0:
         raise argparse.ArgumentTypeError(f"{value} is not in [0, 1]")
     return value
-
 
 
 def _positive_seconds(text: str) -> float:
@@ -102,15 +94,12 @@ def _positive_seconds(text: str) -> float:
     return val
 
 
-
 def _slug(s: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "-", s).strip("-")
 
 
-
 def _fmt_opts(opts: dict[str, Any]) -> str:
     return ", ".join(f"{k}={v}" for k, v in opts.items()) if opts else ""
-
 
 
 def _interrupted(args, stop, json_path: str | None, markdown: str | None) -> int:
@@ -133,11 +122,9 @@ def _interrupted(args, stop, json_path: str | None, markdown: str | None) -> int
     return 130
 
 
-
 def _json_path(args) -> str:
     """``--json``, or the default ``<eval>_<model>_<methods>.json``."""
     return args.json or f"{_slug(args.eval)}_{_slug(args.model)}_{_slug('+'.join(args.method))}.json"
-
 
 
 def _report(args, title: str, rows, columns, result: dict[str, Any], interrupted=None) -> int:
@@ -158,7 +145,6 @@ def _report(args, title: str, rows, columns, result: dict[str, Any], interrupted
         write_text(args.markdown, f"### {title}\n\n" + rows_to_markdown(rows, columns) + "\n")
         print(f"wrote {args.markdown}")
     return 0
-
 
 
 def _check_outputs(*flags: tuple[str, str | None]) -> None:
@@ -199,26 +185,8 @@ def _check_outputs(*flags: tuple[str, str | None]) -> None:
             raise AttnpatchError(f"{flag} {path}: {what} ({err.strerror or err})") from None
 
 
-
-def _check_out_paths(**paths: str | None) -> None:
-    """Fail before any work when an output path cannot be written (a directory, or under a file)."""
-    from pathlib import Path
-
-    for flag, path in paths.items():
-        if not path:
-            continue
-        p = Path(path)
-        if p.is_dir():
-            raise AttnpatchError(f"--{flag.replace('_', '-')} {path}: is a directory; give a file path")
-        parent = next((x for x in p.parents if x.exists()), None)
-        if parent is not None and not parent.is_dir():
-            raise AttnpatchError(f"--{flag.replace('_', '-')} {path}: {parent} is a file, not a folder")
-
-
-
 def _progress_line(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
-
 
 
 @contextlib.contextmanager
@@ -238,7 +206,6 @@ def _image_progress(label: str, total: int):
                 print(f"[{done}/{total}] images", file=sys.stderr, flush=True)
 
         yield progress
-
 
 
 def _device(name: str) -> str:

@@ -43,7 +43,6 @@ def _cmd_methods(args) -> int:
     return 0
 
 
-
 def _cmd_models(args) -> int:
     from ..checkpoints import catalogue
 
@@ -63,7 +62,6 @@ def _cmd_models(args) -> int:
         t.add_row(*(escape(", ".join(e[k]) if isinstance(e[k], (list, tuple)) else str(e[k])) for k in keys))
     Console(width=160).print(t)
     return 0
-
 
 
 def add_parser(sub) -> None:

@@ -81,7 +81,6 @@ def _cmd_eval_ruler(args) -> int:
     return 0
 
 
-
 def add_parser(esub) -> None:
     """Register ``eval ruler`` on the ``eval`` subparsers."""
     from ..evals import ruler_tasks

@@ -40,7 +40,6 @@ def _cmd_sinks(args) -> int:
     return 0
 
 
-
 def add_parser(sub) -> None:
     """Register ``sinks`` on the top-level subparsers."""
     ps = sub.add_parser("sinks", help="massive-token and attention-sink diagnostic of a ViT, per layer")

@@ -29,7 +29,6 @@ def _load_images_and_model(args):
     return images, model, make_preprocess(processor, resolution)
 
 
-
 def _cmd_eval_vision(args) -> int:
     import torch
 
@@ -63,7 +62,6 @@ def _cmd_eval_vision(args) -> int:
     rows = vision_rows(result)
     title = f"{args.eval} — {args.model} ({args.backend}) — {images.name}, {result['n_images']} images, {result['resolution']} px"
     return _report(args, title, rows, VISION_COLUMNS, result, interrupted=stop)
-
 
 
 def vision_common(q) -> None:
