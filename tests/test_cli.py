@@ -106,3 +106,13 @@ def test_an_option_given_twice_is_refused(capsys):
     assert main(["eval", "fidelity", "--model", "dinov2-small", "--method", "fna:s=8,s=9"]) == 2
     err = capsys.readouterr().err
     assert "option s given twice (s=8 and s=9)" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("module", ["attnpatch", "attnpatch.cli"])
+def test_python_dash_m_runs_the_command(module):
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", module, "methods", "--markdown"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "| `anchor_attention` |" in proc.stdout or "`anchor_attention`" in proc.stdout

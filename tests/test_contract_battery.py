@@ -10,12 +10,14 @@ Checks per (method, model, tower):
 
 1. the exact limit: ``patch(model, name, **method.exact_limit(N))`` computes the unpatched output
    (relative error <= 1e-5 in float32, valid positions only), alone and on top of the small-input
-   settings of :data:`SMALL` (the limit's options decide exactness, whatever the others are);
+   small settings (the limit's options decide exactness, whatever the others are);
 2. an exact method (``Method.exact``) gives the unpatched output bit for bit;
 3. ``unpatch`` restores the output bit for bit after a patched forward, and the state dict keeps
    its keys and values (while patched too);
 4. batch independence: a row's output does not depend on its batch mate;
 5. bfloat16: the model in bfloat16, patched, runs and stays finite;
+   for causal LMs also: changing the last token leaves the first half of the outputs unchanged
+   (causality), and a left-padded row equals its tokens run alone (key padding);
 6. misuse: an unknown option and a wrongly typed value raise ``OptionError`` naming them (and the
    model stays unpatched);
 
@@ -23,8 +25,10 @@ plus: a method refuses, with a clear ``UnsupportedModelError`` naming model and 
 tower whose kind it does not fit, and a model whose declared features it lacks.
 
 Every model has tiny random weights (no hub).  Checks 3-5 run with the method's defaults and, where
-:data:`SMALL` has an entry, with settings that make the method approximate on these tiny inputs
-(asserted through ``record_stats``: some layer did not run dense).
+with the method's own ``Method.small_settings`` for the tower's kind: settings that make it
+approximate on these tiny inputs (asserted through ``record_stats``: some layer did not run
+dense).  Every approximate method must declare them for every kind it fits
+(:func:`test_every_approximate_method_declares_small_settings`).
 """
 
 from __future__ import annotations
@@ -47,18 +51,10 @@ from throwaway_method import scaled_dense_source
 
 # --------------------------------------------------------------------------- settings (data, not logic)
 
-#: Option settings that make a method approximate something on these tiny inputs (17-96 tokens);
-#: a method without an entry runs checks 3-5 with its defaults only.  Keyed by model kind.
-SMALL: dict[str, dict[str, dict[str, Any]]] = {
-    "anchor_attention": {"causal_lm": dict(theta=1.0, block_size=16, init_block=16, local_window=16, min_len=32,
-                                           dense_last=16, min_recall=0.0)},
-    "fna": {"vision": dict(s=8, sample_layer=0)},
-    "sink_mask": {"vision": dict(mask_layers=2, detect="attention", mass_ratio=1.5)},
-    "fna+sink_mask": {"vision": dict(s=8, sample_layer=0, mask_layers=2, detect="attention", mass_ratio=1.5)},
-}
-
 EXACT_RTOL = 1e-5  # relative Frobenius error of an exact limit (float32)
 BATCH_RTOL = 1e-5  # relative Frobenius error between a row run alone and in a batch
+CAUSAL_RTOL = 1e-6  # earlier outputs when the last token changes (causal calls)
+PAD_RTOL = 1e-4  # a left-padded row vs its tokens alone (float rounding of other rotary positions)
 
 #: (method, model, tower, check) -> reason: genuine library bugs found by the battery (strict xfail).
 KNOWN_BUGS: dict[tuple[str, str, str, str], str] = {}
@@ -257,7 +253,7 @@ def _params(check: str, cases: list[tuple[str, str, str]] | None = None, setting
     out = []
     for mname, model, tower in battery_cases() if cases is None else cases:
         kind = tower_kinds(model)[tower]
-        names = ["default"] + (["small"] if settings and kind in SMALL.get(mname, {}) else [])
+        names = ["default"] + (["small"] if settings and kind in METHODS[mname].small_settings else [])
         for setting in names:
             marks = []
             reason = KNOWN_BUGS.get((mname, model, tower, check)) or KNOWN_BUGS.get((mname, model, tower, f"{check}:{setting}"))
@@ -307,7 +303,7 @@ def tokens(model: str, tower: str) -> int:
 
 
 def _options(method: Method, model: str, tower: str, setting: str) -> dict[str, Any]:
-    return dict(SMALL[method.name][tower_kinds(model)[tower]]) if setting == "small" else {}
+    return dict(method.small_settings[tower_kinds(model)[tower]]) if setting == "small" else {}
 
 
 def _patch(b: Built, method: str, model: str, tower: str, **options: Any) -> None:
@@ -416,6 +412,43 @@ def check_bfloat16(mname: str, model: str, tower: str, setting: str) -> None:
     assert torch.isfinite(_valid(out, b.valid[tower])).all(), f"{mname} on {model}/{tower} in bfloat16: non-finite output"
 
 
+def check_causality(mname: str, model: str, tower: str, setting: str) -> None:
+    """Causal calls: changing the last token changes no output in the first half of the sequence."""
+    method, b = get_method(mname), built(model)
+    row0 = _row(b.inputs[tower], 0)
+    changed = {k: v.clone() for k, v in row0.items()}
+    ids = changed["input_ids"]
+    ids[0, -1] = (ids[0, -1] + 1) % b.model.config.vocab_size
+    _patch(b, mname, model, tower, **_options(method, model, tower, setting))
+    try:
+        before = _forward(b.model, b, tower, row0)
+        after = _forward(b.model, b, tower, changed)
+    finally:
+        unpatch(b.model)
+    half = ids.shape[1] // 2
+    assert not torch.equal(before[:, -1], after[:, -1])  # the change is seen where it is
+    rel = _rel(after[:, :half], before[:, :half])
+    assert rel <= CAUSAL_RTOL, f"{mname} on {model}: changing the last token moved the first {half} outputs by {rel:.3g}"
+
+
+def check_padding(mname: str, model: str, tower: str, setting: str) -> None:
+    """Key padding: a left-padded row gives, at its real tokens, what those tokens give alone (rotary
+    positions are relative, so the shift by the padding changes only float rounding)."""
+    method, b = get_method(mname), built(model)
+    padded = _row(b.inputs[tower], 1)
+    pad = int((padded["attention_mask"][0] == 0).sum())
+    assert pad > 0
+    alone = {k: v[:, pad:] for k, v in padded.items()}
+    _patch(b, mname, model, tower, **_options(method, model, tower, setting))
+    try:
+        out_padded = _forward(b.model, b, tower, padded)[:, pad:]
+        out_alone = _forward(b.model, b, tower, alone)
+    finally:
+        unpatch(b.model)
+    rel = _rel(out_padded, out_alone)
+    assert rel <= PAD_RTOL, f"{mname} on {model}: a left-padded row vs its tokens alone: relative difference {rel:.3g}"
+
+
 def _numeric_option(method: Method) -> str | None:
     return next((o.name for o in method.options.values() if o.kind in ("int", "float", "int_or_auto")), None)
 
@@ -459,6 +492,20 @@ def test_batch_independence(mname, model, tower, setting):
     check_batch_independence(mname, model, tower, setting)
 
 
+def _causal_cases() -> list[tuple[str, str, str]]:
+    return [c for c in battery_cases() if tower_kinds(c[1])[c[2]] == "causal_lm"]
+
+
+@pytest.mark.parametrize("mname,model,tower,setting", _params("causality", _causal_cases(), settings=True))
+def test_causal_calls_do_not_see_later_tokens(mname, model, tower, setting):
+    check_causality(mname, model, tower, setting)
+
+
+@pytest.mark.parametrize("mname,model,tower,setting", _params("padding", _causal_cases(), settings=True))
+def test_left_padding_equals_the_tokens_alone(mname, model, tower, setting):
+    check_padding(mname, model, tower, setting)
+
+
 @pytest.mark.parametrize("mname,model,tower,setting", _params("bfloat16", settings=True))
 def test_bfloat16_runs_and_stays_finite(mname, model, tower, setting):
     check_bfloat16(mname, model, tower, setting)
@@ -483,8 +530,17 @@ def test_every_model_and_method_is_covered():
     cases = battery_cases()
     assert {m for m, _, _ in cases} == set(METHODS), "a registered method fits none of the battery's models"
     assert {(mo, t) for _, mo, t in cases} == {(mo, t) for mo in MODELS for t in tower_kinds(mo)}, "a tower no method fits"
-    for name in SMALL:  # a settings entry for a method that no longer exists is stale
-        assert name in METHODS, name
+
+
+def test_every_approximate_method_declares_small_settings():
+    """Without them a method is checked only at its defaults, which may run exact on the battery's
+    17-96-token inputs (``fna``'s default ``s=64`` does): declare ``small_settings`` in the method file."""
+    missing = []
+    for mname, model, tower in battery_cases():
+        method, kind = METHODS[mname], tower_kinds(model)[tower]
+        if not method.exact and kind not in method.small_settings:
+            missing.append(f"{mname} ({kind})")
+    assert not missing, f"declare Method.small_settings for: {sorted(set(missing))}"
 
 
 # --------------------------------------------------------------------------- a new method is one new file
@@ -521,3 +577,54 @@ def test_a_new_method_file_gets_the_battery(tmp_path, monkeypatch):
         for name in [n for n in sys.modules if n.startswith("battery_methods")]:
             del sys.modules[name]
     assert battery_cases() == before
+
+
+def _register(tmp_path, monkeypatch, name: str, **breakage: bool) -> None:
+    pkg = tmp_path / f"{name}_pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "method.py").write_text(scaled_dense_source(name, **breakage))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    discover(f"{name}_pkg")
+
+
+@pytest.mark.parametrize("breakage,checks", [
+    ("bidirectional", ("causality",)),  # with a padded row in the batch it declines (dense:layout), so only this check sees it
+    ("ignore_padding", ("exact_limit", "padding")),
+])
+def test_the_battery_catches_a_broken_method(tmp_path, monkeypatch, breakage, checks):
+    """A method that attends to later keys, or to padding keys, fails the checks meant for it."""
+    name = f"broken_{breakage}"
+    run = {"exact_limit": check_exact_limit, "causality": check_causality, "padding": check_padding}
+    try:
+        _register(tmp_path, monkeypatch, name, **{breakage: True})
+        for check in checks:
+            with pytest.raises(AssertionError):
+                run[check](name, "llama", "text", "small")
+        check_batch_independence(name, "llama", "text", "small")  # row 0 alone is unpadded: this one cannot tell
+    finally:
+        METHODS.pop(name, None)
+        for mod in [n for n in sys.modules if n.startswith(f"{name}_pkg")]:
+            del sys.modules[mod]
+
+
+@pytest.mark.parametrize("breakage,error,words", [
+    ("layout", "AttnpatchError", "returned (1, 96, 4, 16) torch.float32"),
+    ("bad_calls", "OptionError", "is for bidirectional (vision) attention; layer 0 is causal"),
+])
+def test_the_runtime_refuses_what_a_method_did_not_declare(tmp_path, monkeypatch, breakage, error, words):
+    """The runtime checks every method call: the output layout ``[B, H, Lq, Dv]`` in q's dtype, and the
+    calls the method declared (``causal_calls``, ``noncausal_calls``, ``key_padding``)."""
+    import attnpatch
+
+    name = f"broken_{breakage}"
+    b = built("llama")
+    try:
+        _register(tmp_path, monkeypatch, name, **{breakage: True})
+        with patched(b.model, name), pytest.raises(getattr(attnpatch, error)) as err:
+            _forward(b.model, b, "text", _row(b.inputs["text"], 0))
+        assert words in str(err.value) and repr(name) in str(err.value), str(err.value)
+    finally:
+        METHODS.pop(name, None)
+        for mod in [n for n in sys.modules if n.startswith(f"{name}_pkg")]:
+            del sys.modules[mod]

@@ -325,15 +325,19 @@ def test_bad_options_and_misfits():
 
 
 def test_padding_mask_is_refused_not_ignored():
+    """fna declares no key padding; the runtime refuses such a call before the method sees it."""
+    from attnpatch.patchers.methods.fna import FNA
+    from attnpatch.patchers.runtime import check_call
     from attnpatch.patchers.state import LayerContext
-    from attnpatch.patchers.methods.fna import FNAConfig, fna_forward
 
-    q, k, v = _qkv(b=1, h=2, n=12, d=4, dtype=torch.float32)
     valid = torch.ones(1, 12, dtype=torch.bool)
     valid[0, -2:] = False
     ctx = LayerContext(layer=0, num_layers=2, scale=0.5, key_valid=valid, causal=False, prefix_tokens=1)
+    assert not FNA.key_padding
     with pytest.raises(UnsupportedModelError, match="attention mask that hides some keys"):
-        fna_forward(FNAConfig(s=4, sample_layer=0), q, k, v, ctx)
+        check_call(FNA, ctx)
+    check_call(FNA, LayerContext(layer=0, num_layers=2, scale=0.5, key_valid=torch.ones(1, 12, dtype=torch.bool),
+                                 causal=False, prefix_tokens=1))  # every key valid: accepted
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -38,10 +38,26 @@ register_method(Method(
     name=__NAME__, summary="logits times factor, through SDPA (a test method)", source="a test",
     options=options_of(ScaledConfig), model_kinds=frozenset({"causal_lm", "vision"}),
     make_config=lambda o: ScaledConfig(**o), forward=forward, exact_limit_decl=ExactLimit(one, text="factor = 1"),
+    small_settings={"causal_lm": {"factor": 0.5}, "vision": {"factor": 0.5}},
 ))
 '''
 
 
-def scaled_dense_source(name: str) -> str:
-    """The text of a method file that registers the method ``name`` (model kinds: causal LMs and ViTs)."""
-    return _SOURCE.replace("__NAME__", repr(name))
+def scaled_dense_source(name: str, **breakage: bool) -> str:
+    """The text of a method file that registers the method ``name`` (model kinds: causal LMs and ViTs).
+
+    ``breakage`` makes it wrong in one way, for tests that the checks catch it: ``bidirectional``
+    (causal calls attend to later keys), ``ignore_padding`` (padding keys attended), ``layout``
+    (returns ``[B, Lq, H, D]``), ``bad_calls`` (declares that it takes no causal calls).
+    """
+    src = _SOURCE.replace("__NAME__", repr(name))
+    if breakage.pop("bidirectional", False):
+        src = src.replace("is_causal=ctx.causal", "is_causal=False")
+    if breakage.pop("ignore_padding", False):
+        src = src.replace("ctx.key_valid is not None or ", "")
+    if breakage.pop("layout", False):
+        src = src.replace('return out, LayerRecord(ctx.layer, "scaled", lq, lk)', 'return out.transpose(1, 2), LayerRecord(ctx.layer, "scaled", lq, lk)')
+    if breakage.pop("bad_calls", False):
+        src = src.replace("forward=forward,", "forward=forward, causal_calls=False,")
+    assert not breakage, breakage
+    return src

@@ -84,7 +84,7 @@ def add_parser(esub) -> None:
             help="registered method(s), each compared with dense in the same run; options per method after a colon "
             "(e.g. fna:s=32 fna:s=128,sample_layer=0 sink_mask); -o options apply to every method",
         )
-        pv.add_argument("-o", "--option", action="append", default=[], metavar="NAME=VALUE", help="method option, repeatable (e.g. -o s=64)")
+        pv.add_argument("-o", "--option", action="append", default=[], metavar="NAME=VALUE", help="method option, repeatable (e.g. -o s=64; a METHOD:NAME=VALUE in --method wins over it)")
         pv.add_argument("--batch-size", type=_positive_int, default=16)
         pv.add_argument("--layer-error-images", type=int, default=32, help="images on which per-layer errors are measured (fidelity)")
         pv.add_argument("--k", type=_positive_int, default=20, help="k-NN neighbours (default: %(default)s)")

@@ -12,7 +12,7 @@ themselves with :func:`register_method` when that package imports them.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -131,6 +131,10 @@ class Method:
             attention layer (see :mod:`.bench_hook`); ``None`` runs the forward on a synthetic
             layer context (:func:`~attnpatch.patchers.bench_hook.default_bench`).
         details: a paragraph for the README's method table (default: ``summary``).
+        small_settings: by model kind, options that make an approximate method approximate (some
+            layer not dense) on inputs of a few dozen tokens: the contract battery
+            (``tests/test_contract_battery.py``) runs its checks with them as well as with the
+            defaults, and requires them of every approximate method for every kind it fits.
     """
 
     name: str
@@ -150,6 +154,7 @@ class Method:
     exact_limit_decl: ExactLimit | None = None
     bench_hook: Callable[..., BenchCase] | None = None
     details: str = ""
+    small_settings: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def fits(self, kind: str) -> bool:
         """Whether the method fits a tower of model kind ``kind`` (an exact method fits every kind)."""
@@ -289,7 +294,8 @@ def methods_markdown() -> str:
     for name in sorted(METHODS):
         m = METHODS[name]
         kinds = "any" if m.exact else ", ".join(MODEL_KINDS.get(k, k) for k in sorted(m.model_kinds))
-        what = f"{m.details or m.summary} Source: {m.source}."
+        text = (m.details or m.summary).rstrip()
+        what = f"{text}{'' if text.endswith('.') else '.'} Source: {m.source}."
         opts = ", ".join(
             f"`{o.name}={_value(o.default)}`" + (f" ({'/'.join(o.choices)})" if o.choices else "") for o in m.options.values()
         ) or "none"

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..errors import InferenceOnlyError
+from ..errors import AttnpatchError, InferenceOnlyError, OptionError, UnsupportedModelError
 from .registry import Method
 from .state import ForwardState, LayerContext, LayerRecord
 
@@ -32,6 +32,7 @@ __all__ = [
     "undo_class_swap",
     "count_pairs",
     "sync",
+    "check_call",
 ]
 
 
@@ -191,6 +192,38 @@ def count_pairs(key_valid: torch.Tensor | None, q_offset: int, lq: int, lk: int,
     return per_q.sum(-1).double().cpu()[:, None].expand(b, h).clone()
 
 
+def check_call(method: Method, ctx: LayerContext) -> None:
+    """Refuse an attention call the method's declared capabilities exclude (:func:`run_layer` calls it
+    before every method forward, so a method never sees a call it did not declare).
+
+    Raises:
+        OptionError: a causal call to a method without ``causal_calls``, or a bidirectional call to
+            one without ``noncausal_calls``.
+        UnsupportedModelError: a key-padding mask that hides some keys, for a method without ``key_padding``.
+    """
+    if ctx.causal and not method.causal_calls:
+        raise OptionError(f"method {method.name!r} is for bidirectional (vision) attention; layer {ctx.layer} is causal")
+    if not ctx.causal and not method.noncausal_calls:
+        raise OptionError(f"method {method.name!r} is for causal attention; layer {ctx.layer} is bidirectional")
+    if not method.key_padding and ctx.key_valid is not None and not bool(ctx.key_valid.all()):
+        raise UnsupportedModelError(
+            f"method {method.name!r} got an attention mask that hides some keys (padding) in layer {ctx.layer}; "
+            "it supports unmasked bidirectional attention only"
+        )
+
+
+def _check_output(method: Method, layer: int, out: torch.Tensor, q: torch.Tensor, v: torch.Tensor) -> None:
+    """A method's output must be ``[B, H, Lq, Dv]`` in the dtype and on the device of ``q`` (a method bug otherwise)."""
+    want = (q.shape[0], q.shape[1], q.shape[2], v.shape[-1])
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != want or out.dtype != q.dtype or out.device != q.device:
+        got = f"{tuple(out.shape)} {out.dtype} on {out.device}" if isinstance(out, torch.Tensor) else type(out).__name__
+        raise AttnpatchError(
+            f"method {method.name!r} returned {got} for layer {layer}; a method's forward must return "
+            f"[batch, heads, queries, value head dim] = {list(want)} {q.dtype} on {q.device} (or None to run the "
+            "model's own attention)"
+        )
+
+
 def run_layer(
     handle: "PatchHandle",
     layer: int,
@@ -246,7 +279,10 @@ def run_layer(
         sync(q.device)
         t0 = time.perf_counter()
     if decline is None:
+        check_call(handle.method, ctx)
         out, rec = handle.method_forward(handle.config, q, k, v, ctx)
+        if out is not None:
+            _check_output(handle.method, layer, out, q, v)
     else:
         out, rec = None, LayerRecord(layer, f"dense:{decline}", q.shape[2], k.shape[2])
     if state is not None and state.teacher_forced:

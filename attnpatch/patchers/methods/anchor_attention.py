@@ -21,6 +21,7 @@ from ..state import LayerContext, LayerRecord
 
 __all__ = ["ANCHOR", "anchor_forward", "anchor_bench"]
 
+
 def anchor_forward(
     cfg: AnchorConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: LayerContext
 ) -> tuple[torch.Tensor | None, LayerRecord]:
@@ -117,6 +118,8 @@ ANCHOR = register_method(
         key_padding=True,
         exact_limit_decl=ExactLimit(_every_key, at_least=("theta",), text="theta = inf"),
         bench_hook=anchor_bench,
+        small_settings={"causal_lm": dict(theta=1.0, block_size=16, init_block=16, local_window=16, min_len=32,
+                                          dense_last=16, min_recall=0.0)},
         details=(
             "AnchorAttention: per-query anchor = max logit over the initial block and local window; pooled queries scored against all "
             "causal keys; key stripes within `theta` of the pooled anchor kept for the whole query block; exact softmax "

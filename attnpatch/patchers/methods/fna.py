@@ -20,7 +20,7 @@ from ..bench_hook import BenchCase, BenchInputs
 from ...options import check_fields, opt, options_of
 from ..registry import ExactLimit, Method, ModelGeometry, register_method
 from ..state import LayerContext, LayerRecord
-from ._shared import check_call, repeat_kv, say
+from ._shared import repeat_kv, say
 
 __all__ = ["FNA", "FNAConfig", "FEATURES", "fna_forward", "fna_core", "fna_bench", "check_fna"]
 
@@ -90,7 +90,7 @@ class FNAConfig:
     auto_fallback: int | str = field(default="auto", metadata=opt(
         "int_or_auto", "sample_layer=auto samples here at the latest ('auto' = num_layers // 2)", low=0, rule=_LAYER_RULE,
         model_scope=_ACROSS))
-    seed: int = field(default=0, metadata=opt("int", "seed of the random and kmeans strategies"))
+    seed: int = field(default=0, metadata=opt("int", "seed of the random and kmeans strategies", low=0, high=2**63 - 1))
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -180,7 +180,6 @@ def fna_core(cfg: FNAConfig, q, k, v, ctx: LayerContext, key_keep=None, renormal
 
 def fna_forward(cfg: FNAConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: LayerContext):
     """FNA from ``sample_layer`` on; exact attention before it and wherever ``s >= N``."""
-    check_call(FNA, ctx)
     n = q.shape[2]
     if cfg.s >= n:
         say(ctx, f"fna: s={cfg.s} >= N={n} tokens, so Nyström attention is exact attention; running exact attention")
@@ -250,6 +249,7 @@ FNA = register_method(
         token_roles=frozenset({"prefix", "hidden", "residual"}),
         exact_limit_decl=ExactLimit(_every_token, at_least=("s",), text="s >= N"),
         bench_hook=fna_bench,
+        small_settings={"vision": dict(s=8, sample_layer=0)},
         details=(
             "Fast Nyström Attention: `s` landmark tokens (CLS and registers always among them) chosen by farthest-point sampling once, at "
             "`sample_layer`, and reused by every later layer; `softmax(QK̃ᵀ)·pinv(softmax(Q̃K̃ᵀ))·softmax(Q̃Kᵀ)·V` "

@@ -9,7 +9,7 @@ import torch
 
 from ..registry import ExactLimit, Method, ModelGeometry, register_method
 from ..state import LayerContext, LayerRecord
-from ._shared import check_call, say
+from ._shared import say
 from .fna import FNA, FNAConfig, check_fna, fna_core
 from .sink_mask import NO_SINKS, SINK_MASK, SinkMaskConfig, check_sink, sink_mask_forward, sinks_of
 
@@ -40,7 +40,6 @@ def _check(cfg: FNASinkConfig, geo: ModelGeometry) -> None:
 
 def fna_sink_forward(cfg: FNASinkConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: LayerContext):
     """FNA in every patched layer; sink tokens masked (in Nyström form) in the last ``mask_layers`` layers."""
-    check_call(FNA_SINK_MASK, ctx)
     sinks = sinks_of(cfg.sink, q, k, ctx)
     n = q.shape[2]
     if cfg.fna.s >= n:
@@ -77,5 +76,6 @@ FNA_SINK_MASK = register_method(
         token_roles=FNA.token_roles | SINK_MASK.token_roles,
         exact_limit_decl=ExactLimit(_exact, at_least=("s", "mass_ratio"), text=f"s >= N, {NO_SINKS.text}"),
         details="Both: FNA everywhere it applies, sink columns zeroed in Nyström form in the last layers.",
+        small_settings={"vision": dict(s=8, sample_layer=0, mask_layers=2, detect="attention", mass_ratio=1.5)},
     )
 )

@@ -19,7 +19,7 @@ from ...errors import OptionError
 from ...options import check_fields, opt, options_of
 from ..registry import ExactLimit, Method, ModelGeometry, register_method
 from ..state import LayerContext, LayerRecord
-from ._shared import check_call, repeat_kv
+from ._shared import repeat_kv
 
 __all__ = ["SINK_MASK", "SinkMaskConfig", "DETECT", "sink_mask_forward", "sinks_of", "check_sink", "NO_SINKS"]
 
@@ -114,7 +114,6 @@ def sinks_of(cfg: SinkMaskConfig, q, k, ctx: LayerContext) -> torch.Tensor | Non
 
 def sink_mask_forward(cfg: SinkMaskConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: LayerContext):
     """Exact attention; in the last ``mask_layers`` layers the probabilities into sink tokens are zeroed."""
-    check_call(SINK_MASK, ctx)
     sinks = sinks_of(cfg, q, k, ctx)
     n = q.shape[2]
     if sinks is None:
@@ -156,6 +155,7 @@ SINK_MASK = register_method(
         key_padding=False,
         token_roles=frozenset({"prefix", "residual"}),
         exact_limit_decl=NO_SINKS,
+        small_settings={"vision": dict(mask_layers=2, detect="attention", mass_ratio=1.5)},
         details=(
             "Exact attention, with the attention probabilities into sink tokens (massive-norm tokens and/or tokens "
             "receiving far more than the uniform share of attention) set to zero in the last `mask_layers` layers."
