@@ -6,6 +6,7 @@ _SOURCE = '''
 
 from dataclasses import dataclass, field
 
+import torch
 import torch.nn.functional as F
 
 from attnpatch.options import check_fields, opt, options_of
@@ -23,11 +24,15 @@ class ScaledConfig:
 
 def forward(cfg, q, k, v, ctx):
     lq, lk = q.shape[2], k.shape[2]
-    if ctx.key_valid is not None or ctx.q_offset != 0 or lq != lk:
-        return None, LayerRecord(ctx.layer, "dense:layout", lq, lk)
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=ctx.causal, scale=ctx.scale * cfg.factor,
+    keep = torch.ones(lq, lk, dtype=torch.bool, device=q.device)
+    if ctx.causal:  # key j is visible to query i when j <= q_offset + i
+        keep = torch.arange(lk, device=q.device)[None, :] <= ctx.q_offset + torch.arange(lq, device=q.device)[:, None]
+    keep = keep[None, None]
+    if ctx.key_valid is not None:  # padding keys hidden
+        keep = keep & ctx.key_valid[:, None, None, :]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=ctx.scale * cfg.factor,
                                          enable_gqa=q.shape[1] != k.shape[1])
-    return out, LayerRecord(ctx.layer, "scaled", lq, lk)
+    return out.nan_to_num(0.0), LayerRecord(ctx.layer, "scaled", lq, lk)  # rows with no visible key (padding queries): 0
 
 
 def one(tokens):
@@ -52,11 +57,11 @@ def scaled_dense_source(name: str, **breakage: bool) -> str:
     """
     src = _SOURCE.replace("__NAME__", repr(name))
     if breakage.pop("bidirectional", False):
-        src = src.replace("is_causal=ctx.causal", "is_causal=False")
+        src = src.replace("    if ctx.causal:", "    if False:")
     if breakage.pop("ignore_padding", False):
-        src = src.replace("ctx.key_valid is not None or ", "")
+        src = src.replace("    if ctx.key_valid is not None:", "    if False:")
     if breakage.pop("layout", False):
-        src = src.replace('return out, LayerRecord(ctx.layer, "scaled", lq, lk)', 'return out.transpose(1, 2), LayerRecord(ctx.layer, "scaled", lq, lk)')
+        src = src.replace("return out.nan_to_num(0.0), ", "return out.nan_to_num(0.0).transpose(1, 2), ")
     if breakage.pop("bad_calls", False):
         src = src.replace("forward=forward,", "forward=forward, causal_calls=False,")
     assert not breakage, breakage
