@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from attnpatch import list_methods, patched
+from attnpatch.patchers.registry import get_method
 from attnpatch.attention.nystrom import exact_attention, landmark_pinv, nystrom_attention
 
 HALF = [torch.bfloat16, torch.float16]
@@ -42,7 +43,14 @@ def _methods(kind: str) -> list[str]:
 
 
 def _cases(kind: str, table: dict) -> list:
-    return [pytest.param(name, opts, id=f"{name}-{i}") for name in _methods(kind) for i, opts in enumerate(table.get(name, [{}]))]
+    """The table's settings of each method; a method without an entry runs with its own ``small_settings`` for
+    ``kind`` (approximate on these small inputs) and its defaults."""
+    out = []
+    for name in _methods(kind):
+        small = get_method(name).small_settings.get(kind)
+        settings = table.get(name) or ([dict(small), {}] if small else [{}])
+        out += [pytest.param(name, opts, id=f"{name}-{i}") for i, opts in enumerate(settings)]
+    return out
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
