@@ -1,0 +1,465 @@
+"""Vertical-slash sparse attention (MInference's dynamic pattern) and the column + diagonal attention it runs on.
+
+Source: MInference 1.0, Jiang et al., arXiv 2407.02490, Sec. 3.2 and Alg. 2 ("vertical-slash head").  For
+one head, with queries at absolute positions ``i`` and keys at positions ``j <= i``:
+
+1. estimate: the last ``last_q`` queries attend exactly, ``A = softmax(Q_last K^T c + m_causal)``
+   (``c`` the attention scale);
+2. score: a key column ``j`` by ``sum_r A[r, j]`` (vertical lines), a diagonal ``o = i - j`` by
+   ``sum_r A[r, i_r - o]`` (slash lines);
+3. keep the top ``vertical`` columns and ``slash`` diagonals: the local ones ``0 .. LOCAL_DIAGONALS - 1``
+   and the top ones of the others (MInference's code forces the 100 local diagonals and also the first 30
+   columns; here the columns are all chosen by their score);
+4. every query attends with an exact softmax to the union of the kept columns and the kept diagonals
+   that are causal for it:  ``keep(i, j) = j <= i and (col[j] or diag[i - j])`` (and ``j`` not padding).
+
+:func:`vertical_slash_attention` does this for the whole call, or per chunk of queries, each chunk choosing
+its own pattern from its own last queries.
+
+Step 4 is :func:`column_diagonal_attention`, which also runs the A-shape pattern of
+:mod:`attnpatch.attention.streaming` (columns = the initial tokens, diagonals = the local window).  It
+never forms a ``queries x keys`` matrix: queries go in blocks of ``BLOCK`` rows, keys in tiles of the same
+size on a grid aligned with the query blocks; a (query block, key tile) pair is computed only where some
+kept column or diagonal crosses it, with the exact per-query mask inside it, so the result does not
+depend on the block size beyond float rounding.  MInference's own kernel computes whole key blocks that a
+kept diagonal crosses (a superset of the diagonal); here only the diagonal itself is attended.
+
+All functions are pure tensor functions on ``[batch, heads, tokens, head_dim]`` tensors; keys and values
+may have fewer heads than queries (grouped-query attention).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "BLOCK",
+    "LOCAL_DIAGONALS",
+    "column_diagonal_attention",
+    "vertical_slash_scores",
+    "vertical_slash_pattern",
+    "vertical_slash_attention",
+    "check_inputs",
+    "split_padding",
+]
+
+#: Queries per block and keys per tile of :func:`column_diagonal_attention` (MInference's GPU kernel uses 64;
+#: on the CPU, 128 halves the gathering and indexing per kept pair).
+BLOCK = 128
+#: Diagonals ``0 .. LOCAL_DIAGONALS - 1`` (each query itself and the keys just before it) are always among the
+#: kept slash lines (counted within ``slash``; the first ``slash`` of them when ``slash`` is smaller).
+LOCAL_DIAGONALS = 16
+#: Score elements (query rows x keys) per fused attention call of :func:`column_diagonal_attention` (its mask,
+#: one float per element, then stays in the cache between being built and being read).
+CHUNK_ELEMENTS = 1 << 20
+#: Elements of the estimation's ``last_q x keys`` probabilities per step (chunked over key/value heads).
+SELECT_ELEMENTS = 1 << 25
+
+
+def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, q_offset: int,
+                 key_valid: torch.Tensor | None) -> None:
+    """Check the shapes of one causal attention call.
+
+    Raises:
+        ValueError: ``q`` not ``[B, H, Lq, D]``; ``k`` not ``[B, Hkv, Lk, D]``; ``v`` not ``[B, Hkv, Lk, Dv]``;
+            ``H`` not a multiple of ``Hkv``; ``q_offset < 0`` or ``Lk < q_offset + Lq``; ``key_valid`` not
+            bool ``[B, Lk]``; ``scale`` not a positive finite number.
+    """
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"q, k, v must be [batch, heads, tokens, head_dim]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    b, h, lq, d = q.shape
+    if k.shape[0] != b or k.shape[3] != d or v.shape[:3] != k.shape[:3]:
+        raise ValueError(f"k must be [B, Hkv, Lk, {d}] and v [B, Hkv, Lk, Dv] with q's batch {b}; "
+                         f"got k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if h % k.shape[1]:
+        raise ValueError(f"query heads ({h}) must be a multiple of key/value heads ({k.shape[1]})")
+    if q_offset < 0 or k.shape[2] < q_offset + lq:
+        raise ValueError(f"q_offset={q_offset} with {lq} queries needs 0 <= q_offset and q_offset + Lq <= Lk = {k.shape[2]}")
+    if key_valid is not None and (key_valid.dtype != torch.bool or tuple(key_valid.shape) != (b, k.shape[2])):
+        raise ValueError(f"key_valid must be bool [{b}, {k.shape[2]}]; got {key_valid.dtype} {tuple(key_valid.shape)}")
+    if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale={scale!r}: must be a positive finite number")
+
+
+def column_diagonal_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    columns: torch.Tensor,
+    diagonals: torch.Tensor,
+    *,
+    scale: float,
+    q_offset: int = 0,
+    key_valid: torch.Tensor | None = None,
+    block: int = BLOCK,
+    return_counts: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Exact softmax attention of each query over kept key columns and kept diagonals (causal).
+
+    Query ``i`` (absolute position) attends to key ``j`` when ``j <= i``, ``key_valid[j]`` and
+    ``columns[j] or diagonals[i - j]`` (MInference, arXiv 2407.02490, Sec. 3.2, vertical-slash step 4;
+    the A-shape pattern is the special case of the initial columns and the diagonals ``0 .. window - 1``).
+
+    Queries go in blocks of ``block`` rows; keys in tiles of ``block`` on a grid aligned with the query
+    blocks.  A (query block, key tile) pair is computed where some kept column lies in the tile or some
+    kept diagonal crosses it; per key/value head (or per query head, for per-head patterns), the crossed
+    tiles of a block are gathered and attended in one fused ``scaled_dot_product_attention`` call with
+    the per-query mask (additive, in ``q``'s dtype), blocks of similar tile counts batched together (about
+    ``CHUNK_ELEMENTS`` scores per call).  The fused kernel applies the scale before the product and accumulates
+    the softmax in float32 for half-precision inputs.  Peak memory: the gathered keys/values and mask of one
+    call, plus the diagonal tile table (``B x P x Lk x block`` booleans); no ``queries x keys`` matrix.
+
+    Args:
+        q: ``[B, H, Lq, D]`` at absolute positions ``q_offset .. q_offset + Lq - 1``.
+        k, v: ``[B, Hkv, Lk, D]`` and ``[B, Hkv, Lk, Dv]``; keys after position ``q_offset + Lq - 1`` are
+            never attended.
+        columns: bool ``[B, P, >= q_offset + Lq]``: kept key columns (by key position).
+        diagonals: bool ``[B, P, >= q_offset + Lq]``: kept diagonals (by offset ``i - j``, 0 = each query itself).
+            ``P`` is 1 (one pattern for every head), ``Hkv`` (per key/value head) or ``H`` (per query head).
+        scale: logit scale.
+        q_offset: absolute position of the first query.
+        key_valid: ``[B, Lk]`` bool, False at padding keys, or ``None``.
+        block: query rows per block and keys per tile (tokens).
+        return_counts: also return the kept causal pairs per (sequence, query head) over valid queries.
+
+    Returns:
+        ``(out, kept)``: ``out`` ``[B, H, Lq, Dv]`` in ``q.dtype`` (a query with no kept key gives zeros);
+        ``kept`` float64 ``[B, H]`` or ``None``.
+
+    Raises:
+        ValueError: inputs that do not fit (:func:`check_inputs`), ``P`` not in ``{1, Hkv, H}``, pattern
+            tensors not bool ``[B, P, >= q_offset + Lq]``, ``block < 1``.
+    """
+    check_inputs(q, k, v, scale, q_offset, key_valid)
+    b, h, lq, d = q.shape
+    hkv, dv, dev = k.shape[1], v.shape[-1], q.device
+    lc = q_offset + lq
+    p = columns.shape[1] if columns.dim() == 3 else -1
+    for name, pat in (("columns", columns), ("diagonals", diagonals)):
+        if pat.dtype != torch.bool or pat.dim() != 3 or pat.shape[0] != b or pat.shape[1] != p or pat.shape[2] < lc:
+            raise ValueError(f"{name} must be bool [{b}, P, >= {lc}] with the same P for both; got {pat.dtype} {tuple(pat.shape)}")
+    if p not in (1, hkv, h):
+        raise ValueError(f"pattern heads P={p}: must be 1, the key/value heads ({hkv}) or the query heads ({h})")
+    if block < 1:
+        raise ValueError(f"block={block}: must be >= 1")
+    bq = block
+    pad = (-q_offset) % bq  # keys shifted right by `pad` so that query blocks start on tile boundaries
+    u0 = (q_offset + pad) // bq  # the key tile of query block 0's own positions
+    nb = -(-lq // bq)
+    t = u0 + nb  # key tiles
+    kp = t * bq
+
+    def placed(x: torch.Tensor, fill) -> torch.Tensor:  # x [..., Lk, *rest] along dim 2 (or last for 2/3-D masks)
+        dim = 2 if x.dim() == 4 else x.dim() - 1
+        x = x.narrow(dim, 0, lc)
+        if pad == 0 and lc == kp:
+            return x.contiguous()
+        shape = list(x.shape)
+        shape[dim] = kp
+        out = x.new_full(shape, fill)
+        out.narrow(dim, pad, lc).copy_(x)
+        return out
+
+    kk_all = placed(k, 0).reshape(b * hkv * t, bq, d)
+    vv_all = placed(v, 0).reshape(b * hkv * t, bq, dv)
+    valid = placed(key_valid, False) if key_valid is not None else placed(torch.ones(b, lc, dtype=torch.bool, device=dev), False)
+    valid_t = valid.reshape(b, t, bq)
+    cols_t = (placed(columns, False).reshape(b, p, t, bq) & valid_t[:, None])  # [B, P, T, bq]
+
+    # diagonal tile table: pat[b, p, dd, r, c] = diagonals[b, p, dd * bq + r - c] (False for negative offsets)
+    diag = diagonals[..., :lc]
+    dpad = torch.zeros(b, p, (bq - 1) + kp + bq, dtype=torch.bool, device=dev)
+    dpad[..., bq - 1 : bq - 1 + lc] = diag
+    r_ = torch.arange(bq, device=dev)
+    rc = r_[:, None] - r_[None, :] + (bq - 1)  # [bq, bq] index into a window of 2 bq - 1 offsets
+    pat = dpad.unfold(-1, 2 * bq - 1, bq)[:, :, :t][..., rc]  # [B, P, T, bq, bq]
+    diag_t = pat.flatten(-2).any(-1)  # [B, P, T]: some kept diagonal crosses a tile at this distance
+
+    # which key tiles each query block needs
+    m_ = torch.arange(nb, device=dev)
+    u_ = torch.arange(t, device=dev)
+    dist = (u0 + m_)[:, None] - u_[None, :]  # [nb, T]
+    qpos = torch.arange(nb * bq, device=dev)
+    q_ok = (qpos < lq)[None, :] & valid[:, (pad + q_offset + qpos).clamp(max=kp - 1)]  # [B, nb*bq]
+    need = (dist >= 0) & (cols_t[:, :, None, :, :].any(-1) | diag_t[:, :, dist.clamp(min=0)])  # [B, P, nb, T]
+    need &= valid_t.any(-1)[:, None, None, :] & q_ok.reshape(b, nb, bq).any(-1)[:, None, :, None]
+
+    hu = h if p == h else hkv  # attention units: per query head for per-head patterns, else per key/value head
+    gu = h // hu
+    need = need.expand(b, hu, nb, t) if p == 1 else need
+    n_groups = b * hu * nb
+    need = need.reshape(n_groups, t)
+    counts = need.sum(-1)
+    qg = q if nb * bq == lq else F.pad(q, (0, 0, 0, nb * bq - lq))
+    qg = qg.reshape(b, hu, gu, nb, bq, d).permute(0, 1, 3, 2, 4, 5).reshape(n_groups, gu, bq, d)
+    og = q.new_zeros(n_groups, gu, bq, dv)
+    kept = torch.zeros(n_groups, dtype=torch.float64, device=dev) if return_counts else None
+    dummy = b * p * t  # an all-False tile for the slots that pad a group to its bucket's width
+    pat_flat = torch.cat([pat.reshape(b * p * t, bq, bq), pat.new_zeros(1, bq, bq)])
+    cols_flat = torch.cat([cols_t.reshape(b * p * t, bq), cols_t.new_zeros(1, bq)])
+    valid_flat = valid_t.reshape(b * t, bq)
+    all_valid = bool(valid_t.all())  # no padding key (nor a shifted-in one) in any tile: no validity mask
+    tri = r_[:, None] >= r_[None, :]  # [bq(r), bq(c)]: key at or before the query inside the diagonal tile
+    q_ok_g = q_ok.reshape(b, 1, nb, bq)
+    zero = torch.zeros((), dtype=q.dtype, device=dev)
+    neg = torch.full((), -math.inf, dtype=q.dtype, device=dev)
+
+    sorted_counts, perm = counts.sort()
+    sc = sorted_counts.tolist()
+    i = int((sorted_counts == 0).sum())
+    unit = gu * bq * bq
+    while i < n_groups:
+        i2 = min(n_groups, i + max(1, CHUNK_ELEMENTS // (unit * sc[i])))
+        while i2 > i + 1 and (i2 - i) * unit * sc[i2 - 1] > 2 * CHUNK_ELEMENTS:
+            i2 = i + (i2 - i) // 2
+        idx = perm[i:i2]
+        n, mk = idx.numel(), sc[i2 - 1]
+        # [n, mk]: each group's needed tiles in ascending order, padded with tile 0 (masked out)
+        rr, cc = need.index_select(0, idx).nonzero(as_tuple=True)
+        cnt = counts.index_select(0, idx)
+        order = torch.zeros(n, mk, dtype=torch.long, device=dev)
+        order[rr, torch.arange(rr.numel(), device=dev) - (cnt.cumsum(0) - cnt)[rr]] = cc
+        slot_ok = torch.arange(mk, device=dev)[None, :] < cnt[:, None]
+        g_b, g_u, g_m = idx // (hu * nb), (idx // nb) % hu, idx % nb
+        g_kv, g_p = g_u * hkv // hu, g_u * p // hu
+        krow = ((g_b * hkv + g_kv)[:, None] * t + order).reshape(-1)
+        kk = kk_all.index_select(0, krow).reshape(n, 1, mk * bq, d)
+        vv = vv_all.index_select(0, krow).reshape(n, 1, mk * bq, dv)
+        dd = ((u0 + g_m)[:, None] - order).clamp(min=0)
+        prow = (g_b * p + g_p)[:, None] * t
+        # the per-query mask, built in the layout of the scores [n, bq (queries), mk, bq (keys of a tile)]
+        m_diag = pat_flat.index_select(0, torch.where(slot_ok, prow + dd, dummy).reshape(-1))
+        m_diag = m_diag.reshape(n, mk, bq, bq).transpose(1, 2)
+        m_col = cols_flat.index_select(0, torch.where(slot_ok, prow + order, dummy).reshape(-1)).reshape(n, 1, mk, bq)
+        keep = torch.empty(n, bq, mk, bq, dtype=torch.bool, device=dev)
+        torch.bitwise_or(m_diag, m_col, out=keep)  # a kept column for every query of the block, except ...
+        rd, sd = ((dd == 0) & slot_ok).nonzero(as_tuple=True)  # ... in the diagonal tile: for the queries at or after it
+        if rd.numel():
+            keep[rd, :, sd, :] = m_diag[rd, :, sd, :] | (m_col[rd, 0, sd][:, None, :] & tri)
+        if not all_valid:
+            keep &= valid_flat.index_select(0, (g_b[:, None] * t + order).reshape(-1)).reshape(n, 1, mk, bq)
+        keep = keep.reshape(n, 1, bq, mk * bq)
+        mask = torch.where(keep, zero, neg)  # additive: the fused kernel reads it as is
+        o = F.scaled_dot_product_attention(qg.index_select(0, idx), kk, vv, attn_mask=mask, scale=scale, enable_gqa=gu > 1)
+        if dev.type != "cpu":  # rows without a kept key: zeros (the CPU kernel already gives zeros)
+            o = torch.where(keep.any(-1, keepdim=True), o.nan_to_num(0.0), 0.0)
+        og.index_copy_(0, idx, o)
+        if kept is not None:
+            rows = keep.sum(-1, dtype=torch.float64)[:, 0] * q_ok_g[g_b, 0, g_m].double()  # [n, bq]
+            kept.index_copy_(0, idx, rows.sum(-1))
+        i = i2
+    out = og.reshape(b, hu, nb, gu, bq, dv).permute(0, 1, 3, 2, 4, 5).reshape(b, h, nb * bq, dv)
+    if nb * bq != lq:
+        out = out[:, :, :lq]
+    if kept is not None:
+        kept = kept.reshape(b, hu, nb).sum(-1).repeat_interleave(gu, dim=1)
+    return out, kept
+
+
+def vertical_slash_scores(
+    q_last: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    scale: float,
+    q_start: int,
+    key_valid: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Column and diagonal scores of the estimation queries (MInference, arXiv 2407.02490, Alg. 2, lines 1-4).
+
+    ``A = softmax(Q_last K^T c)`` over the causal, valid keys (float32), rows of padding queries
+    zeroed; ``vertical[j] = sum_r A[r, j]``; ``slash[o] = sum_r A[r, i_r - o]`` (``i_r = q_start + r``).
+    Memory: ``A`` for as many key/value heads at a time as fit ``SELECT_ELEMENTS``.
+
+    Args:
+        q_last: ``[B, H, n, D]``, the queries at positions ``q_start .. q_start + n - 1``.
+        k: ``[B, Hkv, Lc, D]`` with ``Lc = q_start + n`` (the keys up to the last query).
+        scale: logit scale.
+        q_start: absolute position of ``q_last``'s first row.
+        key_valid: ``[B, Lc]`` bool or ``None``.
+
+    Returns:
+        ``(vertical, slash)``, float32 ``[B, H, Lc]`` each (``slash`` indexed by offset ``0 .. Lc - 1``).
+
+    Raises:
+        ValueError: ``Lc != q_start + n``.
+    """
+    b, h, n, d = q_last.shape
+    hkv, lc = k.shape[1], k.shape[2]
+    if lc != q_start + n:
+        raise ValueError(f"k has {lc} keys; the estimation queries end at position {q_start + n - 1}, so it needs {q_start + n}")
+    g = h // hkv
+    dev = q_last.device
+    pos = q_start + torch.arange(n, device=dev)
+    allowed = torch.arange(lc, device=dev)[None, :] <= pos[:, None]  # [n, Lc]
+    allowed = allowed[None, None] if key_valid is None else allowed[None, None] & key_valid[:, None, None, :]
+    q_ok = torch.ones(b, n, device=dev) if key_valid is None else key_valid[:, pos].float()  # [B, n]
+    vertical = torch.empty(b, hkv, g, lc, dtype=torch.float32, device=dev)
+    slash = torch.empty(b, hkv, g, lc, dtype=torch.float32, device=dev)
+    qf = q_last.reshape(b, hkv, g * n, d)
+    wd = lc + n - 1  # shifted rows: A[r, j] goes to column n - 1 - r + j, whose sum over r is offset Lc - 1 - column
+    step = max(1, SELECT_ELEMENTS // max(1, b * g * n * lc))
+    for h0 in range(0, hkv, step):
+        h1 = min(hkv, h0 + step)
+        logits = (qf[:, h0:h1].float() * scale) @ k[:, h0:h1].float().transpose(-1, -2)  # [B, hc, g*n, Lc]
+        logits = logits.reshape(b, h1 - h0, g, n, lc).masked_fill_(~allowed[:, :, None], -math.inf)
+        a = torch.softmax(logits, dim=-1).nan_to_num_(0.0).mul_(q_ok[:, None, None, :, None])
+        del logits
+        vertical[:, h0:h1] = a.sum(-2)
+        rows = b * (h1 - h0) * g
+        buf = a.new_zeros(rows, n, wd)
+        buf.as_strided((rows, n, lc), (n * wd, wd - 1, 1), n - 1).copy_(a.reshape(rows, n, lc))
+        slash[:, h0:h1] = buf.sum(-2)[:, :lc].flip(-1).reshape(b, h1 - h0, g, lc)
+    return vertical.reshape(b, h, lc), slash.reshape(b, h, lc)
+
+
+def vertical_slash_pattern(
+    q_last: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    vertical: int,
+    slash: int,
+    scale: float,
+    q_start: int,
+    key_valid: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kept columns and diagonals of each head (MInference, arXiv 2407.02490, Alg. 2, lines 2-5).
+
+    The top ``min(vertical, Lc)`` columns by :func:`vertical_slash_scores` among the valid keys, and
+    ``min(slash, Lc)`` diagonals: the local ones ``0 .. min(slash, LOCAL_DIAGONALS) - 1``, then the top ones of
+    the others.
+
+    Args:
+        q_last, k, scale, q_start, key_valid: as for :func:`vertical_slash_scores`.
+        vertical: kept columns per head (clamped to the keys that exist).
+        slash: kept diagonals per head (clamped likewise).
+
+    Returns:
+        ``(columns, diagonals)``: bool ``[B, H, Lc]`` each, for :func:`column_diagonal_attention`.
+
+    Raises:
+        ValueError: ``vertical < 0``, ``slash < 0``, or the shapes of :func:`vertical_slash_scores`.
+    """
+    if vertical < 0 or slash < 0:
+        raise ValueError(f"vertical={vertical}, slash={slash}: counts must be >= 0")
+    col, dia = vertical_slash_scores(q_last, k, scale=scale, q_start=q_start, key_valid=key_valid)
+    lc = col.shape[-1]
+    if key_valid is not None:
+        col.masked_fill_(~key_valid[:, None, :], -math.inf)
+    columns = torch.zeros_like(col, dtype=torch.bool)
+    diagonals = torch.zeros_like(dia, dtype=torch.bool)
+    local = min(slash, LOCAL_DIAGONALS, lc)  # forced: diagonals 0, 1, ... in this order when slash is smaller
+    diagonals[..., :local] = True
+    dia[..., :local] = -math.inf
+    for score, kept, count in ((col, columns, min(vertical, lc)), (dia, diagonals, min(slash, lc) - local)):
+        if count == lc:
+            kept.copy_(score > -math.inf)
+        elif count > 0:
+            top = score.topk(count, dim=-1)
+            kept.scatter_(-1, top.indices, top.values > -math.inf)
+    return columns, diagonals
+
+
+def split_padding(key_valid: torch.Tensor | None, q_offset: int, lq: int) -> list[tuple[int, int]] | None:
+    """``(first, end)`` valid key range of each sequence when some sequence has padding before its first or
+    after its last real token (up to the last query), else ``None``.
+    """
+    if key_valid is None:
+        return None
+    lk = key_valid.shape[1]
+    any_valid = key_valid.any(1)
+    first = torch.where(any_valid, torch.argmax(key_valid.to(torch.int8), dim=1), 0)
+    end = torch.where(any_valid, lk - torch.argmax(key_valid.flip(1).to(torch.int8), dim=1), 0).clamp(max=q_offset + lq)
+    if bool((first == 0).all()) and bool((end == q_offset + lq).all()):
+        return None
+    return [(int(a), int(e)) for a, e in zip(first, end)]
+
+
+def vertical_slash_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    vertical: int,
+    slash: int,
+    last_q: int,
+    scale: float,
+    q_offset: int = 0,
+    key_valid: torch.Tensor | None = None,
+    chunk: int | None = None,
+    block: int = BLOCK,
+    return_counts: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """MInference's vertical-slash sparse prefill (arXiv 2407.02490, Sec. 3.2, Alg. 2), per head.
+
+    Per chunk of ``chunk`` queries (the whole call when ``None``): the chunk's last ``min(last_q, chunk
+    length)`` queries score the key columns and diagonals up to the chunk's last position
+    (:func:`vertical_slash_pattern`), and every query of the chunk attends exactly to the kept columns and
+    diagonals (:func:`column_diagonal_attention`).  A query's output therefore depends on the tokens up to
+    the end of its chunk (with ``chunk=None``: on the whole call).  Sequences with padding before their
+    first or after their last real token are computed one at a time with the padding stripped, as they
+    would be alone; their padding queries give zeros.  Counts are clamped to the keys that exist:
+    ``vertical >= Lc`` or ``slash >= Lc`` keeps every causal key (exact attention).
+
+    Args:
+        q: ``[B, H, Lq, D]`` at absolute positions ``q_offset .. q_offset + Lq - 1``.
+        k, v: ``[B, Hkv, Lk, D]``, ``[B, Hkv, Lk, Dv]``, ``Lk >= q_offset + Lq``.
+        vertical, slash: kept columns and diagonals per head (counts, >= 0).
+        last_q: estimation queries per chunk (tokens, >= 1).
+        scale: logit scale.
+        q_offset: absolute position of the first query (a prompt continued on a cache).
+        key_valid: ``[B, Lk]`` bool, False at padding keys, or ``None``.
+        chunk: queries per selection chunk (tokens, >= 1) or ``None`` (one chunk: MInference).
+        block: query rows per block / keys per tile of the attention (tokens).
+        return_counts: also return the kept causal pairs per (sequence, head) over valid queries.
+
+    Returns:
+        ``(out, kept)``: ``out`` ``[B, H, Lq, Dv]`` in ``q.dtype``; ``kept`` float64 ``[B, H]`` or ``None``.
+
+    Raises:
+        ValueError: inputs that do not fit (:func:`check_inputs`); ``vertical`` or ``slash`` < 0,
+            ``last_q`` or ``chunk`` < 1.
+    """
+    check_inputs(q, k, v, scale, q_offset, key_valid)
+    if vertical < 0 or slash < 0 or last_q < 1 or (chunk is not None and chunk < 1):
+        raise ValueError(f"vertical={vertical}, slash={slash} must be >= 0 and last_q={last_q}, chunk={chunk} >= 1")
+    b, h, lq, _ = q.shape
+    kw = dict(vertical=vertical, slash=slash, last_q=last_q, scale=scale, chunk=chunk, block=block, return_counts=return_counts)
+    split = split_padding(key_valid, q_offset, lq)
+    if split is not None:
+        out = q.new_zeros(b, h, lq, v.shape[-1])
+        kept = torch.zeros(b, h, dtype=torch.float64, device=q.device) if return_counts else None
+        for bi, (first, end) in enumerate(split):
+            qi0 = min(lq, max(0, first - q_offset))
+            qi1 = max(qi0, min(lq, end - q_offset))
+            if qi1 == qi0:
+                continue
+            kv = key_valid[bi : bi + 1, first:end]
+            o, kc = vertical_slash_attention(
+                q[bi : bi + 1, :, qi0:qi1], k[bi : bi + 1, :, first:end], v[bi : bi + 1, :, first:end],
+                q_offset=q_offset + qi0 - first, key_valid=None if bool(kv.all()) else kv, **kw,
+            )
+            out[bi : bi + 1, :, qi0:qi1] = o
+            if kept is not None:
+                kept[bi] = kc[0]
+        return out, kept
+    step = lq if chunk is None else chunk
+    outs, kept = [], None
+    for c0 in range(0, lq, step):
+        c1 = min(lq, c0 + step)
+        lc = q_offset + c1
+        n = min(last_q, c1 - c0)
+        kv = None if key_valid is None else key_valid[:, :lc]
+        cols, diags = vertical_slash_pattern(
+            q[:, :, c1 - n : c1], k[:, :, :lc], vertical=vertical, slash=slash, scale=scale, q_start=lc - n, key_valid=kv,
+        )
+        o, kc = column_diagonal_attention(
+            q[:, :, c0:c1], k, v, cols, diags, scale=scale, q_offset=q_offset + c0, key_valid=key_valid,
+            block=block, return_counts=return_counts,
+        )
+        outs.append(o)
+        if kc is not None:
+            kept = kc if kept is None else kept + kc
+    return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)), kept
