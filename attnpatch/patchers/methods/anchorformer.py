@@ -100,7 +100,11 @@ ANCHORFORMER = register_method(
         noncausal_calls=True,
         key_padding=False,
         token_roles=frozenset({"prefix"}),
-        exact_limit_decl=ExactLimit(_every_token, at_least=("m",), text="m >= N"),
+        exact_limit_decl=ExactLimit(
+            _every_token, at_least=("m",),
+            text="m >= N, where it runs exact attention instead: the bipartite product is exact for no m, and its "
+                 "error does not shrink towards 0 as m grows",
+        ),
         small_settings={"vision": dict(m=8)},
         details=(
             "AnchorFormer, training-free: `m` anchor tokens (CLS and registers always among them) chosen in every layer "
