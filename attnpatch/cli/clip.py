@@ -90,7 +90,7 @@ def clip_common(q) -> None:
         "hf-hub:ORG/REPO, a Hugging Face id (e.g. openai/clip-vit-base-patch32) or a local directory (default: %(default)s)",
     )
     q.add_argument("--method", nargs="+", action=_Repeatable, default=["fna"], help="registered method(s); each is compared with dense in the same run")
-    q.add_argument("-o", "--option", action="append", default=[], metavar="NAME=VALUE", help="method option, repeatable (e.g. -o s=64; a METHOD:NAME=VALUE in --method wins over it)")
+    q.add_argument("-o", "--option", action="append", default=[], metavar="NAME=VALUE", help="method option, repeatable (e.g. -o s=64)")
     q.add_argument("--towers", nargs="+", action=_Repeatable, metavar="TOWER", help="towers the patch routes: vision (default), text, or all (text takes only 'dense')")
     q.add_argument("--split", help="dataset split (default: train for a directory; zeroshot: train, clip-retrieval hub ids: test)")
     q.add_argument("--limit", type=_positive_int, help="use at most this many images")

@@ -88,7 +88,7 @@ def add_parser(esub) -> None:
     pr = esub.add_parser("ruler", help="RULER-style long-context tasks (needle-in-a-haystack and friends)")
     pr.add_argument("--model", default=DEFAULT_MODEL, help="catalogue name, local directory or hub id (default: %(default)s)")
     pr.add_argument("--method", default="anchor_attention", help="registered method, or 'dense' for a baseline-only run")
-    pr.add_argument("-o", "--option", action="append", default=[], metavar="NAME=VALUE", help="method option, repeatable (e.g. -o theta=12; a METHOD:NAME=VALUE in --method wins over it)")
+    pr.add_argument("-o", "--option", action="append", default=[], metavar="NAME=VALUE", help="method option, repeatable (e.g. -o theta=12)")
     pr.add_argument("--tasks", nargs="+", action=_Repeatable, choices=list(ruler_tasks.TASKS) + ["all"], help="default: niah_single")
     pr.add_argument("--lengths", nargs="+", action=_Repeatable, type=_positive_int, default=[1024, 2048, 4096], help="context lengths in model tokens")
     pr.add_argument("--samples", type=_positive_int, default=10, help="samples per (task, length) cell (default: %(default)s)")
