@@ -42,9 +42,9 @@ import torch.nn.functional as F
 
 from .anchor.attend import _pair_counts, _sparse_attend
 from .anchor.config import AnchorConfig
-from .anchor.core import _split_padding
 from .anchor.guard import _kept_mass
-from .anchor.select import _check_inputs, _geometry
+from .anchor.select import _geometry
+from .prefill import check_inputs, per_sequence, split_padding
 
 __all__ = [
     "BlockTopkStats", "block_geometry", "antidiagonal_block_mass", "select_blocks", "block_topk_keep", "block_topk_attention",
@@ -258,32 +258,21 @@ def block_topk_attention(
         OptionError: ``kernel="compiled"`` for inputs it does not take.
         RuntimeError: ``kernel="compiled"`` where the kernel cannot be built.
     """
-    _check_inputs(q, k, v, scale, q_offset, key_valid)
+    check_inputs(q, k, v, scale, q_offset, key_valid)
     _check_options(block_size, stride, threshold)
     if kernel not in KERNELS:
         raise ValueError(f"kernel={kernel!r}: one of {', '.join(KERNELS)}")
     kw = dict(scale=scale, block_size=block_size, stride=stride, threshold=threshold, kernel=kernel,
               return_stats=return_stats, compute_recall=compute_recall)
     lq = q.shape[2]
-    split = _split_padding(key_valid, q_offset, lq)
+    split = split_padding(key_valid, q_offset, lq)
     if split is None:
         return _one_call(q, k, v, q_offset=q_offset, key_valid=key_valid, **kw)
     b, h = q.shape[:2]
-    out = torch.zeros_like(q)
-    parts: list[BlockTopkStats | None] = []
-    for bi, (p, e) in enumerate(split):  # each sequence alone, its padding stripped
-        qi0 = min(lq, max(0, p - q_offset))
-        qi1 = max(qi0, min(lq, e - q_offset))
-        if qi1 <= qi0:
-            parts.append(None)
-            continue
-        kv = key_valid[bi : bi + 1, p:e]
-        o, st = _one_call(
-            q[bi : bi + 1, :, qi0:qi1], k[bi : bi + 1, :, p:e], v[bi : bi + 1, :, p:e],
-            q_offset=q_offset + qi0 - p, key_valid=None if bool(kv.all()) else kv, **kw,
-        )
-        out[bi : bi + 1, :, qi0:qi1] = o
-        parts.append(st)
+    out, seqs = per_sequence(  # each sequence alone, its padding stripped
+        functools.partial(_one_call, **kw), q, k, v, split, q_offset=q_offset, key_valid=key_valid,
+    )
+    parts: list[BlockTopkStats | None] = [None if part is None else part[2] for part in seqs]
     if not (return_stats or compute_recall):
         return out, None
     zero = torch.zeros(1, h, dtype=torch.float64, device=q.device)

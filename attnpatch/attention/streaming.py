@@ -26,12 +26,14 @@ diagonals ``0 .. window - 1``.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 import torch.nn.functional as F
 
-from .vertical_slash import check_inputs, column_diagonal_attention, split_padding
+from .prefill import check_inputs, per_sequence, split_padding
+from .vertical_slash import column_diagonal_attention
 
 __all__ = ["a_shape_attention", "a_shape_pattern", "a_shape_kept_pairs", "A_BLOCK"]
 
@@ -115,31 +117,23 @@ def a_shape_attention(
         padding position, gives zeros); ``kept`` float64 ``[B, H]`` or ``None``.
 
     Raises:
-        ValueError: inputs that do not fit (see :func:`~attnpatch.attention.vertical_slash.check_inputs`),
+        ValueError: inputs that do not fit (see :func:`~attnpatch.attention.prefill.check_inputs`),
             ``init_tokens < 0``, ``window < 1``, ``block < 1``.
     """
-    check_inputs(q, k, v, scale, q_offset, key_valid)
+    check_inputs(q, k, v, scale, q_offset, key_valid, value_dim=True)
     if init_tokens < 0 or window < 1 or block < 1:
         raise ValueError(f"init_tokens={init_tokens} must be >= 0, window={window} and block={block} >= 1")
     b, h, lq, _ = q.shape
     kw = dict(init_tokens=init_tokens, window=window, scale=scale, block=block, return_counts=return_counts)
     split = split_padding(key_valid, q_offset, lq)
     if split is not None:
-        out = q.new_zeros(b, h, lq, v.shape[-1])
-        kept = torch.zeros(b, h, dtype=torch.float64, device=q.device) if return_counts else None
-        for bi, (first, end) in enumerate(split):
-            qi0 = min(lq, max(0, first - q_offset))
-            qi1 = max(qi0, min(lq, end - q_offset))
-            if qi1 == qi0:
-                continue
-            kv = key_valid[bi : bi + 1, first:end]
-            o, kc = a_shape_attention(
-                q[bi : bi + 1, :, qi0:qi1], k[bi : bi + 1, :, first:end], v[bi : bi + 1, :, first:end],
-                q_offset=q_offset + qi0 - first, key_valid=None if bool(kv.all()) else kv, **kw,
-            )
-            out[bi : bi + 1, :, qi0:qi1] = o
-            if kept is not None:
-                kept[bi] = kc[0]
+        out, parts = per_sequence(functools.partial(a_shape_attention, **kw), q, k, v, split, q_offset=q_offset, key_valid=key_valid)
+        kept = None
+        if return_counts:
+            kept = torch.zeros(b, h, dtype=torch.float64, device=q.device)
+            for bi, part in enumerate(parts):
+                if part is not None:
+                    kept[bi] = part[2][0]
         return out, kept
     if key_valid is not None and not bool(key_valid[:, : q_offset + lq].all()):  # padding inside the keys
         columns, diagonals = a_shape_pattern(key_valid, batch=b, keys=q_offset + lq, init_tokens=init_tokens, window=window)

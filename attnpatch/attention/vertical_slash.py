@@ -30,10 +30,13 @@ may have fewer heads than queries (grouped-query attention).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 import torch.nn.functional as F
+
+from .prefill import check_inputs, per_sequence, split_padding
 
 __all__ = [
     "BLOCK",
@@ -42,8 +45,6 @@ __all__ = [
     "vertical_slash_scores",
     "vertical_slash_pattern",
     "vertical_slash_attention",
-    "check_inputs",
-    "split_padding",
 ]
 
 #: Queries per block and keys per tile of :func:`column_diagonal_attention` (MInference's GPU kernel uses 64;
@@ -57,31 +58,6 @@ LOCAL_DIAGONALS = 16
 CHUNK_ELEMENTS = 1 << 20
 #: Elements of the estimation's ``last_q x keys`` probabilities per step (chunked over key/value heads).
 SELECT_ELEMENTS = 1 << 25
-
-
-def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, q_offset: int,
-                 key_valid: torch.Tensor | None) -> None:
-    """Check the shapes of one causal attention call.
-
-    Raises:
-        ValueError: ``q`` not ``[B, H, Lq, D]``; ``k`` not ``[B, Hkv, Lk, D]``; ``v`` not ``[B, Hkv, Lk, Dv]``;
-            ``H`` not a multiple of ``Hkv``; ``q_offset < 0`` or ``Lk < q_offset + Lq``; ``key_valid`` not
-            bool ``[B, Lk]``; ``scale`` not a positive finite number.
-    """
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError(f"q, k, v must be [batch, heads, tokens, head_dim]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    b, h, lq, d = q.shape
-    if k.shape[0] != b or k.shape[3] != d or v.shape[:3] != k.shape[:3]:
-        raise ValueError(f"k must be [B, Hkv, Lk, {d}] and v [B, Hkv, Lk, Dv] with q's batch {b}; "
-                         f"got k {tuple(k.shape)}, v {tuple(v.shape)}")
-    if h % k.shape[1]:
-        raise ValueError(f"query heads ({h}) must be a multiple of key/value heads ({k.shape[1]})")
-    if q_offset < 0 or k.shape[2] < q_offset + lq:
-        raise ValueError(f"q_offset={q_offset} with {lq} queries needs 0 <= q_offset and q_offset + Lq <= Lk = {k.shape[2]}")
-    if key_valid is not None and (key_valid.dtype != torch.bool or tuple(key_valid.shape) != (b, k.shape[2])):
-        raise ValueError(f"key_valid must be bool [{b}, {k.shape[2]}]; got {key_valid.dtype} {tuple(key_valid.shape)}")
-    if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
-        raise ValueError(f"scale={scale!r}: must be a positive finite number")
 
 
 def column_diagonal_attention(
@@ -130,10 +106,10 @@ def column_diagonal_attention(
         ``kept`` float64 ``[B, H]`` or ``None``.
 
     Raises:
-        ValueError: inputs that do not fit (:func:`check_inputs`), ``P`` not in ``{1, Hkv, H}``, pattern
-            tensors not bool ``[B, P, >= q_offset + Lq]``, ``block < 1``.
+        ValueError: inputs that do not fit (:func:`~attnpatch.attention.prefill.check_inputs`), ``P`` not in
+            ``{1, Hkv, H}``, pattern tensors not bool ``[B, P, >= q_offset + Lq]``, ``block < 1``.
     """
-    check_inputs(q, k, v, scale, q_offset, key_valid)
+    check_inputs(q, k, v, scale, q_offset, key_valid, value_dim=True)
     b, h, lq, d = q.shape
     hkv, dv, dev = k.shape[1], v.shape[-1], q.device
     lc = q_offset + lq
@@ -362,21 +338,6 @@ def vertical_slash_pattern(
     return columns, diagonals
 
 
-def split_padding(key_valid: torch.Tensor | None, q_offset: int, lq: int) -> list[tuple[int, int]] | None:
-    """``(first, end)`` valid key range of each sequence when some sequence has padding before its first or
-    after its last real token (up to the last query), else ``None``.
-    """
-    if key_valid is None:
-        return None
-    lk = key_valid.shape[1]
-    any_valid = key_valid.any(1)
-    first = torch.where(any_valid, torch.argmax(key_valid.to(torch.int8), dim=1), 0)
-    end = torch.where(any_valid, lk - torch.argmax(key_valid.flip(1).to(torch.int8), dim=1), 0).clamp(max=q_offset + lq)
-    if bool((first == 0).all()) and bool((end == q_offset + lq).all()):
-        return None
-    return [(int(a), int(e)) for a, e in zip(first, end)]
-
-
 def vertical_slash_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -419,31 +380,23 @@ def vertical_slash_attention(
         ``(out, kept)``: ``out`` ``[B, H, Lq, Dv]`` in ``q.dtype``; ``kept`` float64 ``[B, H]`` or ``None``.
 
     Raises:
-        ValueError: inputs that do not fit (:func:`check_inputs`); ``vertical`` or ``slash`` < 0,
+        ValueError: inputs that do not fit (:func:`~attnpatch.attention.prefill.check_inputs`); ``vertical`` or ``slash`` < 0,
             ``last_q`` or ``chunk`` < 1.
     """
-    check_inputs(q, k, v, scale, q_offset, key_valid)
+    check_inputs(q, k, v, scale, q_offset, key_valid, value_dim=True)
     if vertical < 0 or slash < 0 or last_q < 1 or (chunk is not None and chunk < 1):
         raise ValueError(f"vertical={vertical}, slash={slash} must be >= 0 and last_q={last_q}, chunk={chunk} >= 1")
     b, h, lq, _ = q.shape
     kw = dict(vertical=vertical, slash=slash, last_q=last_q, scale=scale, chunk=chunk, block=block, return_counts=return_counts)
     split = split_padding(key_valid, q_offset, lq)
     if split is not None:
-        out = q.new_zeros(b, h, lq, v.shape[-1])
-        kept = torch.zeros(b, h, dtype=torch.float64, device=q.device) if return_counts else None
-        for bi, (first, end) in enumerate(split):
-            qi0 = min(lq, max(0, first - q_offset))
-            qi1 = max(qi0, min(lq, end - q_offset))
-            if qi1 == qi0:
-                continue
-            kv = key_valid[bi : bi + 1, first:end]
-            o, kc = vertical_slash_attention(
-                q[bi : bi + 1, :, qi0:qi1], k[bi : bi + 1, :, first:end], v[bi : bi + 1, :, first:end],
-                q_offset=q_offset + qi0 - first, key_valid=None if bool(kv.all()) else kv, **kw,
-            )
-            out[bi : bi + 1, :, qi0:qi1] = o
-            if kept is not None:
-                kept[bi] = kc[0]
+        out, parts = per_sequence(functools.partial(vertical_slash_attention, **kw), q, k, v, split, q_offset=q_offset, key_valid=key_valid)
+        kept = None
+        if return_counts:
+            kept = torch.zeros(b, h, dtype=torch.float64, device=q.device)
+            for bi, part in enumerate(parts):
+                if part is not None:
+                    kept[bi] = part[2][0]
         return out, kept
     step = lq if chunk is None else chunk
     outs, kept = [], None

@@ -12,7 +12,8 @@ from ...errors import OptionError
 from .attend import _compiled, _dense_heads, _dense_rows, _pair_counts, _sparse_attend, dense_causal_attention
 from .config import AnchorConfig, AnchorStats
 from .guard import _causal_guard, _kept_mass, _probe_recall
-from .select import _causal_keys, _check_inputs, _geometry, _select
+from ..prefill import check_inputs, per_sequence, split_padding
+from .select import _causal_keys, _geometry, _select
 
 
 def anchor_attention(
@@ -68,11 +69,11 @@ def anchor_attention(
             it does not take.
         RuntimeError: ``kernel="compiled"`` where the compiled kernel cannot be built.
     """
-    _check_inputs(q, k, v, scale, q_offset, key_valid)
+    check_inputs(q, k, v, scale, q_offset, key_valid)
     b, h, lq, d = q.shape
     hkv = k.shape[1]
     want_stats = return_stats or compute_recall
-    split = _split_padding(key_valid, q_offset, lq)
+    split = split_padding(key_valid, q_offset, lq)
     if split is not None:
         return _per_sequence(
             anchor_attention, q, k, v, cfg, split, scale=scale, q_offset=q_offset, key_valid=key_valid,
@@ -156,47 +157,15 @@ def anchor_attention(
 
 
 
-def _split_padding(key_valid: torch.Tensor | None, q_offset: int, lq: int) -> list[tuple[int, int]] | None:
-    """``(first, end)`` valid key range of each sequence when any sequence is padded, else ``None``.
-
-    Query blocks, the initial block, the local window and ``dense_last`` are defined relative
-    to each sequence's own first and last real tokens, so a padded sequence (left padding,
-    or right padding in a prompt) is computed exactly as it would be alone.
-    """
-    if key_valid is None:
-        return None
-    lk = key_valid.shape[1]
-    any_valid = key_valid.any(1)
-    first = torch.argmax(key_valid.to(torch.int8), dim=1)
-    end = lk - torch.argmax(key_valid.flip(1).to(torch.int8), dim=1)
-    first = torch.where(any_valid, first, 0)
-    end = torch.where(any_valid, end, 0)
-    # keys after the last query are empty cache slots or future tokens, not padding to strip
-    end = end.clamp(max=q_offset + lq)
-    if bool((first == 0).all()) and bool((end == q_offset + lq).all()):
-        return None
-    return [(int(a), int(e)) for a, e in zip(first, end)]
-
-
 def _per_sequence(fn, q, k, v, cfg, ranges, *, scale, q_offset, key_valid, dense_heads, return_stats, compute_recall):
-    """Run ``fn`` on each sequence with its padding stripped; padded query rows get zeros."""
-    b, h, lq, d = q.shape
-    out = torch.zeros_like(q)
-    parts = []
-    for bi, (p, e) in enumerate(ranges):
-        qi0 = min(lq, max(0, p - q_offset))
-        qi1 = max(qi0, min(lq, e - q_offset))
-        if qi1 <= qi0:
-            parts.append(None)
-            continue
-        kv = key_valid[bi : bi + 1, p:e]
-        o, st = fn(
-            q[bi : bi + 1, :, qi0:qi1], k[bi : bi + 1, :, p:e], v[bi : bi + 1, :, p:e], cfg, scale=scale,
-            q_offset=q_offset + qi0 - p, key_valid=None if bool(kv.all()) else kv, dense_heads=dense_heads,
-            **({"return_stats": return_stats, "compute_recall": compute_recall} if fn is anchor_attention else {}),
-        )
-        out[bi : bi + 1, :, qi0:qi1] = o
-        parts.append(st if fn is anchor_attention else (qi0, p, st))
+    """Run ``fn`` (:func:`anchor_attention` or the reference) on each sequence with its padding stripped
+    (:func:`~attnpatch.attention.prefill.per_sequence`); padded query rows get zeros."""
+    b, h, lq, _ = q.shape
+    extra = {"return_stats": return_stats, "compute_recall": compute_recall} if fn is anchor_attention else {}
+    out, parts = per_sequence(
+        lambda qi, ki, vi, **kw: fn(qi, ki, vi, cfg, scale=scale, dense_heads=dense_heads, **extra, **kw),
+        q, k, v, ranges, q_offset=q_offset, key_valid=key_valid,
+    )
     if fn is not anchor_attention:  # the reference returns the kept mask [1, H, Lq', Lk']
         kept = torch.zeros(b, h, lq, k.shape[2], dtype=torch.bool)
         for bi, part in enumerate(parts):
@@ -204,6 +173,7 @@ def _per_sequence(fn, q, k, v, cfg, ranges, *, scale, q_offset, key_valid, dense
                 qi0, p, km = part
                 kept[bi, :, qi0 : qi0 + km.shape[2], p : p + km.shape[3]] = km[0]
         return out, kept
+    parts = [None if part is None else part[2] for part in parts]
     if not (return_stats or compute_recall):
         return out, None
     zero = torch.zeros(1, h, dtype=torch.float64, device=q.device)

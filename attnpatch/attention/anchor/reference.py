@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 
 from .config import AnchorConfig
-from .core import _per_sequence, _split_padding
+from ..prefill import check_inputs, split_padding
+from .core import _per_sequence
 from .guard import _causal_probe_blocks, _probe_blocks
-from .select import _check_inputs
 
 
 def anchor_attention_reference(
@@ -31,10 +31,10 @@ def anchor_attention_reference(
         the keys each query attended.  Left-padded sequences are computed with their padding
         stripped (blocks relative to the first real token), exactly as :func:`anchor_attention`.
     """
-    _check_inputs(q, k, v, scale, q_offset, key_valid)
+    check_inputs(q, k, v, scale, q_offset, key_valid)
     b, h, lq, d = q.shape
     hkv, lk = k.shape[1], k.shape[2]
-    split = _split_padding(key_valid, q_offset, lq)
+    split = split_padding(key_valid, q_offset, lq)
     if split is not None:
         return _per_sequence(
             anchor_attention_reference, q, k, v, cfg, split, scale=scale, q_offset=q_offset, key_valid=key_valid,

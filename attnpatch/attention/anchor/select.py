@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from ..cpu_kernel import stripe_kernel
+from ..prefill import check_inputs
 from . import tiles
 from .config import AnchorConfig
 
@@ -70,31 +71,6 @@ def _grouped(q: torch.Tensor, hkv: int) -> torch.Tensor:
     return q.reshape(b, hkv, h // hkv, *q.shape[2:])
 
 
-def _check_inputs(q, k, v, scale: float, q_offset: int, key_valid) -> None:
-    """ValueError naming the first thing that does not fit: ranks, batch, head dim, ``H % Hkv``, ``v`` shaped
-    unlike ``k``, queries beyond the keys, a negative ``q_offset``, ``key_valid`` not ``[B, Lk]`` bool, a
-    logit scale that is not a positive finite number."""
-    if q.dim() != 4 or k.dim() != 4:
-        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must be [batch, heads, tokens, head_dim]")
-    b, h, lq, d = q.shape
-    hkv, lk = k.shape[1], k.shape[2]
-    if k.shape[0] != b or k.shape[3] != d:
-        raise ValueError(f"k {tuple(k.shape)} does not fit q {tuple(q.shape)} (batch and head_dim must match)")
-    if v is not None and v.shape != k.shape:
-        raise ValueError(f"v {tuple(v.shape)} must have the shape of k {tuple(k.shape)}")
-    if hkv < 1 or h % hkv:
-        raise ValueError(f"query heads {h} not a multiple of key/value heads {hkv}")
-    if q_offset < 0 or q_offset + lq > lk:
-        raise ValueError(
-            f"q_offset={q_offset}: the {lq} queries sit at positions q_offset..q_offset+{lq - 1}, which must lie "
-            f"within the {lk} keys (0 <= q_offset <= {lk - lq})"
-        )
-    if key_valid is not None and (key_valid.dtype != torch.bool or tuple(key_valid.shape) != (b, lk)):
-        raise ValueError(f"key_valid {key_valid.dtype} {tuple(key_valid.shape)}: must be bool [batch, keys] = [{b}, {lk}]")
-    if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
-        raise ValueError(f"scale={scale!r}: the logit scale must be a positive finite number (usually head_dim ** -0.5)")
-
-
 def select_stripes(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -120,10 +96,10 @@ def select_stripes(
         and the local window, never a padding key or a key after the block's last query.
 
     Raises:
-        ValueError: inputs that do not fit (see ``_check_inputs``: shapes, ``H`` not a multiple of
+        ValueError: inputs that do not fit (see :func:`attnpatch.attention.prefill.check_inputs`: shapes, ``H`` not a multiple of
             ``Hkv``, ``q_offset``, ``key_valid``, a scale that is not positive).
     """
-    _check_inputs(q, k, None, scale, q_offset, key_valid)
+    check_inputs(q, k, None, scale, q_offset, key_valid)
     geo = _geometry(q, k, cfg, q_offset, key_valid)
     return _select(q, k, cfg, scale, geo)
 
