@@ -274,29 +274,3 @@ def test_patch_refuses_wrong_options_by_name():
         patch(model, "anchorformer", m="many")
     with pytest.raises(OptionError, match="unknown option"):
         patch(model, "anchorformer", anchors=8)
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("sharp", [False, True], ids=["plain", "sharp"])
-@pytest.mark.parametrize("arch", ["dinov2", "vit_tiny"])
-def test_half_precision_contract_with_anchors_below_n(arch, sharp, dtype):
-    """tests/test_precision.py's vision contract (finite; within float32's error) at m = 8, where the
-    method approximates (its default m = 64 runs exact attention on those 17-26-token models)."""
-    import copy
-
-    from test_precision import VISION_MODELS, _assert_within_float32_error, _sharpen_vision, _vision_out
-
-    make, x = VISION_MODELS[arch]
-    model = make()
-    if sharp:
-        _sharpen_vision(model)
-    ref_dense = _vision_out(model, x)
-    with patched(model, "anchorformer", m=8), record_stats(model) as rec:
-        ref = _vision_out(model, x)
-    assert {r.mode for r in rec.forwards[0].values()} == {"anchorformer"}
-    half = copy.deepcopy(model).to(dtype)
-    dense = _vision_out(half, x.to(dtype))
-    with patched(half, "anchorformer", m=8):
-        out = _vision_out(half, x.to(dtype))
-    assert out.dtype == dtype and bool(torch.isfinite(out).all())
-    _assert_within_float32_error(out, ref, dense, ref_dense, f"anchorformer m=8 {dtype}")

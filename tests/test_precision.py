@@ -17,7 +17,7 @@ import warnings
 import pytest
 import torch
 
-from attnpatch import list_methods, patched
+from attnpatch import list_methods, patched, record_stats
 from attnpatch.patchers.registry import get_method
 from attnpatch.attention.nystrom import exact_attention, landmark_pinv, nystrom_attention
 
@@ -142,8 +142,10 @@ def test_vision_methods_half_precision(vision_models, arch, sharp, dtype, method
     base, x = vision_models[arch, sharp]
     model = copy.deepcopy(base)  # the half copy must not round the shared float32 weights
     ref_dense = _vision_out(model, x)
-    with patched(model, method, **opts):
+    with patched(model, method, **opts), record_stats(model) as rec:
         ref = _vision_out(model, x)
+    if opts and opts == get_method(method).small_settings.get("vision"):  # a method's own small settings approximate
+        assert any(not r.mode.startswith("dense") for r in rec.forwards[0].values()), (method, opts)
     half = model.to(dtype)
     dense = _vision_out(half, x.to(dtype))
     with patched(half, method, **opts):
