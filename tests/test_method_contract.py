@@ -22,7 +22,7 @@ from attnpatch.patchers.adapter import Adapter
 from attnpatch.patchers.adapters import ADAPTERS, HFAdapter
 from attnpatch.patchers.api import find_adapter, handle_of, prefix_tokens
 from attnpatch.patchers.methods import discover
-from attnpatch.patchers.registry import METHODS, ModelGeometry, get_method, methods_markdown, register_method
+from attnpatch.patchers.registry import METHODS, ModelGeometry, get_method, methods_markdown, register_method, validate_options
 
 from conftest import tiny_causal_lm
 from throwaway_method import scaled_dense_source
@@ -284,3 +284,24 @@ def test_fna_seed_is_refused_beyond_what_a_generator_takes():
     patch(model, "fna", strategy="random", seed=2**63 - 1, s=2, sample_layer=0)
     with torch.no_grad():
         assert torch.isfinite(model(torch.randn(1, 3, 28, 28)).last_hidden_state).all()
+
+
+@pytest.mark.parametrize("name", sorted(METHODS))
+def test_knob_gives_valid_options_that_grow_with_t(name):
+    """A method's main knob (what ``attnpatch compare --match`` turns) gives valid options at every
+    position and, for a token-count knob, counts that never shrink as ``t`` grows."""
+    m = METHODS[name]
+    if m.knob is None:
+        assert m.exact or name in {"sink_mask"}, f"{name}: an approximate method with a budget should declare its knob"
+        return
+    for n in (17, 256, 4097):
+        prev = None
+        for t in (0.0, 0.1, 0.25, 0.5, 0.75, 1.0):
+            opts = m.knob.at(t, n)
+            full = validate_options(m, opts)
+            assert set(opts) <= set(full)
+            if m.knob.tokens is not None:
+                assert m.knob.tokens in opts
+                if prev is not None:
+                    assert opts[m.knob.tokens] >= prev
+                prev = opts[m.knob.tokens]

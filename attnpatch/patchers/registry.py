@@ -23,7 +23,7 @@ from .bench_hook import BenchCase, BenchInputs, default_bench
 from .state import LayerRecord
 
 __all__ = [
-    "Option", "Method", "ExactLimit", "ModelGeometry", "register_method", "get_method", "list_methods", "validate_options",
+    "Option", "Method", "ExactLimit", "Knob", "ModelGeometry", "register_method", "get_method", "list_methods", "validate_options",
     "methods_markdown", "METHODS", "MODEL_FEATURES", "MODEL_KINDS",
 ]
 
@@ -97,6 +97,30 @@ class ExactLimit:
 
 
 @dataclass(frozen=True)
+class Knob:
+    """A method's main knob: the one scalar ``attnpatch compare --match`` turns to put methods at one budget.
+
+    The knob is a position ``t`` in ``[0, 1]``, 0 the sparsest (cheapest) setting it offers and 1 the
+    densest; the method maps it to option values for inputs of ``N`` tokens.  The map must be
+    monotone: a larger ``t`` never computes fewer query-key pairs (or keeps fewer tokens).
+
+    Attributes:
+        text: what turns, in words (``"theta, 0-30 logits"``).
+        options: ``options(t, tokens) -> {option: value}``; the other options keep the user's values.
+        tokens: the option that is a token count (landmarks ``s``, anchors ``m``), which
+            ``--match tokens=S`` sets to ``S`` directly; ``None`` when the knob counts no tokens.
+    """
+
+    text: str
+    options: Callable[[float, int], dict[str, Any]]
+    tokens: str | None = None
+
+    def at(self, t: float, tokens: int) -> dict[str, Any]:
+        """The option values at knob position ``t`` (clamped to ``[0, 1]``) for ``tokens`` tokens."""
+        return dict(self.options(min(1.0, max(0.0, float(t))), int(tokens)))
+
+
+@dataclass(frozen=True)
 class Method:
     """A registered attention method.
 
@@ -135,6 +159,14 @@ class Method:
             layer not dense) on inputs of a few dozen tokens: the contract battery
             (``tests/test_contract_battery.py``) runs its checks with them as well as with the
             defaults, and requires them of every approximate method for every kind it fits.
+        knob: the method's main knob (:class:`Knob`) that ``attnpatch compare --match`` turns, or
+            ``None`` (exact methods, and methods with no budget to match).
+        block_hook: ``block_hook(config, x, ctx) -> x`` for a method that changes the token count
+            between blocks (ToMe): the adapters run it on each routed block's residual stream
+            ``[B, N, C]`` between the attention and the MLP branch (``ctx`` as for the forward, of
+            that block's attention layer), and it returns ``[B, N', C]``; ``None`` for a method that
+            only replaces attention.  ``patch()`` refuses such a method on a model whose adapter
+            cannot split its blocks that way.
     """
 
     name: str
@@ -155,6 +187,8 @@ class Method:
     bench_hook: Callable[..., BenchCase] | None = None
     details: str = ""
     small_settings: dict[str, dict[str, Any]] = field(default_factory=dict)
+    knob: Knob | None = None
+    block_hook: Callable[..., torch.Tensor] | None = None
 
     def fits(self, kind: str) -> bool:
         """Whether the method fits a tower of model kind ``kind`` (an exact method fits every kind)."""

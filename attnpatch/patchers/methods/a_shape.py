@@ -14,7 +14,7 @@ import torch
 from ...attention.streaming import A_BLOCK, a_shape_attention, a_shape_kept_pairs
 from ...options import check_fields, opt, options_of
 from ..bench_hook import BenchCase, BenchInputs, sdpa
-from ..registry import ExactLimit, Method, register_method
+from ..registry import ExactLimit, Knob, Method, register_method
 from ..state import LayerContext, LayerRecord
 
 __all__ = ["AShapeConfig", "a_shape_forward", "a_shape_bench", "A_SHAPE"]
@@ -98,6 +98,7 @@ A_SHAPE = register_method(
         key_padding=True,
         exact_limit_decl=ExactLimit(lambda tokens: {"window": tokens}, at_least=("window",), text="window >= N"),
         bench_hook=a_shape_bench,
+        knob=Knob("window, 1 to N tokens", lambda t, n: {"window": max(1, round(t * n))}),
         small_settings={"causal_lm": dict(init_tokens=4, window=20)},
         details=(
             "A-shape (attention sinks + local window): each query attends with an exact softmax to the first "

@@ -16,7 +16,7 @@ from ...attention.anchor import AnchorConfig, anchor_attention, select_stripes
 from ...errors import OptionError
 from ..bench_hook import BenchCase, BenchInputs
 from ...options import options_of
-from ..registry import ExactLimit, Method, ModelGeometry, register_method
+from ..registry import ExactLimit, Knob, Method, ModelGeometry, register_method
 from ..state import LayerContext, LayerRecord
 
 __all__ = ["ANCHOR", "anchor_forward", "anchor_bench"]
@@ -118,6 +118,7 @@ ANCHOR = register_method(
         key_padding=True,
         exact_limit_decl=ExactLimit(_every_key, at_least=("theta",), text="theta = inf"),
         bench_hook=anchor_bench,
+        knob=Knob("theta, 0 to 30 logits", lambda t, n: {"theta": 30.0 * t}),
         small_settings={"causal_lm": dict(theta=1.0, block_size=16, init_block=16, local_window=16, min_len=32,
                                           dense_last=16, min_recall=0.0)},
         details=(

@@ -18,7 +18,7 @@ from ...attention.anchorformer import anchor_bipartite_attention
 from ...attention.nystrom import STRATEGIES, exact_attention, select_landmarks
 from ...errors import OptionError
 from ...options import check_fields, opt, options_of
-from ..registry import ExactLimit, Method, register_method
+from ..registry import ExactLimit, Knob, Method, register_method
 from ..state import LayerContext, LayerRecord
 from ._shared import repeat_kv, say
 
@@ -105,6 +105,7 @@ ANCHORFORMER = register_method(
             text="m >= N, where it runs exact attention instead: the bipartite product is exact for no m, and its "
                  "error does not shrink towards 0 as m grows",
         ),
+        knob=Knob("m, 1 to N anchors (log scale)", lambda t, n: {"m": max(1, round(n ** t))}, tokens="m"),
         small_settings={"vision": dict(m=8)},
         details=(
             "AnchorFormer, training-free: `m` anchor tokens (CLS and registers always among them) chosen in every layer "

@@ -16,7 +16,7 @@ from ...attention.block_topk import block_topk_attention, block_topk_keep
 from ...errors import OptionError
 from ...options import check_fields, opt, options_of
 from ..bench_hook import BenchCase, BenchInputs
-from ..registry import ExactLimit, Method, register_method
+from ..registry import ExactLimit, Knob, Method, register_method
 from ..state import LayerContext, LayerRecord
 
 __all__ = ["BLOCK_TOPK", "BlockTopkConfig", "block_topk_forward", "block_topk_bench"]
@@ -130,6 +130,7 @@ BLOCK_TOPK = register_method(
         key_padding=True,
         exact_limit_decl=ExactLimit(_every_block, at_least=("threshold",), text="threshold = 1"),
         bench_hook=block_topk_bench,
+        knob=Knob("threshold, 0 to 1 (share of the estimated mass)", lambda t, n: {"threshold": t}),
         small_settings={"causal_lm": dict(block_size=16, stride=4, threshold=0.5, min_len=32)},
         details=(
             "XAttention: queries and keys in blocks of `block_size`; each (query block, key block) pair scored by the "

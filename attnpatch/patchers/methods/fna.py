@@ -18,7 +18,7 @@ from ...attention.sinks import massive_tokens
 from ...errors import OptionError
 from ..bench_hook import BenchCase, BenchInputs
 from ...options import check_fields, opt, options_of
-from ..registry import ExactLimit, Method, ModelGeometry, register_method
+from ..registry import ExactLimit, Knob, Method, ModelGeometry, register_method
 from ..state import LayerContext, LayerRecord
 from ._shared import repeat_kv, say
 
@@ -249,6 +249,7 @@ FNA = register_method(
         token_roles=frozenset({"prefix", "hidden", "residual"}),
         exact_limit_decl=ExactLimit(_every_token, at_least=("s",), text="s >= N"),
         bench_hook=fna_bench,
+        knob=Knob("s, 1 to N landmarks (log scale)", lambda t, n: {"s": max(1, round(n ** t))}, tokens="s"),
         small_settings={"vision": dict(s=8, sample_layer=0)},
         details=(
             "Fast Nyström Attention: `s` landmark tokens (CLS and registers always among them) chosen by farthest-point sampling once, at "

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from ..registry import ExactLimit, Method, ModelGeometry, register_method
+from ..registry import ExactLimit, Knob, Method, ModelGeometry, register_method
 from ..state import LayerContext, LayerRecord
 from ._shared import say
 from .fna import FNA, FNAConfig, check_fna, fna_core
@@ -76,6 +76,7 @@ FNA_SINK_MASK = register_method(
         token_roles=FNA.token_roles | SINK_MASK.token_roles,
         exact_limit_decl=ExactLimit(_exact, at_least=("s", "mass_ratio"), text=f"s >= N, {NO_SINKS.text}"),
         details="Both: FNA everywhere it applies, sink columns zeroed in Nyström form in the last layers.",
+        knob=Knob("s, 1 to N landmarks (log scale)", lambda t, n: {"s": max(1, round(n ** t))}, tokens="s"),
         small_settings={"vision": dict(s=8, sample_layer=0, mask_layers=2, detect="attention", mass_ratio=1.5)},
     )
 )

@@ -16,7 +16,7 @@ from ...attention.nystrom import exact_attention
 from ...attention.nystromformer import nystromformer_attention
 from ...errors import OptionError
 from ...options import check_fields, opt, options_of
-from ..registry import ExactLimit, Method, register_method
+from ..registry import ExactLimit, Knob, Method, register_method
 from ..state import LayerContext, LayerRecord
 from ._shared import repeat_kv, say
 
@@ -96,6 +96,7 @@ NYSTROMFORMER = register_method(
         key_padding=False,
         token_roles=frozenset({"prefix"}),
         exact_limit_decl=ExactLimit(_every_token, at_least=("s",), text="s >= N"),
+        knob=Knob("s, 1 to N landmarks (log scale)", lambda t, n: {"s": max(1, round(n ** t))}, tokens="s"),
         small_settings={"vision": dict(s=8)},
         details=(
             "Nyströmformer: landmarks are the means of `s` contiguous segments of each layer's queries and keys (CLS and "

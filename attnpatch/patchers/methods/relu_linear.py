@@ -15,7 +15,7 @@ import torch
 from ...attention.linear import exact_pairs, relu_linear_attention
 from ...errors import OptionError
 from ...options import check_fields, opt, options_of
-from ..registry import ExactLimit, Method, ModelGeometry, register_method
+from ..registry import ExactLimit, Knob, Method, ModelGeometry, register_method
 from ..state import LayerContext, LayerRecord
 
 __all__ = ["RELU_LINEAR", "ReluLinearConfig", "relu_linear_forward", "linear_layers"]
@@ -110,6 +110,7 @@ RELU_LINEAR = register_method(
         supports=frozenset({"value_head_dim"}),
         token_roles=frozenset({"prefix"}),
         exact_limit_decl=ExactLimit(_every_key_local, at_least=("local_window",), text="local_window >= N"),
+        knob=Knob("local_window, 0 to N tokens", lambda t, n: {"local_window": round(t * n)}),
         small_settings={"vision": dict(local_window=4)},
         details=(
             "L2ViT's linear global attention with φ = ReLU: `φ(Q)(φ(K)ᵀV) / (φ(Q)(φ(K)ᵀ1) + eps)`, O(N·D²), in `layers` "

@@ -14,7 +14,7 @@ import torch
 from ...attention.vertical_slash import BLOCK, vertical_slash_attention, vertical_slash_pattern
 from ...options import check_fields, opt, options_of
 from ..bench_hook import BenchCase, BenchInputs, sdpa
-from ..registry import ExactLimit, Method, register_method
+from ..registry import ExactLimit, Knob, Method, register_method
 from ..state import LayerContext, LayerRecord
 
 __all__ = ["VerticalSlashConfig", "vertical_slash_forward", "vertical_slash_bench", "VERTICAL_SLASH"]
@@ -127,6 +127,7 @@ VERTICAL_SLASH = register_method(
         key_padding=True,
         exact_limit_decl=ExactLimit(lambda tokens: {"vertical": tokens}, at_least=("vertical",), text="vertical >= N"),
         bench_hook=vertical_slash_bench,
+        knob=Knob("vertical = slash, 1 to N (key columns and diagonals)", lambda t, n: {"vertical": max(1, round(t * n)), "slash": max(1, round(t * n))}),
         small_settings={"causal_lm": dict(vertical=8, slash=24, last_q=16, chunk=32)},
         details=(
             "Vertical-slash (MInference): per head, the last `last_q` queries of a chunk (`chunk` queries; the whole "
