@@ -16,12 +16,12 @@ from .errors import (
     UnsupportedModelError,
 )
 from .evals.sink_diagnostic import sink_diagnostic
-from .patchers import is_patched, list_methods, patch, patch_info, patched, record_stats, time_attention, unpatch
+from .patchers import is_patched, list_methods, patch, patch_info, patched, record_stats, time_attention, token_sizes, unpatch
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "patch", "unpatch", "patched", "is_patched", "patch_info", "list_methods", "record_stats", "time_attention", "sink_diagnostic",
+    "patch", "unpatch", "patched", "is_patched", "patch_info", "token_sizes", "list_methods", "record_stats", "time_attention", "sink_diagnostic",
     "AttnpatchError", "OptionError", "UnknownMethodError", "UnsupportedModelError", "PatchStateError",
     "ModelNotFoundError", "DataError", "InferenceOnlyError",
 ]

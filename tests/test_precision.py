@@ -154,6 +154,8 @@ def test_vision_methods_half_precision(vision_models, arch, sharp, dtype, method
     assert torch.isfinite(dense).all()  # the unpatched model is finite: the patch must be too
     bad = int((~torch.isfinite(out)).sum())
     assert bad == 0, f"{bad} of {out.numel()} outputs non-finite"
+    if get_method(method).block_hook is not None:  # token merging: the outputs have fewer tokens; compare the CLS token
+        out, ref, dense, ref_dense = (t[:, :1] for t in (out, ref, dense, ref_dense))
     if opts.get("pinv") == "exact":
         # the unregularised pseudo-inverse amplifies the rounding of q and k by the landmark
         # kernel's condition number (1e4-1e6; on the sharpened dinov2 in bfloat16 the output moves

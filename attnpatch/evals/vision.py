@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from ..errors import DataError, OptionError, UnsupportedModelError
-from ..patchers.api import patched, record_stats
+from ..patchers.api import is_patched, patched, record_stats, token_sizes
 from .image_pass import ImagePass, finish, resolve_settings, run_image_pass, run_labels, throughput
 from .image_pass import count_sampled_at  # noqa: F401  (defined here before; importable from here still)
 from .report import EvalInterrupted
@@ -76,7 +76,8 @@ def encode(
 
     Returns:
         ``(cls [B, C], patch_mean [B, C])`` float32 on CPU; register tokens are excluded from the
-        mean.  With ``layers``: ``(cls, patch_mean, {layer: cls_l [B, C]})``.
+        mean, and on a model whose patch merged tokens (``tome``) each token weighs its size
+        (:func:`attnpatch.token_sizes`), so the mean is over the input patches.  With ``layers``: ``(cls, patch_mean, {layer: cls_l [B, C]})``.
 
     Raises:
         UnsupportedModelError: a model of neither kind, or ``layers`` on a model whose blocks are not found.
@@ -108,7 +109,13 @@ def encode(
         for hk in hooks:
             hk.remove()
     p = _feature_prefix_tokens(model)
-    cls, pm = h[:, 0].float().cpu(), h[:, p:].float().mean(1).cpu()
+    sizes = token_sizes(model) if is_patched(model) else None
+    if sizes is not None and sizes.shape == h.shape[:2]:  # merged tokens (ToMe): each weighs the tokens it stands for
+        w = sizes[:, p:].to(h.device, torch.float32)[..., None]
+        pm = ((h[:, p:].float() * w).sum(1) / w.sum(1).clamp_min(1e-12)).cpu()
+    else:
+        pm = h[:, p:].float().mean(1).cpu()
+    cls = h[:, 0].float().cpu()
     return (cls, pm, got) if layers else (cls, pm)
 
 
@@ -137,6 +144,8 @@ def _layer_errors(a: dict[int, torch.Tensor], b: dict[int, torch.Tensor]) -> dic
     out = {}
     for li in sorted(set(a) & set(b)):
         x, y = a[li].float(), b[li].float()
+        if x.shape != y.shape:  # a method that merged tokens before this layer: no token-wise comparison
+            continue
         num = (x - y).flatten(1).norm(dim=-1)
         out[li] = (num / y.flatten(1).norm(dim=-1).clamp(min=1e-30)).cpu().numpy()
     return out
@@ -205,7 +214,8 @@ def run_feature_eval(
         "images_per_s", "speedup", "cls_cosine", "cls_cosine_min", "patch_cosine",
         "knn_agreement", "layer_error_teacher" (list per layer), "layer_error_free",
         "approximated_layers", "mean_layer_error_teacher", "mean_layer_error_free" (means over
-        the approximated layers), "sampled_at" (layer -> images)}]}``.
+        the approximated layers; free-running errors are ``None`` for layers whose token count the
+        method changed, ToMe's after its first merge), "sampled_at" (layer -> images)}]}``.
         Times are seconds of model forward calls (landmark selection included).
 
     Raises:
@@ -308,14 +318,16 @@ def _feature_result(
             )
             teacher, free = _per_layer([e[0] for e in r.extras]), _per_layer([e[1] for e in r.extras])
             te = [float(np.concatenate(teacher[li]).mean()) for li in sorted(teacher)]
-            fe = [float(np.concatenate(free[li]).mean()) for li in sorted(free)]
+            # free-running errors need the same tokens as dense: None after a layer that merged tokens (tome)
+            fe = [float(np.concatenate(free[li]).mean()) if li in free else None for li in sorted(teacher)]
             approx = [i for i, e in enumerate(te) if e > 0]  # layers the method approximated
+            fa = [fe[i] for i in approx if fe[i] is not None]
             row.update(
                 layer_error_teacher=te,
                 layer_error_free=fe,
                 approximated_layers=approx,
                 mean_layer_error_teacher=float(np.mean([te[i] for i in approx])) if approx else 0.0,
-                mean_layer_error_free=float(np.mean([fe[i] for i in approx])) if approx else 0.0,
+                mean_layer_error_free=float(np.mean(fa)) if fa else (0.0 if not approx else None),
             )
         row.update(run_labels(r))
         result["runs"].append(row)

@@ -31,6 +31,7 @@ __all__ = [
     "is_patched",
     "handle_of",
     "patch_info",
+    "token_sizes",
     "record_stats",
     "time_attention",
     "find_adapter",
@@ -255,6 +256,21 @@ def patch_info(model: torch.nn.Module) -> dict[str, Any] | None:
         "layers": handle.adapter.layer_count(handle),
         "towers": list(handle.towers),
     }
+
+
+def token_sizes(model: torch.nn.Module) -> torch.Tensor | None:
+    """Sizes of the output tokens of the last forward call of a model patched with a method that merges
+    tokens (``tome``): ``[B, N']`` float, the input tokens each output token stands for (the prefix
+    tokens count 1), in the order of the model's output tokens; ``None`` when the last forward merged
+    nothing (any other method, ``r = 0``) or none has run.
+
+    A mean over the output tokens that should equal the mean over the input tokens weighs each token
+    by its size: ``(h * s[..., None]).sum(1) / s.sum(1, keepdim=True)``.
+
+    Raises:
+        PatchStateError: ``model`` is not patched.
+    """
+    return handle_of(model).last_token_sizes
 
 
 @contextlib.contextmanager

@@ -33,6 +33,8 @@ __all__ = [
     "count_pairs",
     "sync",
     "check_call",
+    "run_block_hook",
+    "wrap_blocks",
 ]
 
 
@@ -91,6 +93,7 @@ class PatchHandle:
         self.prefix_tokens = 0  # set by the adapter (CLS + registers for ViTs)
         self._depth = 0
         self._said: set[str] = set()
+        self.last_token_sizes: torch.Tensor | None = None  # [B, N'] of the last forward, for methods that merge tokens
 
     def say(self, message: str) -> None:
         """Warn once per patch (``UserWarning``, prefixed ``attnpatch:``) about what the patch did instead."""
@@ -129,6 +132,7 @@ class PatchHandle:
             return None
         state, self.state = self.state, None
         if state is not None:
+            self.last_token_sizes = state.token_sizes
             for r in self.recorders:
                 if r.stats and state.record:
                     r.forwards.append(state.layers)
@@ -307,6 +311,71 @@ def run_layer(
     if state is not None and state.capture:
         state.outputs[layer] = out.detach()
     return out
+
+
+def run_block_hook(handle: "PatchHandle", layer: int, x: torch.Tensor) -> torch.Tensor:
+    """Run the method's block hook on a block's residual stream between its attention and MLP branch.
+
+    Adapters whose blocks :func:`wrap_blocks` wrapped call it with ``x`` ``[B, N, C]`` (batch first)
+    after ``x + attention(...)``; the method returns ``[B, N', C]`` (ToMe: ``N' = N - r``).
+    """
+    state = handle.state
+    ctx = LayerContext(
+        layer=layer, num_layers=handle.num_layers, scale=1.0, causal=False, prefix_tokens=handle.prefix_tokens,
+        state=state, record=state is not None and state.record,
+    )
+    return handle.method.block_hook(handle.config, x, ctx)
+
+
+def wrap_blocks(handle: "PatchHandle", blocks: list[tuple[int, torch.nn.Module]], forwards: dict[type, Callable], cache: dict) -> list:
+    """Class-swap each ``(layer, block)`` so that its forward runs the method's block hook between the
+    attention and the MLP branch (for a method with ``block_hook``; adapters call it from ``apply``).
+
+    Args:
+        handle: the model's patch.
+        blocks: ``(attention-layer index, block module)`` pairs.
+        forwards: block class -> ``forward(block, hook, *args, **kwargs)``, the library's block forward
+            with ``x = hook(x)`` between the two branches (``hook`` takes and returns ``[B, N, C]``).
+        cache: the adapter's cache of generated subclasses.
+
+    Returns:
+        ``[(block, original class), ...]`` for :func:`undo_class_swap`.
+
+    Raises:
+        UnsupportedModelError: a block whose class has no entry in ``forwards``.
+    """
+    swapped = []
+    for layer, block in blocks:
+        cls = type(block)
+        fwd = forwards.get(cls)
+        if fwd is None:
+            raise UnsupportedModelError(block_refusal(handle, [block], forwards))
+        if cls not in cache:
+            def forward(self, *args, _fwd=fwd, **kwargs):
+                h = self._attnpatch
+
+                def hook(x):
+                    return run_block_hook(h, self._attnpatch_layer, x)
+
+                return _fwd(self, hook, *args, **kwargs)
+
+            cache[cls] = type(f"AttnpatchBlock{cls.__name__}", (cls,), {"forward": forward, "_attnpatch_original_class": cls})
+        block._attnpatch = handle
+        block._attnpatch_layer = layer
+        block.__class__ = cache[cls]
+        swapped.append((block, cls))
+    return swapped
+
+
+def block_refusal(handle: "PatchHandle", blocks: list[torch.nn.Module], forwards: dict[type, Callable]) -> str:
+    """The error text for blocks a block-hook method cannot split (between attention and MLP)."""
+    bad = sorted({f"{type(b).__module__}.{type(b).__name__}" for b in blocks if type(b) not in forwards})
+    known = ", ".join(sorted(c.__name__ for c in forwards)) or "none"
+    return (
+        f"method {handle.method.name!r} changes the token count between the attention and the MLP branch of each block, "
+        f"which needs a block forward the patch knows; {type(handle.model).__name__} has blocks of class {', '.join(bad)} "
+        f"(supported blocks: {known})"
+    )
 
 
 def needs_attention_tensors(handle: "PatchHandle") -> bool:

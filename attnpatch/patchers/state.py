@@ -70,6 +70,8 @@ class ForwardState:
         outputs: captured attention outputs, by layer index.
         shared: free slot for state one layer computes and later layers reuse (landmark
             indices sampled once, detected sink tokens, the current layer's input hidden states).
+        token_sizes: ``[B, N']`` float, the input tokens each output token stands for, set by a
+            method that merges tokens (ToMe); ``None`` when the token count does not change.
     """
 
     record: bool = False
@@ -82,6 +84,7 @@ class ForwardState:
     layers: dict[int, LayerRecord] = field(default_factory=dict)
     outputs: dict[int, torch.Tensor] = field(default_factory=dict)
     shared: dict[str, Any] = field(default_factory=dict)
+    token_sizes: torch.Tensor | None = None
 
 
 @dataclass

@@ -30,12 +30,14 @@ import torch
 
 from ...errors import UnsupportedModelError
 from ..registry import ModelGeometry
-from ..runtime import PatchHandle, input_hook, run_layer
+from ..runtime import PatchHandle, block_refusal, input_hook, run_layer, undo_class_swap, wrap_blocks
+from .blocks import HF_TOKEN_READOUT_MODELS, hf_block_forwards
 
 __all__ = ["HFAdapter", "attention_modules", "routed_modules", "prefix_tokens"]
 
 ATTN_NAME = "attnpatch"
 _DISPATCH_CLASSES: dict[type, bool] = {}
+_BLOCK_CLASSES: dict[type, type] = {}
 
 
 def _dispatches_through_interface(cls: type) -> bool:
@@ -435,7 +437,28 @@ class HFAdapter:
 
     @staticmethod
     def check(handle: PatchHandle) -> None:
-        """Nothing beyond what :meth:`apply` verifies (the method checks its own options against :meth:`geometry`)."""
+        """For a method with a block hook (ToMe): the model must read its output from the class token
+        (:data:`~attnpatch.patchers.adapters.blocks.HF_TOKEN_READOUT_MODELS`) and every routed block
+        be one the patch can split; nothing else beyond what :meth:`apply` verifies (the method checks
+        its own options against :meth:`geometry`).
+
+        Raises:
+            UnsupportedModelError: another model class (e.g. ``Dinov2ForImageClassification``, which
+                averages the patch tokens) or block class.
+        """
+        if handle.method.block_hook is None:
+            return
+        model = handle.model
+        name = type(model).__name__
+        if name not in HF_TOKEN_READOUT_MODELS:
+            raise UnsupportedModelError(
+                f"method {handle.method.name!r} merges tokens, so a model's read-out must take the class token (or every "
+                f"token); {name} is not one known to do so (supported: {', '.join(sorted(HF_TOKEN_READOUT_MODELS))})"
+            )
+        forwards = hf_block_forwards()
+        blocks = [_block_of(model, n) for n, _ in routed_modules(handle)]
+        if any(b is None or type(b) not in forwards for b in blocks):
+            raise UnsupportedModelError(block_refusal(handle, [b for b in blocks if b is not None], forwards))
 
     @staticmethod
     def geometry(handle: PatchHandle) -> ModelGeometry:
@@ -539,12 +562,18 @@ class HFAdapter:
                 "attention through transformers.AttentionInterface"
                 + ("" if whole else f", or its towers {handle.towers} cannot be switched apart from the others")
             )
-        return original, mods, hooks, eager_cfgs
+        blocks = []
+        if handle.method.block_hook is not None:  # checked by check(): every routed block splits
+            blocks = wrap_blocks(
+                handle, [(m._attnpatch_layer, _block_of(model, n)) for n, m in mods], hf_block_forwards(), _BLOCK_CLASSES
+            )
+        return original, mods, hooks, eager_cfgs, blocks
 
     @staticmethod
     def restore(handle: PatchHandle, undo: Any) -> None:
-        """Switch back to the original attention implementation(s) and unbind the modules."""
-        original, mods, hooks, eager_cfgs = undo
+        """Switch back to the original attention implementation(s), unbind the modules and restore split blocks."""
+        original, mods, hooks, eager_cfgs, blocks = undo
+        undo_class_swap((blocks, []))
         for h in hooks:
             h.remove()
         handle.model.set_attn_implementation(original)

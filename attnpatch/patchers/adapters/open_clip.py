@@ -36,11 +36,13 @@ import torch.nn.functional as F
 
 from ...errors import UnsupportedModelError
 from ..registry import ModelGeometry
-from ..runtime import PatchHandle, input_hook, needs_attention_tensors, run_layer, run_module, undo_class_swap
+from ..runtime import PatchHandle, block_refusal, input_hook, needs_attention_tensors, run_layer, run_module, undo_class_swap, wrap_blocks
+from .blocks import open_clip_block_forwards
 
 __all__ = ["OpenClipAdapter", "tower_modules"]
 
 _PATCHED_CLASSES: dict[type, type] = {}
+_BLOCK_CLASSES: dict[type, type] = {}
 _INPUT_NAMES = ("q_x", "x", "query")  # how open_clip blocks / attentions name their input
 
 
@@ -313,6 +315,19 @@ class OpenClipAdapter:
                 f"open_clip {type(handle.model).__name__}: the image tower is a {type(visual).__module__}.{type(visual).__name__}, "
                 f"not an open_clip VisionTransformer, so the open_clip adapter cannot route it{hint}"
             )
+        if handle.method.block_hook is not None and "vision" in handle.towers:
+            visual = _vision_root(handle.model)
+            forwards = open_clip_block_forwards()
+            blocks = [b for b, _ in tower_modules(handle.model, "vision")]
+            if any(type(b) not in forwards for b in blocks):
+                raise UnsupportedModelError(block_refusal(handle, blocks, forwards))
+            pool = getattr(visual, "pool_type", "tok")
+            if pool != "tok" or getattr(visual, "attn_pool", None) is not None:
+                what = "an attention-pooling head" if getattr(visual, "attn_pool", None) is not None else f"pool_type={pool!r}"
+                raise UnsupportedModelError(
+                    f"method {handle.method.name!r} merges tokens, but this open_clip image tower reads its output out with "
+                    f"{what}, which would weigh every merged token as one; supported: the class token (pool_type='tok')"
+                )
 
     @staticmethod
     def apply(handle: PatchHandle) -> Any:
@@ -343,6 +358,8 @@ class OpenClipAdapter:
                         bf = bool(getattr(attn, "batch_first", True))
                         hooks.append(attn.register_forward_pre_hook(input_hook(handle, "hidden", _INPUT_NAMES, bf), with_kwargs=True))
                         hooks.append(block.register_forward_pre_hook(input_hook(handle, "residual", _INPUT_NAMES, bf), with_kwargs=True))
+                        if handle.method.block_hook is not None:  # checked by check()
+                            swapped += wrap_blocks(handle, [(i, block)], open_clip_block_forwards(), _BLOCK_CLASSES)
                     i += 1
         except Exception:
             OpenClipAdapter.restore(handle, (swapped, hooks))

@@ -20,11 +20,13 @@ import torch.nn.functional as F
 
 from ...errors import UnsupportedModelError
 from ..registry import ModelGeometry
-from ..runtime import PatchHandle, input_hook, run_layer, undo_class_swap
+from ..runtime import PatchHandle, block_refusal, input_hook, run_layer, undo_class_swap, wrap_blocks
+from .blocks import timm_block_forwards
 
 __all__ = ["TimmAdapter", "attention_modules"]
 
 _PATCHED_CLASSES: dict[type, type] = {}
+_BLOCK_CLASSES: dict[type, type] = {}
 
 
 def _timm_attention_class():
@@ -149,7 +151,27 @@ class TimmAdapter:
 
     @staticmethod
     def check(handle: PatchHandle) -> None:
-        """No model-specific checks beyond the method's own."""
+        """For a method with a block hook (ToMe): every block must be a timm ``Block`` and the model's
+        read-out the class token (``global_pool='token'``) or every token (``global_pool=''``).
+
+        Raises:
+            UnsupportedModelError: another block class, or a pooled read-out (``avg``, ``max``, ``map``)
+                that would average merged tokens without their sizes.
+        """
+        if handle.method.block_hook is None:
+            return
+        model = handle.model
+        blocks = [_block_of(model, name) for name, _ in attention_modules(model)]
+        forwards = timm_block_forwards()
+        if any(b is None or type(b) not in forwards for b in blocks):
+            raise UnsupportedModelError(block_refusal(handle, [b for b in blocks if b is not None], forwards))
+        pool = getattr(model, "global_pool", "token")
+        if pool not in ("token", "") or getattr(model, "attn_pool", None) is not None:
+            raise UnsupportedModelError(
+                f"method {handle.method.name!r} merges tokens, but {type(model).__name__} reads its output out with "
+                f"global_pool={pool!r}, which would weigh every merged token as one; supported read-outs: the class "
+                "token (global_pool='token') or every token (global_pool='', then weight them by attnpatch.token_sizes(model))"
+            )
 
     @staticmethod
     def apply(handle: PatchHandle) -> Any:
@@ -173,6 +195,8 @@ class TimmAdapter:
             block = _block_of(model, name)
             if block is not None:
                 hooks.append(block.register_forward_pre_hook(input_hook(handle, "residual", ("x",)), with_kwargs=True))
+            if handle.method.block_hook is not None:  # checked by check(): a timm Block
+                swapped += wrap_blocks(handle, [(i, block)], timm_block_forwards(), _BLOCK_CLASSES)
         return swapped, hooks
 
     @staticmethod

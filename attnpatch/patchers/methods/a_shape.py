@@ -84,6 +84,11 @@ def _config(options: dict[str, Any]) -> AShapeConfig:
     return AShapeConfig(**options)
 
 
+def _knob(t: float, n: int) -> dict[str, Any]:
+    """The main knob at position ``t`` in [0, 1] for ``n`` tokens (see :class:`~attnpatch.patchers.registry.Knob`)."""
+    return {"window": max(1, round(t * n))}
+
+
 A_SHAPE = register_method(
     Method(
         name="a_shape",
@@ -98,7 +103,7 @@ A_SHAPE = register_method(
         key_padding=True,
         exact_limit_decl=ExactLimit(lambda tokens: {"window": tokens}, at_least=("window",), text="window >= N"),
         bench_hook=a_shape_bench,
-        knob=Knob("window, 1 to N tokens", lambda t, n: {"window": max(1, round(t * n))}),
+        knob=Knob("window, 1 to N tokens", _knob),
         small_settings={"causal_lm": dict(init_tokens=4, window=20)},
         details=(
             "A-shape (attention sinks + local window): each query attends with an exact softmax to the first "

@@ -103,6 +103,11 @@ def _every_key(tokens: int) -> dict[str, Any]:
     return {"theta": math.inf}
 
 
+def _knob(t: float, n: int) -> dict[str, Any]:
+    """The main knob at position ``t`` in [0, 1] for ``n`` tokens (see :class:`~attnpatch.patchers.registry.Knob`)."""
+    return {"theta": 30.0 * t}
+
+
 ANCHOR = register_method(
     Method(
         name="anchor_attention",
@@ -118,7 +123,7 @@ ANCHOR = register_method(
         key_padding=True,
         exact_limit_decl=ExactLimit(_every_key, at_least=("theta",), text="theta = inf"),
         bench_hook=anchor_bench,
-        knob=Knob("theta, 0 to 30 logits", lambda t, n: {"theta": 30.0 * t}),
+        knob=Knob("theta, 0 to 30 logits", _knob),
         small_settings={"causal_lm": dict(theta=1.0, block_size=16, init_block=16, local_window=16, min_len=32,
                                           dense_last=16, min_recall=0.0)},
         details=(

@@ -86,6 +86,11 @@ def _every_token(tokens: int) -> dict[str, Any]:
     return {"m": max(1, int(tokens))}
 
 
+def _knob(t: float, n: int) -> dict[str, Any]:
+    """The main knob at position ``t`` in [0, 1] for ``n`` tokens (see :class:`~attnpatch.patchers.registry.Knob`)."""
+    return {"m": max(1, round(n ** t))}
+
+
 ANCHORFORMER = register_method(
     Method(
         name="anchorformer",
@@ -105,7 +110,7 @@ ANCHORFORMER = register_method(
             text="m >= N, where it runs exact attention instead: the bipartite product is exact for no m, and its "
                  "error does not shrink towards 0 as m grows",
         ),
-        knob=Knob("m, 1 to N anchors (log scale)", lambda t, n: {"m": max(1, round(n ** t))}, tokens="m"),
+        knob=Knob("m, 1 to N anchors (log scale)", _knob, tokens="m"),
         small_settings={"vision": dict(m=8)},
         details=(
             "AnchorFormer, training-free: `m` anchor tokens (CLS and registers always among them) chosen in every layer "

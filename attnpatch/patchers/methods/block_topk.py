@@ -116,6 +116,11 @@ def _every_block(tokens: int) -> dict[str, Any]:
     return {"threshold": 1.0}
 
 
+def _knob(t: float, n: int) -> dict[str, Any]:
+    """The main knob at position ``t`` in [0, 1] for ``n`` tokens (see :class:`~attnpatch.patchers.registry.Knob`)."""
+    return {"threshold": t}
+
+
 BLOCK_TOPK = register_method(
     Method(
         name="block_topk",
@@ -130,7 +135,7 @@ BLOCK_TOPK = register_method(
         key_padding=True,
         exact_limit_decl=ExactLimit(_every_block, at_least=("threshold",), text="threshold = 1"),
         bench_hook=block_topk_bench,
-        knob=Knob("threshold, 0 to 1 (share of the estimated mass)", lambda t, n: {"threshold": t}),
+        knob=Knob("threshold, 0 to 1 (share of the estimated mass)", _knob),
         small_settings={"causal_lm": dict(block_size=16, stride=4, threshold=0.5, min_len=32)},
         details=(
             "XAttention: queries and keys in blocks of `block_size`; each (query block, key block) pair scored by the "

@@ -233,6 +233,11 @@ def _every_token(tokens: int) -> dict[str, Any]:
     return {"s": max(1, int(tokens))}
 
 
+def _knob(t: float, n: int) -> dict[str, Any]:
+    """The main knob at position ``t`` in [0, 1] for ``n`` tokens (see :class:`~attnpatch.patchers.registry.Knob`)."""
+    return {"s": max(1, round(n ** t))}
+
+
 FNA = register_method(
     Method(
         name="fna",
@@ -249,7 +254,7 @@ FNA = register_method(
         token_roles=frozenset({"prefix", "hidden", "residual"}),
         exact_limit_decl=ExactLimit(_every_token, at_least=("s",), text="s >= N"),
         bench_hook=fna_bench,
-        knob=Knob("s, 1 to N landmarks (log scale)", lambda t, n: {"s": max(1, round(n ** t))}, tokens="s"),
+        knob=Knob("s, 1 to N landmarks (log scale)", _knob, tokens="s"),
         small_settings={"vision": dict(s=8, sample_layer=0)},
         details=(
             "Fast Nyström Attention: `s` landmark tokens (CLS and registers always among them) chosen by farthest-point sampling once, at "

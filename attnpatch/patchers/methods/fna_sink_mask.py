@@ -60,6 +60,11 @@ def _exact(tokens: int) -> dict[str, Any]:
 
 assert not set(FNA.options) & set(SINK_MASK.options)
 
+def _knob(t: float, n: int) -> dict[str, Any]:
+    """The main knob at position ``t`` in [0, 1] for ``n`` tokens (see :class:`~attnpatch.patchers.registry.Knob`)."""
+    return {"s": max(1, round(n ** t))}
+
+
 FNA_SINK_MASK = register_method(
     Method(
         name="fna+sink_mask",
@@ -76,7 +81,7 @@ FNA_SINK_MASK = register_method(
         token_roles=FNA.token_roles | SINK_MASK.token_roles,
         exact_limit_decl=ExactLimit(_exact, at_least=("s", "mass_ratio"), text=f"s >= N, {NO_SINKS.text}"),
         details="Both: FNA everywhere it applies, sink columns zeroed in Nyström form in the last layers.",
-        knob=Knob("s, 1 to N landmarks (log scale)", lambda t, n: {"s": max(1, round(n ** t))}, tokens="s"),
+        knob=Knob("s, 1 to N landmarks (log scale)", _knob, tokens="s"),
         small_settings={"vision": dict(s=8, sample_layer=0, mask_layers=2, detect="attention", mass_ratio=1.5)},
     )
 )

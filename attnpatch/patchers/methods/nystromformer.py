@@ -82,6 +82,11 @@ def _every_token(tokens: int) -> dict[str, Any]:
     return {"s": max(1, int(tokens))}
 
 
+def _knob(t: float, n: int) -> dict[str, Any]:
+    """The main knob at position ``t`` in [0, 1] for ``n`` tokens (see :class:`~attnpatch.patchers.registry.Knob`)."""
+    return {"s": max(1, round(n ** t))}
+
+
 NYSTROMFORMER = register_method(
     Method(
         name="nystromformer",
@@ -96,7 +101,7 @@ NYSTROMFORMER = register_method(
         key_padding=False,
         token_roles=frozenset({"prefix"}),
         exact_limit_decl=ExactLimit(_every_token, at_least=("s",), text="s >= N"),
-        knob=Knob("s, 1 to N landmarks (log scale)", lambda t, n: {"s": max(1, round(n ** t))}, tokens="s"),
+        knob=Knob("s, 1 to N landmarks (log scale)", _knob, tokens="s"),
         small_settings={"vision": dict(s=8)},
         details=(
             "Nyströmformer: landmarks are the means of `s` contiguous segments of each layer's queries and keys (CLS and "

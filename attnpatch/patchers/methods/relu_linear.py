@@ -94,6 +94,11 @@ def _every_key_local(tokens: int) -> dict[str, Any]:
     return {"local_window": max(1, int(tokens))}
 
 
+def _knob(t: float, n: int) -> dict[str, Any]:
+    """The main knob at position ``t`` in [0, 1] for ``n`` tokens (see :class:`~attnpatch.patchers.registry.Knob`)."""
+    return {"local_window": round(t * n)}
+
+
 RELU_LINEAR = register_method(
     Method(
         name="relu_linear",
@@ -110,7 +115,7 @@ RELU_LINEAR = register_method(
         supports=frozenset({"value_head_dim"}),
         token_roles=frozenset({"prefix"}),
         exact_limit_decl=ExactLimit(_every_key_local, at_least=("local_window",), text="local_window >= N"),
-        knob=Knob("local_window, 0 to N tokens", lambda t, n: {"local_window": round(t * n)}),
+        knob=Knob("local_window, 0 to N tokens", _knob),
         small_settings={"vision": dict(local_window=4)},
         details=(
             "L2ViT's linear global attention with φ = ReLU: `φ(Q)(φ(K)ᵀV) / (φ(Q)(φ(K)ᵀ1) + eps)`, O(N·D²), in `layers` "

@@ -112,6 +112,11 @@ def _config(options: dict[str, Any]) -> VerticalSlashConfig:
     return VerticalSlashConfig(**options)
 
 
+def _knob(t: float, n: int) -> dict[str, Any]:
+    """The main knob at position ``t`` in [0, 1] for ``n`` tokens (see :class:`~attnpatch.patchers.registry.Knob`)."""
+    return {"vertical": max(1, round(t * n)), "slash": max(1, round(t * n))}
+
+
 VERTICAL_SLASH = register_method(
     Method(
         name="vertical_slash",
@@ -127,7 +132,7 @@ VERTICAL_SLASH = register_method(
         key_padding=True,
         exact_limit_decl=ExactLimit(lambda tokens: {"vertical": tokens}, at_least=("vertical",), text="vertical >= N"),
         bench_hook=vertical_slash_bench,
-        knob=Knob("vertical = slash, 1 to N (key columns and diagonals)", lambda t, n: {"vertical": max(1, round(t * n)), "slash": max(1, round(t * n))}),
+        knob=Knob("vertical = slash, 1 to N (key columns and diagonals)", _knob),
         small_settings={"causal_lm": dict(vertical=8, slash=24, last_q=16, chunk=32)},
         details=(
             "Vertical-slash (MInference): per head, the last `last_q` queries of a chunk (`chunk` queries; the whole "

@@ -1,0 +1,152 @@
+"""``tome``: ToMe token merging for ViTs (the math: :mod:`attnpatch.attention.merge`).
+
+ToMe changes the token count, so it is more than an attention function: each routed block runs
+``x = x + attention(x)`` (with proportional attention), then this method's block hook merges ``r``
+tokens of the residual stream by bipartite soft matching on the block's keys, then the MLP branch
+runs on the fewer tokens (ToMe, arXiv 2210.09461, Sec. 3).  The adapters provide the split of each
+block between its two branches (:func:`attnpatch.patchers.runtime.wrap_blocks`) and refuse models
+whose blocks or read-out they cannot handle.
+
+Per forward, the state holds the current token sizes (``[B, N]``, input tokens per token) and the
+keys of the current block (the merge metric); the sizes after the last block are
+:attr:`~attnpatch.patchers.state.ForwardState.token_sizes` (read them with
+:func:`attnpatch.token_sizes` after a forward, e.g. to weight a mean over the output tokens).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ...attention.merge import apply_merge, bipartite_merge, merge_plan, proportional_attention
+from ...options import check_fields, opt, options_of
+from ..bench_hook import BenchCase, BenchInputs
+from ..registry import ExactLimit, Knob, Method, register_method
+from ..state import LayerContext, LayerRecord
+from ._shared import repeat_kv
+
+__all__ = ["ToMeConfig", "tome_forward", "tome_block", "TOME"]
+
+
+@dataclass(frozen=True)
+class ToMeConfig:
+    """Options of ToMe token merging (arXiv 2210.09461, Sec. 3).
+
+    Attributes:
+        r: tokens merged away in each block (between its attention and its MLP branch); at most half
+            of the block's non-prefix tokens are, so late blocks may merge fewer.  ``r = 0`` merges
+            nothing: exact attention.
+        proportional: proportional attention (Eq. 1): add ``log(size)`` to each key's logit, so a
+            merged token weighs as the tokens it stands for.
+    """
+
+    r: int = field(default=8, metadata=opt(
+        "int", "tokens merged away per block, between its attention and MLP branch (tokens; 0 = exact)", low=0,
+        rule="must be an integer >= 0 (tokens per block)"))
+    proportional: bool = field(default=True, metadata=opt(
+        "bool", "proportional attention: add log(token size) to each key's logit (ToMe Eq. 1)"))
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+
+
+def tome_forward(cfg: ToMeConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: LayerContext):
+    """One block's attention under ToMe: proportional attention over the current (merged) tokens,
+    and the block's keys averaged over heads kept as the merge metric for :func:`tome_block`."""
+    b, h, n, _ = q.shape
+    st = ctx.shared("tome")
+    st.setdefault("n0", n)  # tokens at the first routed block of this forward
+    size = st.get("size")
+    if size is not None and size.shape[1] != n:  # a block called on its own, outside the merged stack
+        size = None
+    if cfg.r > 0:
+        st["metric"] = k.mean(dim=1)  # ToMe: keys averaged over heads
+    out = proportional_attention(q, repeat_kv(k, h), repeat_kv(v, h), size if cfg.proportional else None, scale=ctx.scale)
+    rec = LayerRecord(ctx.layer, "tome", n, n)
+    if ctx.record:
+        n0 = int(st["n0"])
+        rec.causal_pairs = torch.full((b, h), float(n0 * n0), dtype=torch.float64)
+        rec.kept_pairs = torch.full((b, h), float(n * n), dtype=torch.float64)
+    return out, rec
+
+
+def tome_block(cfg: ToMeConfig, x: torch.Tensor, ctx: LayerContext) -> torch.Tensor:
+    """The block hook: merge ``r`` tokens of the residual stream ``x`` ``[B, N, C]`` (after the
+    attention branch) by bipartite soft matching on this block's keys; returns ``[B, N - r', C]``."""
+    st = ctx.shared("tome")
+    metric = st.pop("metric", None)
+    if cfg.r <= 0 or metric is None or metric.shape[1] != x.shape[1]:
+        return x
+    size = st.get("size")
+    if size is None or size.shape[1] != x.shape[1]:
+        size = torch.ones(x.shape[:2], dtype=torch.float32, device=x.device)
+    x, size = bipartite_merge(x, size, metric, cfg.r, ctx.prefix_tokens)
+    st["size"] = size
+    if ctx.state is not None:
+        ctx.state.token_sizes = size
+    return x
+
+
+def tome_bench(cfg: ToMeConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: BenchInputs) -> BenchCase:
+    """One block's ToMe work at ``N`` tokens: proportional attention (sizes as after earlier merges)
+    plus the bipartite matching and the size-weighted merge of ``r`` tokens of a ``[B, N, H * D]``
+    residual stream.  The speed-up ToMe gives comes from the tokens later blocks no longer see, which
+    one layer does not show: ``attnpatch bench model`` measures it end to end."""
+    b, h, n, d = q.shape
+    gen = torch.Generator().manual_seed(0)
+    size = torch.randint(1, 4, (b, n), generator=gen).to(q.device, torch.float32)
+    x = torch.randn(b, n, h * d, generator=gen).to(q.device, q.dtype)
+    p = inputs.prefix_tokens
+
+    def attend():
+        return proportional_attention(q, repeat_kv(k, h), repeat_kv(v, h), size if cfg.proportional else None, scale=inputs.scale)
+
+    def merge():
+        plan = merge_plan(k.mean(dim=1), cfg.r, p)
+        return x if plan is None else apply_merge(x, size, plan, p)[0]
+
+    def call():
+        return attend(), merge()
+
+    return BenchCase(call=call, parts={"attention": attend, "merge": merge}, note=f"one block: attention + merge of r={cfg.r}")
+
+
+def _config(options: dict[str, Any]) -> ToMeConfig:
+    return ToMeConfig(**options)
+
+
+def _knob(t: float, n: int) -> dict[str, Any]:
+    """The main knob at position ``t`` in [0, 1] for ``n`` tokens (see :class:`~attnpatch.patchers.registry.Knob`)."""
+    return {"r": round((1.0 - t) * (n // 8))}
+
+
+TOME = register_method(
+    Method(
+        name="tome",
+        summary="ToMe token merging: r tokens merged per block by bipartite soft matching, proportional attention",
+        source="ToMe, Bolya et al., arXiv 2210.09461, Sec. 3 (Eq. 1)",
+        options=options_of(ToMeConfig),
+        model_kinds=frozenset({"vision"}),
+        make_config=_config,
+        forward=tome_forward,
+        block_hook=tome_block,
+        causal_calls=False,
+        noncausal_calls=True,
+        key_padding=False,
+        token_roles=frozenset({"prefix"}),
+        exact_limit_decl=ExactLimit(lambda tokens: {"r": 0}, text="r = 0"),
+        bench_hook=tome_bench,
+        knob=Knob("r, N/8 down to 0 tokens per block", _knob),
+        small_settings={"vision": dict(r=4)},
+        details=(
+            "ToMe: in every block, between the attention and the MLP branch, the `r` most similar token pairs of a "
+            "bipartite split (cosine similarity of the block's keys averaged over heads) are merged by a size-weighted "
+            "mean; attention adds `log(size)` to each key's logit. CLS and register tokens are never merged. The model's "
+            "output has fewer tokens: the class token reads out as before, and `attnpatch.token_sizes(model)` gives each "
+            "output token's size for a weighted mean. Needs blocks the patch can split (timm `Block`, open_clip "
+            "residual blocks, HF DINOv2 / ViT / CLIP vision layers) and a class-token read-out."
+        ),
+    )
+)
