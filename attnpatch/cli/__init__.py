@@ -13,7 +13,7 @@ import sys
 from typing import Sequence
 
 from ..errors import AttnpatchError
-from . import bench, clip, methods, ruler, sinks, vision
+from . import bench, clip, compare, methods, ruler, sinks, vision
 
 # The handlers and shared helpers stay importable (and patchable) as ``attnpatch.cli.<name>``, as
 # before the split; a patch here does not reach the command modules, which import them directly.
@@ -50,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     clip.add_parser(esub)  # zeroshot, clip-retrieval
     bench.add_parser(sub)  # bench attention, capture, model
     sinks.add_parser(sub)
+    compare.add_parser(sub)  # compare: dense + several settings at matched budgets
     return p
 
 

@@ -25,7 +25,7 @@ from . import ruler_tasks
 from .recall import attention_recall, summarize_layers
 from .report import EvalInterrupted
 
-__all__ = ["run_ruler", "PrefillTimer", "generate_greedy"]
+__all__ = ["run_ruler", "run_ruler_settings", "PrefillTimer", "generate_greedy"]
 
 
 class PrefillTimer:
@@ -142,11 +142,131 @@ def run_ruler(
     baseline_only = m.exact and not options  # an exact method computes the baseline itself: nothing to compare
     if not baseline_only:
         options = validate_options(m, options)
+    run_settings, plan = _prepare(
+        model, tokenizer, tasks=tasks, lengths=lengths, num_samples=num_samples, seed=seed, depths=depths, haystack=haystack,
+        recall=recall, recall_samples=recall_samples,
+    )
+    setting = [] if baseline_only else [(method, options)]
+    dense_cells: list[dict[str, Any]] = []
+    run_cells: list[list[dict[str, Any]]] = [[] for _ in setting]
+
+    def result() -> dict[str, Any]:
+        return _result(method, options, dense_cells if baseline_only else run_cells[0], run_settings)
+
+    try:
+        _run_cells(
+            model, tokenizer, plan, setting, dense_cells, run_cells, recall=recall, recall_samples=recall_samples,
+            progress=progress, on_sample=on_sample, on_cell=(lambda: on_cell(result())) if on_cell else None,
+        )
+    except KeyboardInterrupt as exc:
+        if isinstance(exc, EvalInterrupted):
+            raise
+        done = f"{len(dense_cells)}/{len(plan)} cells"
+        partial = {**result(), "interrupted": True, "cells_done": len(dense_cells), "cells_planned": len(plan)}
+        raise EvalInterrupted(partial if dense_cells else None, done) from None
+    return result()
+
+
+def run_ruler_settings(
+    model: torch.nn.Module,
+    tokenizer,
+    *,
+    settings: Sequence[tuple[str, dict[str, Any]]],
+    tasks: Sequence[str] = ("niah_single",),
+    lengths: Sequence[int] = (1024, 2048, 4096),
+    num_samples: int = 10,
+    seed: int = 0,
+    depths: Sequence[float] | None = None,
+    haystack: str = "repeat",
+    recall: bool = True,
+    recall_samples: int | None = None,
+    calibrate: Callable[[list[int]], Sequence[tuple[str, dict[str, Any]]]] | None = None,
+    progress: Callable[[str], None] | None = None,
+    on_sample: Callable[[dict[str, Any]], None] | None = None,
+    on_cell: Callable[[dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
+    """Run the RULER-style tasks dense and under several patched settings, on the same prompts in one run.
+
+    Each sample is answered once by the unpatched model (dense) and then by the model patched
+    with each setting in turn (interleaved sample by sample, so every setting sees the same
+    prompts and machine state); :func:`run_ruler` is this with one setting.
+
+    Args:
+        model: an unpatched causal LM (patched and unpatched per sample and setting; left unpatched).
+        tokenizer: its tokenizer.
+        settings: ``[(method, options), ...]``; options are validated (defaults filled) and each
+            setting is patched onto the model once before the first generation, so a method that
+            does not fit the model fails early.
+        tasks, lengths, num_samples, seed, depths, haystack, recall, recall_samples: as for :func:`run_ruler`.
+        calibrate: called once, after every cell's prompts are built and before any generation,
+            with the token ids of the first sample of the first cell; returns the settings to run
+            instead of ``settings`` (e.g. each method's knob matched to a budget on that sample).
+        progress: called with a short line after each sample.
+        on_sample: called with each sample's dense row (``"runs"``: one dict per setting).
+        on_cell: called after each finished (task, length) cell with the result so far.
+
+    Returns:
+        ``{"settings": {run configuration}, "dense": {"cells": [...]}, "runs": [{"method",
+        "options", "cells": [...]}, ...]}``; the dense cells have :func:`run_ruler`'s baseline
+        columns, each run's cells :func:`run_ruler`'s patched cells (dense columns included,
+        from the one dense generation per sample).
+
+    Raises:
+        DataError: as :func:`run_ruler` (all checked before the first generation).
+        UnknownMethodError, OptionError, UnsupportedModelError: a bad setting.
+        EvalInterrupted: Ctrl-C; ``partial`` holds the result over the finished cells
+            (``"interrupted": True``, ``"cells_done"``, ``"cells_planned"``), or ``None`` before the first.
+    """
+    run_settings, plan = _prepare(
+        model, tokenizer, tasks=tasks, lengths=lengths, num_samples=num_samples, seed=seed, depths=depths, haystack=haystack,
+        recall=recall, recall_samples=recall_samples,
+    )
+    try:
+        if calibrate is not None and plan and plan[0][2]:
+            settings = calibrate(ruler_tasks.build_input_ids(tokenizer, plan[0][2][0]))
+    except KeyboardInterrupt as exc:
+        if isinstance(exc, EvalInterrupted):
+            raise
+        raise EvalInterrupted(None, f"0/{len(plan)} cells") from None
+    settings = _check_settings(model, settings)
+    dense_cells: list[dict[str, Any]] = []
+    run_cells: list[list[dict[str, Any]]] = [[] for _ in settings]
+
+    def result() -> dict[str, Any]:
+        return {
+            "settings": run_settings, "dense": {"cells": list(dense_cells)},
+            "runs": [{"method": m, "options": o, "cells": list(c)} for (m, o), c in zip(settings, run_cells)],
+        }
+
+    try:
+        _run_cells(
+            model, tokenizer, plan, settings, dense_cells, run_cells, recall=recall, recall_samples=recall_samples,
+            progress=progress, on_sample=on_sample, on_cell=(lambda: on_cell(result())) if on_cell else None,
+        )
+    except KeyboardInterrupt as exc:
+        if isinstance(exc, EvalInterrupted):
+            raise
+        done = f"{len(dense_cells)}/{len(plan)} cells"
+        partial = {**result(), "interrupted": True, "cells_done": len(dense_cells), "cells_planned": len(plan)}
+        raise EvalInterrupted(partial if dense_cells else None, done) from None
+    return result()
+
+
+def _check_settings(model, settings) -> list[tuple[str, dict[str, Any]]]:
+    """Validated ``(method, full options)``; each patched onto ``model`` once (and removed) so a misfit fails early."""
+    out = [(m, validate_options(get_method(m), dict(o))) for m, o in settings]
+    for m, o in out:
+        patch(model, m, **o)
+        unpatch(model)
+    return out
+
+
+def _prepare(model, tokenizer, *, tasks, lengths, num_samples, seed, depths, haystack, recall, recall_samples):
+    """The run configuration and the plan ``[(task, length, samples)]``, every cell's prompts built up front."""
     bad = [t for t in tasks if t not in ruler_tasks.TASKS]
     if bad:
         raise DataError(f"unknown RULER task(s) {bad}; allowed: {', '.join(ruler_tasks.TASKS)}")
     model.eval()
-    cells: list[dict[str, Any]] = []
     settings = {
         "tasks": list(tasks), "lengths": list(lengths), "num_samples": num_samples, "seed": seed,
         "depths": list(depths) if depths else None, "haystack": haystack, "recall": recall, "recall_samples": recall_samples,
@@ -160,23 +280,12 @@ def run_ruler(
         ))
         for task in tasks for length in lengths
     ]
-    try:
-        _run_cells(
-            model, tokenizer, plan, cells, method=method, options=options, baseline_only=baseline_only, recall=recall,
-            recall_samples=recall_samples, progress=progress, on_sample=on_sample,
-            on_cell=(lambda: on_cell(_result(method, options, cells, settings))) if on_cell else None,
-        )
-    except KeyboardInterrupt as exc:
-        if isinstance(exc, EvalInterrupted):
-            raise
-        done = f"{len(cells)}/{len(plan)} cells"
-        partial = {**_result(method, options, cells, settings), "interrupted": True, "cells_done": len(cells), "cells_planned": len(plan)}
-        raise EvalInterrupted(partial if cells else None, done) from None
-    return _result(method, options, cells, settings)
+    return settings, plan
 
 
-def _run_cells(model, tokenizer, plan, cells, *, method, options, baseline_only, recall, recall_samples, progress, on_sample, on_cell) -> None:
-    """Run the planned ``(task, length, samples)`` cells in order, appending each finished cell to ``cells``."""
+def _run_cells(model, tokenizer, plan, settings, dense_cells, run_cells, *, recall, recall_samples, progress, on_sample, on_cell) -> None:
+    """Run the planned ``(task, length, samples)`` cells in order: per sample one dense generation, then
+    one per setting; each finished cell is appended to ``dense_cells`` and to each setting's list in ``run_cells``."""
     for task, length, samples in plan:
         rows = []
         for i, s in enumerate(samples):
@@ -186,13 +295,14 @@ def _run_cells(model, tokenizer, plan, cells, *, method, options, baseline_only,
                 "task": task, "length": length, "tokens": len(ids), "depth": s.depth, "answers": s.answers,
                 "dense_pred": text_d, "dense_score": ruler_tasks.score(task, text_d, s.answers), "prefill_dense_s": t_d,
             }
-            if not baseline_only:
+            runs = []
+            for method, options in settings:
                 patch(model, method, **options)
                 try:
                     with record_stats(model) as rec:
                         text_p, t_p = generate_greedy(model, tokenizer, ids, s.max_new_tokens)
                     summ = summarize_layers(rec.forwards[0]) if rec.forwards else {}
-                    row.update(
+                    run: dict[str, Any] = dict(
                         patched_pred=text_p,
                         patched_score=ruler_tasks.score(task, text_p, s.answers),
                         prefill_patched_s=t_p,
@@ -200,18 +310,22 @@ def _run_cells(model, tokenizer, plan, cells, *, method, options, baseline_only,
                     )
                     if recall and (recall_samples is None or i < recall_samples):
                         r = attention_recall(model, torch.tensor([ids], device=model.device))
-                        row.update(recall_mean=r["recall_mean"], recall_worst5=r["recall_worst"], worst_heads=r["worst_heads"][:5])
+                        run.update(recall_mean=r["recall_mean"], recall_worst5=r["recall_worst"], worst_heads=r["worst_heads"][:5])
                 finally:
                     unpatch(model)
-            rows.append(row)
+                runs.append(run)
+            rows.append((row, runs))
             if on_sample:
-                on_sample(row)
+                on_sample(row if not settings else {**row, **runs[0]} if len(settings) == 1 else {**row, "runs": runs})
             if progress:
                 msg = f"{task} L={length} sample {i + 1}/{len(samples)}: dense {row['dense_score']:.2f} ({t_d:.2f}s)"
-                if not baseline_only:
-                    msg += f", patched {row['patched_score']:.2f} ({row['prefill_patched_s']:.2f}s)"
+                for (method, _), run in zip(settings, runs):
+                    name = "patched" if len(settings) == 1 else method
+                    msg += f", {name} {run['patched_score']:.2f} ({run['prefill_patched_s']:.2f}s)"
                 progress(msg)
-        cells.append(_aggregate(task, length, rows, baseline_only))
+        dense_cells.append(_aggregate(task, length, [r for r, _ in rows], True))
+        for k, cells in enumerate(run_cells):
+            cells.append(_aggregate(task, length, [{**r, **runs[k]} for r, runs in rows], False))
         if on_cell:
             on_cell()
 

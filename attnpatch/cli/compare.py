@@ -1,0 +1,190 @@
+"""``attnpatch compare``: dense and several settings on one model and one eval, at matched budgets;
+one table, one JSON, an optional Markdown table and Pareto plot (:mod:`attnpatch.evals.compare`)."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+
+from .common import (
+    DEFAULT_CLIP_MODEL,
+    DEFAULT_MODEL,
+    DEFAULT_VISION_MODEL,
+    _check_outputs,
+    _device,
+    _fraction,
+    _image_progress,
+    _interrupted,
+    _positive_int,
+    _Repeatable,
+    _report,
+    _slug,
+    _unique_settings,
+)
+
+EVAL_NAMES = ["fidelity", "knn", "linear-probe", "retrieval", "zeroshot", "clip-retrieval", "ruler"]
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def _ruler_progress(total: int):
+    """A progress bar over ``total`` samples; yields the ``progress(line)`` callback of the RULER runners."""
+    from rich.markup import escape
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("[bold]compare ruler[/bold]"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  TextColumn("{task.description}")) as prog:
+        bar = prog.add_task("", total=total)
+
+        def progress(msg: str) -> None:
+            prog.update(bar, advance=1, description=escape(msg))
+            if not prog.console.is_terminal:
+                print(f"[{int(prog.tasks[0].completed)}/{total}] {msg}", file=sys.stderr, flush=True)
+
+        yield progress
+
+
+def _run(args, family: str, settings, match, save):
+    """Load the model and inputs of ``args.eval`` and run the compare; returns ``(result, title)``."""
+    from ..evals import compare as cmp
+
+    common = dict(settings=settings, match=match, steps=args.steps, log=_stderr)
+    if family == "vision":
+        from .vision import _load_images_and_model
+
+        images, model, preprocess = _load_images_and_model(args)
+        lei = args.layer_error_images if args.layer_error_images is not None else (32 if args.eval == "fidelity" else 0)
+        title = f"compare {args.eval} — {args.model} ({args.backend}) — {images.name}, {len(images)} images"
+        with _image_progress(f"compare {args.eval}", len(images)) as progress:
+            return cmp.compare_vision(model, images, preprocess, eval=args.eval, batch_size=args.batch_size or 16,
+                                      layer_error_images=lei, knn_k=args.k, progress=progress, **common), title
+    if family == "clip":
+        from ..clip_models import load_clip
+        from ..evals import clip as clip_eval
+
+        extra = {}
+        if args.eval == "zeroshot":
+            from ..evals.images import load_image_set
+
+            templates = None if args.templates == "auto" else clip_eval.resolve_templates(args.templates)
+            data = load_image_set(args.data, split=args.split or "train", limit=args.limit)
+            classnames, source = clip_eval.resolve_classnames(args.classnames, data)
+            extra = dict(classnames=classnames, templates=templates or clip_eval.resolve_templates("openai" if source == "imagenet1k" else "photo"))
+        else:
+            data = clip_eval.load_caption_set(args.data, split=args.split, caption_column=args.caption_column, limit=args.limit)
+        bundle = load_clip(args.model, device=_device(args.device), resolution=args.resolution, resolution_flag="--resolution")
+        title = f"compare {args.eval} — {args.model} — {getattr(data, 'name', args.data)}, {len(data)} images"
+        with _image_progress(f"compare {args.eval}", len(data)) as progress:
+            return cmp.compare_clip(bundle, data, eval=args.eval, batch_size=args.batch_size or 32, progress=progress, **extra, **common), title
+    from ..checkpoints import load_causal_lm
+    from ..evals import ruler_tasks
+
+    tasks = args.tasks or ["niah_single"]
+    if tasks == ["all"]:
+        tasks = list(ruler_tasks.TASKS)
+    model, tok = load_causal_lm(args.model)
+    title = f"compare ruler — {args.model} — {', '.join(tasks)} at {', '.join(map(str, args.lengths))} tokens, {args.samples} samples per cell"
+    with _ruler_progress(len(tasks) * len(args.lengths) * args.samples) as progress:
+        return cmp.compare_ruler(
+            model, tok, tasks=tasks, lengths=args.lengths, num_samples=args.samples, seed=args.seed, depths=args.depths,
+            haystack=args.haystack, recall=not args.no_recall, recall_samples=args.recall_samples, progress=progress,
+            on_cell=save, **common,
+        ), title
+
+
+def _cmd_compare(args) -> int:
+    import torch
+
+    from ..evals import compare as cmp
+    from ..evals.report import EvalInterrupted, machine_info, write_json
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    # everything checked before any model loads
+    match = cmp.parse_match(args.match, args.eval)
+    settings = _unique_settings(args.method, args.option)
+    cmp.check_settings(settings, args.eval)
+    family = cmp.EVALS[args.eval][0]
+    if args.model is None:
+        args.model = {"vision": DEFAULT_VISION_MODEL, "clip": DEFAULT_CLIP_MODEL, "ruler": DEFAULT_MODEL}[family]
+    if args.eval == "clip-retrieval" and not args.data:
+        from ..errors import OptionError
+
+        raise OptionError("compare --eval clip-retrieval needs --data (an imagefolder with captions or a hub dataset id)")
+    args.json = args.json or f"compare_{_slug(args.eval)}_{_slug(args.model)}.json"
+    _check_outputs(("--json", args.json), ("--markdown", args.markdown), ("--plot", args.plot))
+    machine = machine_info()
+
+    def save(partial) -> None:  # RULER: the JSON rewritten after every finished cell
+        write_json(args.json, {**partial, "model": args.model, "machine": machine})
+
+    stop = None
+    try:
+        result, title = _run(args, family, settings, match, save)
+    except EvalInterrupted as exc:
+        stop, result, title = exc, exc.partial, f"compare {args.eval} — {args.model}"
+    if stop is not None and result is None:
+        return _interrupted(args, stop, None, None)
+    result.update(model=args.model, machine=machine, complete=stop is None)
+    if match is not None:
+        title += f" — matched {match.text()}"
+    rc = _report(args, title, cmp.compare_rows(result), cmp.compare_columns(result), result, interrupted=stop)
+    if rc == 0 and args.plot:
+        cmp.plot_pareto(result, args.plot, title=title)
+        print(f"wrote {args.plot}")
+    return rc
+
+
+def add_parser(sub) -> None:
+    """Register ``compare`` on the top-level subparsers."""
+    from ..evals import ruler_tasks
+    from ..evals.compare import MATCH_KEYS
+
+    p = sub.add_parser(
+        "compare", help="dense and several settings on one model and one eval, at matched budgets: one table, one Pareto plot",
+        description="Run dense and every --method setting on the same inputs in one process (interleaved), optionally with "
+        "each method's knob matched to one budget (--match), and print one table.",
+    )
+    p.add_argument("--eval", required=True, choices=EVAL_NAMES, help="the eval (vision: fidelity, knn, linear-probe, retrieval; CLIP: zeroshot, clip-retrieval; causal LM: ruler)")
+    p.add_argument("--model", help=f"catalogue name, local directory or hub id (default: {DEFAULT_VISION_MODEL} for vision evals, {DEFAULT_CLIP_MODEL} for CLIP, {DEFAULT_MODEL} for ruler)")
+    p.add_argument(
+        "--method", nargs="+", action=_Repeatable, required=True, metavar="METHOD[:NAME=VALUE,...]",
+        help="registered method(s), each with its own options after a colon (e.g. fna:s=64 a_shape block_topk:block_size=32)",
+    )
+    p.add_argument("-o", "--option", action="append", default=[], metavar="NAME=VALUE", help="option for every method (a METHOD:NAME=VALUE wins over it)")
+    p.add_argument(
+        "--match", metavar="KEY=VALUE",
+        help="put every method with a knob at one budget, calibrated on the first batch / sample: "
+        + "; ".join(f"{k} ({v})" for k, v in MATCH_KEYS.items()),
+    )
+    p.add_argument("--steps", type=_positive_int, default=10, help="bisection steps per method for --match (default: %(default)s)")
+    p.add_argument("--json", help="result JSON path (default: compare_<eval>_<model>.json)")
+    p.add_argument("--markdown", help="also write the table as Markdown to this path")
+    p.add_argument("--plot", help="also draw the Pareto plot (metric vs speed-up) to this PNG path")
+    p.add_argument("--threads", type=_positive_int, help="torch CPU threads")
+    g = p.add_argument_group("vision and CLIP evals")
+    g.add_argument("--data", help="imagefolder directory or hub dataset id (default: the embedded image set; clip-retrieval: required)")
+    g.add_argument("--resolution", type=_positive_int, help="input size in pixels (square; position embeddings interpolated)")
+    g.add_argument("--limit", type=_positive_int, help="use at most this many images")
+    g.add_argument("--batch-size", type=_positive_int, help="images per forward call (default: 16 vision, 32 CLIP)")
+    g.add_argument("--backend", choices=["hf", "timm"], default="hf", help="ViT implementation (default: %(default)s)")
+    g.add_argument("--k", type=_positive_int, default=20, help="k-NN neighbours (default: %(default)s)")
+    g.add_argument("--layer-error-images", type=int, help="per-layer errors on the first N images (default: 32 for fidelity, else 0)")
+    g.add_argument("--device", default="auto", help="CLIP: cpu, cuda, cuda:1, ... (default: auto)")
+    g.add_argument("--split", help="CLIP: dataset split")
+    g.add_argument("--classnames", default="auto", help="zeroshot: auto, imagenet1k, dataset or a file (default: %(default)s)")
+    g.add_argument("--templates", default="auto", help="zeroshot: openai, openai-7, photo or a file (default: %(default)s)")
+    g.add_argument("--caption-column", help="clip-retrieval: caption column")
+    r = p.add_argument_group("ruler")
+    r.add_argument("--tasks", nargs="+", action=_Repeatable, choices=list(ruler_tasks.TASKS) + ["all"], help="default: niah_single")
+    r.add_argument("--lengths", nargs="+", action=_Repeatable, type=_positive_int, default=[1024], help="context lengths in model tokens (default: 1024)")
+    r.add_argument("--samples", type=_positive_int, default=10, help="samples per (task, length) cell (default: %(default)s)")
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--depths", nargs="+", action=_Repeatable, type=_fraction, help="needle depths in [0, 1], cycled over samples")
+    r.add_argument("--haystack", choices=["repeat", "essay"], default="repeat")
+    r.add_argument("--no-recall", action="store_true", help="skip the attention-recall measuring pass (no fidelity column)")
+    r.add_argument("--recall-samples", type=_positive_int, metavar="N", help="measure recall on the first N samples of each cell only")
+    p.set_defaults(func=_cmd_compare)

@@ -1,0 +1,295 @@
+"""``attnpatch compare`` and :mod:`attnpatch.evals.compare` on tiny random models (no hub, no real checkpoint)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from attnpatch.cli import main
+from attnpatch.errors import OptionError, UnsupportedModelError
+from attnpatch.evals import compare as cmp
+from conftest import tiny_causal_lm
+from test_ruler_tasks import _make_tokenizer
+
+
+@pytest.fixture(scope="module")
+def vit_dir(tmp_path_factory):
+    """Tiny random DINOv2 (hidden 32, 2 layers, 2 heads, 56 px, patch 14: N = 17 tokens), saved with its processor."""
+    from transformers import Dinov2Config, Dinov2Model
+
+    from attnpatch.checkpoints import dinov2_image_processor
+
+    d = tmp_path_factory.mktemp("cmp-dinov2")
+    torch.manual_seed(0)
+    cfg = Dinov2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, image_size=56, patch_size=14)
+    Dinov2Model(cfg).eval().save_pretrained(d)
+    dinov2_image_processor().save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def images_dir(tmp_path_factory):
+    from PIL import Image
+
+    root = tmp_path_factory.mktemp("cmp-imgs")
+    (root / "train").mkdir()
+    rng = np.random.default_rng(0)
+    rows = []
+    for i in range(9):
+        label = i % 3
+        arr = (rng.random((64, 64, 3)) * 60 + 60 * label).astype(np.uint8)  # classes differ in brightness
+        Image.fromarray(arr).save(root / "train" / f"img{i}.png")
+        rows.append({"file_name": f"img{i}.png", "label": label})
+    (root / "train" / "metadata.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return root
+
+
+@pytest.fixture(scope="module")
+def vit(vit_dir, images_dir):
+    from attnpatch.checkpoints import load_vision_model
+    from attnpatch.evals.images import load_image_set, make_preprocess
+
+    model, processor = load_vision_model(str(vit_dir))
+    return model, load_image_set(str(images_dir)), make_preprocess(processor, 56)
+
+
+@pytest.fixture(scope="module")
+def lm_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("cmp-llama")
+    tok = _make_tokenizer(chat=True)
+    tiny_causal_lm("llama", vocab=len(tok)).save_pretrained(d)
+    tok.save_pretrained(d)
+    return d
+
+
+# --------------------------------------------------------------------------- parsing and validation
+
+
+def test_parse_match():
+    assert cmp.parse_match(None) is None
+    assert cmp.parse_match("sparsity=0.5", "ruler") == cmp.Match("sparsity", 0.5)
+    assert cmp.parse_match("tokens=32", "knn") == cmp.Match("tokens", 32)
+    for bad, why in [("sparsity=1", "in [0, 1)"), ("flops=0", "in (0, 1]"), ("speedup=-1", "> 0"), ("tokens=2.5", "positive integer"),
+                     ("size=3", "expected one of"), ("sparsity", "expected one of"), ("sparsity=x", "not a number")]:
+        with pytest.raises(OptionError, match=None) as e:
+            cmp.parse_match(bad, "knn")
+        assert why in str(e.value), (bad, str(e.value))
+    with pytest.raises(OptionError, match="vision and CLIP evals only"):
+        cmp.parse_match("tokens=32", "ruler")
+
+
+def test_check_settings_kinds():
+    assert cmp.check_settings([("fna", {"s": "8"})], "knn")[0][1]["s"] == 8
+    with pytest.raises(UnsupportedModelError, match=r"'a_shape' does not fit the knn eval: 'a_shape' fits model kinds 'causal_lm'"):
+        cmp.check_settings([("a_shape", {})], "knn")
+    with pytest.raises(UnsupportedModelError, match="'fna' does not fit the ruler eval"):
+        cmp.check_settings([("fna", {})], "ruler")
+
+
+def test_pareto_front():
+    pts = [(1.0, 0.9), (2.0, 0.8), (1.5, 0.7), (3.0, 0.5), (0.8, 0.95), (2.0, 0.6)]
+    # (1.5, 0.7) is dominated by (2.0, 0.8); (2.0, 0.6) too
+    assert cmp.pareto_front(pts) == [4, 0, 1, 3]
+
+
+# --------------------------------------------------------------------------- vision
+
+
+def test_vision_compare_exact_limit_and_tokens_match(vit):
+    model, images, pre = vit
+    with pytest.warns(UserWarning, match="s=17 >= N=17"):
+        res = cmp.compare_vision(model, images, pre, eval="knn", settings=[("fna", {"s": "17"}), ("nystromformer", {"s": "4"})],
+                                 match=None, batch_size=5, knn_k=3)
+    rows = res["rows"]
+    assert [r["method"] for r in rows] == ["dense", "fna", "nystromformer"]
+    assert res["result"]["tokens"] == 17 and res["result"]["n_images"] == 9
+    exact, nys = rows[1], rows[2]
+    # s = 17 >= N = 17: exact attention, so the final CLS equals dense's
+    assert exact["fidelity"] == pytest.approx(1.0, abs=1e-5) and exact["sparsity"] == pytest.approx(0.0, abs=1e-9)
+    assert exact["speedup"] > 0 and exact["seconds"] > 0 and exact["metric"] == rows[0]["metric"]
+    # Nyström with s=4 of 17: kept pairs 2*s*N + s^2 = 152 of N^2 = 289 -> sparsity 1 - 152/289
+    assert nys["sparsity"] == pytest.approx(1 - 152 / 289, abs=1e-9)
+    assert 0.99 < nys["fidelity"] <= 1 + 1e-6  # measured 1 - 1.2e-7: the random net's attention is near-uniform
+    assert nys["knob_tokens"] == "s=4" and nys["match"]["status"] == "as given"
+
+    res = cmp.compare_vision(model, images, pre, eval="fidelity", settings=[("fna", {"s": "17"}), ("anchorformer", {}), ("sink_mask", {})],
+                             match=cmp.Match("tokens", 6), batch_size=9, knn_k=3)
+    fna, anchor, sink = res["rows"][1:]
+    assert fna["options"]["s"] == 6 and fna["knob_tokens"] == "s=6" and fna["match"]["status"] == "matched"
+    assert anchor["options"]["m"] == 6 and anchor["knob_tokens"] == "m=6"
+    assert sink["match"]["status"] == "not matched" and sink["knob_tokens"] is None  # its knob counts no tokens (or it has none)
+    assert anchor["sparsity"] == pytest.approx(1 - 2 * 6 * 17 / 289, abs=1e-9)  # 2 m N of N^2 pairs
+
+
+def test_vision_compare_flops_match(vit):
+    model, images, pre = vit
+    res = cmp.compare_vision(model, images, pre, eval="knn", settings=[("nystromformer", {}), ("relu_linear", {})],
+                             match=cmp.Match("flops", 0.6), batch_size=9, knn_k=3)
+    for row in res["rows"][1:]:
+        mi = row["match"]
+        assert mi["status"] in ("matched", "closest") and 1 <= mi["steps"] <= 10
+        assert mi["reached"] == pytest.approx(1 - row["sparsity"], abs=1e-9)  # reached = kept fraction measured at the chosen options
+        if mi["status"] == "matched":
+            assert abs(mi["reached"] - 0.6) <= 0.01
+    nys, relu = res["rows"][1:]
+    # s landmarks keep (2 s N + s^2) / N^2 of N = 17: s = 4 keeps 0.526, s = 5 0.675; 0.6 is not reachable,
+    # s = 4 is the closest (0.0740 below vs 0.0747 above): reported as such
+    assert nys["options"]["s"] == 4 and nys["match"]["status"] == "closest"
+    assert nys["match"]["reached"] == pytest.approx(152 / 289, abs=1e-9)
+    # relu_linear's exact local window at N = 17: window 2 keeps 0.612 (measured), the nearest to 0.6 it can reach
+    assert relu["options"]["local_window"] == 2 and abs(relu["match"]["reached"] - 0.6) <= 0.02
+
+
+# --------------------------------------------------------------------------- ruler
+
+
+def test_ruler_compare_sparsity_match_dense_once(lm_dir, monkeypatch):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import attnpatch.evals.ruler as ruler
+    from attnpatch.patchers.api import is_patched
+
+    model = AutoModelForCausalLM.from_pretrained(lm_dir).eval()
+    tok = AutoTokenizer.from_pretrained(lm_dir)
+    calls = []
+    real = ruler.generate_greedy
+
+    def counting(m, t, ids, n):
+        calls.append((is_patched(m), tuple(ids)))
+        return real(m, t, ids, n)
+
+    monkeypatch.setattr(ruler, "generate_greedy", counting)
+    settings = [("a_shape", {"init_tokens": "4"}), ("block_topk", {"block_size": "16", "stride": "4", "min_len": "0"})]
+    res = cmp.compare_ruler(model, tok, settings=settings, match=cmp.Match("sparsity", 0.5), tasks=["niah_single"],
+                            lengths=[300], num_samples=2, recall=True, recall_samples=1)
+    dense, a_shape, block = res["rows"]
+    # dense generated once per sample, each setting once per sample, on the same prompts
+    assert [p for p, _ in calls] == [False, True, True] * 2
+    assert calls[0][1] == calls[1][1] == calls[2][1] and calls[3][1] == calls[4][1] == calls[5][1] and calls[0][1] != calls[3][1]
+    cells = res["result"]["dense"]["cells"]
+    assert len(cells) == 1 and cells[0]["n"] == 2
+    # a_shape's window is continuous enough to reach 0.5 on the first sample
+    mi = a_shape["match"]
+    assert mi["status"] == "matched" and abs(mi["sparsity"] - 0.5) <= 0.05 and mi["reached"] == mi["sparsity"]
+    assert a_shape["options"]["init_tokens"] == 4 and a_shape["options"]["window"] == mi["knob_options"]["window"]
+    # the run's mean sparsity over both samples is close too (similar lengths)
+    assert abs(a_shape["sparsity"] - 0.5) <= 0.05
+    assert block["match"]["status"] in ("matched", "closest") and block["options"]["block_size"] == 16
+    for row in (a_shape, block):
+        assert 0 <= row["metric"] <= 1 and 0 < row["fidelity"] <= 1 and row["speedup"] > 0
+    assert dense["metric"] == cells[0]["dense_acc"] and dense["speedup"] == 1.0
+    run_cells = res["result"]["runs"][0]["cells"]
+    assert [s["dense_pred"] for s in run_cells[0]["samples"]] == [s["dense_pred"] for s in cells[0]["samples"]]
+
+
+def test_run_ruler_single_api_unchanged(lm_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from attnpatch.evals.ruler import run_ruler
+
+    model = AutoModelForCausalLM.from_pretrained(lm_dir).eval()
+    tok = AutoTokenizer.from_pretrained(lm_dir)
+    res = run_ruler(model, tok, method="a_shape", options={"init_tokens": 4, "window": 64}, tasks=["niah_single"], lengths=[300],
+                    num_samples=1, recall=False)
+    assert set(res) == {"method", "options", "cells", "settings"} and res["options"]["window"] == 64
+    c = res["cells"][0]
+    assert {"dense_acc", "patched_acc", "sparsity", "prefill_speedup"} <= set(c) and 0 < c["sparsity"] < 1
+    base = run_ruler(model, tok, method="dense", tasks=["niah_single"], lengths=[300], num_samples=1, recall=False)
+    assert "patched_acc" not in base["cells"][0] and base["cells"][0]["dense_acc"] == c["dense_acc"]
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def test_cli_vision_outputs(vit_dir, images_dir, tmp_path, capsys):
+    out, md, png = tmp_path / "c.json", tmp_path / "c.md", tmp_path / "c.png"
+    rc = main(["compare", "--eval", "knn", "--model", str(vit_dir), "--data", str(images_dir), "--resolution", "56", "--k", "3",
+               "--method", "fna:s=8", "nystromformer:s=4", "sink_mask", "--match", "tokens=5",
+               "--json", str(out), "--markdown", str(md), "--plot", str(png)])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert res["eval"] == "knn" and res["match"] == {"key": "tokens", "value": 5} and res["complete"] is True
+    assert [(r["method"], r["options"].get("s")) for r in res["rows"]] == [("dense", None), ("fna", 5), ("nystromformer", 5), ("sink_mask", None)]
+    for r in res["rows"]:
+        assert {"method", "options", "metric", "fidelity", "speedup"} <= set(r)
+    assert res["rows"][3]["match"]["status"] == "not matched"
+    printed = capsys.readouterr().out
+    assert "not matched" in printed and "speed-up" in printed and "k-NN top-1" in printed
+    assert md.read_text().count("\n|") >= 5
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+
+
+def test_cli_ruler(lm_dir, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    rc = main(["compare", "--eval", "ruler", "--model", str(lm_dir), "--tasks", "niah_single", "--lengths", "300", "--samples", "1",
+               "--method", "a_shape:init_tokens=4", "--match", "flops=0.5", "--no-recall", "--json", str(out)])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    row = res["rows"][1]
+    assert row["method"] == "a_shape" and abs(row["match"]["reached"] - 0.5) <= 0.05 and row["fidelity"] is None
+    assert "a_shape" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--eval", "knn", "--method", "a_shape"], "'a_shape' does not fit the knn eval"),
+    (["--eval", "ruler", "--method", "a_shape", "--match", "tokens=8"], "tokens applies to the vision and CLIP evals only"),
+    (["--eval", "ruler", "--method", "a_shape", "--match", "sparsity=1.5"], "sparsity must be in [0, 1)"),
+    (["--eval", "knn", "--method", "nope"], "unknown method 'nope'"),
+])
+def test_cli_bad_input_one_line(argv, words, tmp_path, capsys, monkeypatch):
+    import attnpatch.checkpoints as ck
+
+    def no_load(*a, **k):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(ck, "load_vision_model", no_load)
+    monkeypatch.setattr(ck, "load_causal_lm", no_load)
+    assert main(["compare", "--model", str(tmp_path), *argv, "--json", str(tmp_path / "x.json")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("attnpatch: error:") and words in err[0]
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_cli_ctrl_c_keeps_finished_part(lm_dir, vit_dir, images_dir, tmp_path, capsys, monkeypatch):
+    import attnpatch.evals.ruler as ruler
+    from attnpatch.evals.images import ImageSet
+
+    calls = {"n": 0}
+    orig = ruler.generate_greedy
+
+    def gen(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 5:  # cell 1: 2 samples x (dense + 1 setting) = 4 calls; the 5th is in cell 2
+            raise KeyboardInterrupt
+        return orig(*a, **k)
+
+    monkeypatch.setattr(ruler, "generate_greedy", gen)
+    out, md = tmp_path / "r.json", tmp_path / "r.md"
+    rc = main(["compare", "--eval", "ruler", "--model", str(lm_dir), "--lengths", "300", "400", "--samples", "2", "--no-recall",
+               "--method", "a_shape:init_tokens=4,window=64", "--json", str(out), "--markdown", str(md), "--plot", str(tmp_path / "p.png")])
+    assert rc == 130
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("attnpatch: interrupted (Ctrl-C) after 1/2 cells; wrote")
+    res = json.loads(out.read_text())
+    assert res["interrupted"] is True and res["complete"] is False and res["result"]["cells_done"] == 1
+    assert [r["method"] for r in res["rows"]] == ["dense", "a_shape"] and res["rows"][1]["speedup"] > 0
+    assert "(interrupted: 1/2 cells)" in md.read_text() and not (tmp_path / "p.png").exists()
+
+    orig_get = ImageSet.__getitem__
+    seen = set()
+
+    def getitem(self, i):
+        if i == 7 and i not in seen:  # the second batch of 5, after the first one finished
+            seen.add(i)
+            raise KeyboardInterrupt
+        return orig_get(self, i)
+
+    monkeypatch.setattr(ImageSet, "__getitem__", getitem)
+    rc = main(["compare", "--eval", "fidelity", "--model", str(vit_dir), "--data", str(images_dir), "--resolution", "56", "--k", "3",
+               "--batch-size", "5", "--method", "fna:s=6", "--json", str(out)])
+    assert rc == 130
+    res = json.loads(out.read_text())
+    assert res["interrupted"] is True and res["result"]["n_images"] == 5 and res["rows"][1]["fidelity"] > 0.9
