@@ -212,3 +212,34 @@ def test_tiny_model_exact_limit_through_the_code():
             unpatch(model)
     assert {r.mode for fwd in rec.forwards for r in fwd.values()} == {"dense:window>=N"}
     assert (out - ref).norm() / ref.norm() < 1e-6
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[4], CASES[7]])
+def test_recall_is_the_exact_softmax_mass_on_the_kept_keys(case):
+    """``a_shape_recall``: mean over valid queries of the float64 softmax mass on the initial keys and the window."""
+    from attnpatch.attention.streaming import a_shape_recall
+
+    b, h, hkv, lq, lk, d, off, init, window, _, pad, inner = case
+    q, k, v, kv = _inputs(b, h, hkv, lq, lk, d, pad=pad, inner=inner)
+    scale = d**-0.5
+    got = a_shape_recall(q, k, init_tokens=init, window=window, scale=scale, q_offset=off, key_valid=kv)
+    keep = reference_keep(b, lq, lk, off, kv, init, window)
+    full = reference_keep(b, lq, lk, off, kv, lk, lk)  # every causal valid key
+    g = h // hkv
+    s = (q.double() @ k.double().repeat_interleave(g, 1).transpose(-1, -2)) * scale
+    p = torch.softmax(s.masked_fill(~full[:, None], -math.inf), -1).nan_to_num(0.0)
+    per_q = (p * keep[:, None]).sum(-1)  # [B, H, Lq]
+    qv = _query_valid(kv, b, lq, off) & full.any(-1)
+    want = (per_q * qv[:, None]).sum(-1) / qv.sum(-1)[:, None]
+    assert got.shape == (b, h) and (got - want).abs().max() < 1e-5
+    if window < lk:
+        assert bool((got < 1).any())  # a real cut: the figure is not the 1.0 of a dense layer
+
+
+def test_recall_is_recorded_by_the_method():
+    model, ids = tiny_causal_lm("llama"), torch.randint(3, 100, (1, 80))
+    with patched(model, "a_shape", init_tokens=4, window=16), record_stats(model, recall=True) as rec, torch.no_grad():
+        model(input_ids=ids)
+    recs = rec.forwards[0].values()
+    assert all(r.recall is not None and r.recall.shape == (1, r.kept_pairs.shape[1]) for r in recs)
+    assert all(0 < float(r.recall.min()) and float(r.recall.max()) <= 1 + 1e-6 for r in recs)

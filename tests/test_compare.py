@@ -293,3 +293,18 @@ def test_cli_ctrl_c_keeps_finished_part(lm_dir, vit_dir, images_dir, tmp_path, c
     assert rc == 130
     res = json.loads(out.read_text())
     assert res["interrupted"] is True and res["result"]["n_images"] == 5 and res["rows"][1]["fidelity"] > 0.9
+
+
+def test_recall_summary_never_counts_an_unmeasured_sparse_layer_as_full_recall():
+    """A layer that skipped keys without measuring its recall makes the recall figures ``None``, not 1.0."""
+    from attnpatch.evals.recall import summarize_layers
+    from attnpatch.patchers.state import LayerRecord
+
+    full = torch.full((1, 2), 100.0, dtype=torch.float64)
+    measured = LayerRecord(0, "sparse", 10, 10, causal_pairs=full, kept_pairs=full / 2, recall=torch.tensor([[0.9, 0.8]]))
+    dense = LayerRecord(1, "dense:short", 10, 10, causal_pairs=full, kept_pairs=full.clone())
+    blind = LayerRecord(2, "sparse", 10, 10, causal_pairs=full, kept_pairs=full / 2)
+    ok = summarize_layers({0: measured, 1: dense}, recall_measured=True)
+    assert ok["recall_mean"] == pytest.approx((0.9 + 0.8 + 1 + 1) / 4)
+    bad = summarize_layers({0: measured, 1: dense, 2: blind}, recall_measured=True)
+    assert bad["recall_mean"] is None and bad["recall_worst"] is None and bad["recall_unmeasured_layers"] == [2]

@@ -33,9 +33,9 @@ import torch
 import torch.nn.functional as F
 
 from .prefill import check_inputs, per_sequence, split_padding
-from .vertical_slash import column_diagonal_attention
+from .vertical_slash import column_diagonal_attention, column_diagonal_recall
 
-__all__ = ["a_shape_attention", "a_shape_pattern", "a_shape_kept_pairs", "A_BLOCK"]
+__all__ = ["a_shape_attention", "a_shape_pattern", "a_shape_kept_pairs", "a_shape_recall", "A_BLOCK"]
 
 #: Queries per block of the A-shape path without inner padding.
 A_BLOCK = 256
@@ -218,3 +218,19 @@ def _a_shape_blocks(q, k, v, init_tokens: int, window: int, scale: float, q_offs
         m = m1
     return out.transpose(0, 1).reshape(b, h, nb * bq, dv)[:, :, :lq].contiguous() if nb * bq != lq else \
         out.transpose(0, 1).reshape(b, h, lq, dv)
+
+
+def a_shape_recall(
+    q: torch.Tensor, k: torch.Tensor, *, init_tokens: int, window: int, scale: float, q_offset: int = 0,
+    key_valid: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention recall of :func:`a_shape_attention` with the same arguments: per ``[B, H]``, the mean over valid
+    queries of the exact softmax mass on the initial tokens and the window (one dense ``Q K^T`` pass more).
+
+    Returns:
+        float64 ``[B, H]``.
+    """
+    b, _, lq, _ = q.shape
+    cols, diags = a_shape_pattern(key_valid, batch=b, keys=q_offset + lq, init_tokens=init_tokens, window=window, device=q.device)
+    total, count = column_diagonal_recall(q, k, cols, diags, scale=scale, q_offset=q_offset, key_valid=key_valid)
+    return total / count.clamp(min=1)[:, None]

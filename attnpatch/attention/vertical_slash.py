@@ -45,6 +45,8 @@ __all__ = [
     "vertical_slash_scores",
     "vertical_slash_pattern",
     "vertical_slash_attention",
+    "column_diagonal_recall",
+    "vertical_slash_recall",
 ]
 
 #: Queries per block and keys per tile of :func:`column_diagonal_attention` (MInference's GPU kernel uses 64;
@@ -56,6 +58,8 @@ LOCAL_DIAGONALS = 16
 #: Score elements (query rows x keys) per fused attention call of :func:`column_diagonal_attention` (its mask,
 #: one float per element, then stays in the cache between being built and being read).
 CHUNK_ELEMENTS = 1 << 20
+#: Scores per query chunk of :func:`column_diagonal_recall` (float32; a few such buffers live at once).
+RECALL_ELEMENTS = 1 << 22
 #: Elements of the estimation's ``last_q x keys`` probabilities per step (chunked over key/value heads).
 SELECT_ELEMENTS = 1 << 25
 
@@ -416,3 +420,106 @@ def vertical_slash_attention(
         if kc is not None:
             kept = kc if kept is None else kept + kc
     return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)), kept
+
+
+def column_diagonal_recall(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    columns: torch.Tensor,
+    diagonals: torch.Tensor,
+    *,
+    scale: float,
+    q_offset: int = 0,
+    key_valid: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention recall of a column/diagonal pattern: the exact softmax mass its kept keys carry.
+
+    For each query ``i`` (valid, causal), ``sum_{j kept} softmax(q_i K^T * scale)_j`` over its causal
+    valid keys, with "kept" as in :func:`column_diagonal_attention`; a diagnostic that costs one dense
+    ``Q K^T`` pass, in query chunks of about ``RECALL_ELEMENTS`` scores (float32).
+
+    Args:
+        q, k, columns, diagonals, scale, q_offset, key_valid: as for :func:`column_diagonal_attention`.
+
+    Returns:
+        ``(recall_sum, queries)``: float64 ``[B, H]`` sum of the per-query recall over valid queries, and
+        float64 ``[B]`` their count (the mean is their ratio).
+    """
+    b, h, lq, _ = q.shape
+    lk = q_offset + lq
+    kr = k[:, :, :lk].float()
+    kr = kr if kr.shape[1] == h else kr.repeat_interleave(h // kr.shape[1], dim=1)
+    p = columns.shape[1]
+    cols_m, diag_m = columns[..., :lk], diagonals[..., :lk]
+    if p not in (1, h):
+        cols_m, diag_m = cols_m.repeat_interleave(h // p, dim=1), diag_m.repeat_interleave(h // p, dim=1)
+    pos = torch.arange(lk, device=q.device)
+    total = torch.zeros(b, h, dtype=torch.float64, device=q.device)
+    count = torch.zeros(b, dtype=torch.float64, device=q.device)
+    step = max(1, RECALL_ELEMENTS // max(1, b * h * lk))
+    for c0 in range(0, lq, step):
+        c1 = min(lq, c0 + step)
+        rows = q_offset + torch.arange(c0, c1, device=q.device)
+        logits = (q[:, :, c0:c1].float() @ kr.transpose(-1, -2)) * scale  # [B, H, c, Lk]
+        allowed = (pos[None, :] <= rows[:, None])[None, None]
+        if key_valid is not None:
+            allowed = allowed & key_valid[:, None, None, :lk]
+        off = (rows[:, None] - pos[None, :]).clamp(0, lk - 1)
+        keep = (cols_m[:, :, None, :] | diag_m[:, :, off]) & allowed
+        lse_all = logits.masked_fill(~allowed, -math.inf).logsumexp(-1)
+        lse_keep = logits.masked_fill(~keep, -math.inf).logsumexp(-1)
+        r = torch.exp(lse_keep - lse_all).nan_to_num(0.0)  # [B, H, c]; rows without a valid key give 0
+        qv = torch.ones(b, c1 - c0, dtype=torch.bool, device=q.device) if key_valid is None else key_valid[:, rows]
+        total += (r.double() * qv[:, None, :]).sum(-1)
+        count += qv.double().sum(-1)
+    return total, count
+
+
+def vertical_slash_recall(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    vertical: int,
+    slash: int,
+    last_q: int,
+    scale: float,
+    q_offset: int = 0,
+    key_valid: torch.Tensor | None = None,
+    chunk: int | None = None,
+) -> torch.Tensor:
+    """Attention recall of :func:`vertical_slash_attention` with the same arguments: per ``[B, H]``, the mean over
+    valid queries of the exact softmax mass on the keys it keeps (the same per-chunk patterns, the same
+    per-sequence handling of padding); one dense ``Q K^T`` pass more.
+
+    Returns:
+        float64 ``[B, H]``.
+    """
+    b, h, lq, _ = q.shape
+    split = split_padding(key_valid, q_offset, lq)
+    if split is not None:
+        out = torch.ones(b, h, dtype=torch.float64, device=q.device)
+        kw = dict(vertical=vertical, slash=slash, last_q=last_q, scale=scale, chunk=chunk)
+
+        def one(qi, ki, vi, *, q_offset, key_valid):
+            return torch.zeros_like(qi), vertical_slash_recall(qi, ki, q_offset=q_offset, key_valid=key_valid, **kw)
+
+        _, parts = per_sequence(one, q, k, k, split, q_offset=q_offset, key_valid=key_valid)
+        for bi, part in enumerate(parts):
+            if part is not None:
+                out[bi] = part[2][0]
+        return out
+    step = lq if chunk is None else chunk
+    total = torch.zeros(b, h, dtype=torch.float64, device=q.device)
+    count = torch.zeros(b, dtype=torch.float64, device=q.device)
+    for c0 in range(0, lq, step):
+        c1 = min(lq, c0 + step)
+        lc = q_offset + c1
+        n = min(last_q, c1 - c0)
+        kv = None if key_valid is None else key_valid[:, :lc]
+        cols, diags = vertical_slash_pattern(
+            q[:, :, c1 - n : c1], k[:, :, :lc], vertical=vertical, slash=slash, scale=scale, q_start=lc - n, key_valid=kv,
+        )
+        t, c = column_diagonal_recall(q[:, :, c0:c1], k, cols, diags, scale=scale, q_offset=q_offset + c0, key_valid=key_valid)
+        total += t
+        count += c
+    return total / count.clamp(min=1)[:, None]

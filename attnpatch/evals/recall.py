@@ -38,7 +38,8 @@ def summarize_layers(layers: dict[int, LayerRecord], worst_fraction: float = 0.0
         worst ``worst_fraction`` of layer-heads, at least one), ``worst_heads`` (list of
         ``[layer, head, recall]``), ``per_layer`` (list of dicts: layer, mode, sparsity,
         recall per head), and ``recall_matrix`` (``[layers, heads]`` list, batch-averaged) —
-        the recall entries are ``None`` when recall was not measured.
+        the recall entries are ``None`` when recall was not measured, and when some layer skipped keys
+        without measuring its recall (its method does not; listed in ``recall_unmeasured_layers``).
 
     Raises:
         ValueError: ``worst_fraction`` outside ``(0, 1]``.
@@ -51,6 +52,10 @@ def summarize_layers(layers: dict[int, LayerRecord], worst_fraction: float = 0.0
     per_layer = []
     rows = []
     have_recall = any(r.recall is not None for r in layers.values()) if recall_measured is None else recall_measured
+    # a layer that skipped keys but did not measure its recall: no recall figure may claim it kept everything
+    unmeasured = [li for li in sorted(layers) if layers[li].recall is None and not layers[li].mode.startswith("dense")
+                  and layers[li].kept_pairs is not None and layers[li].causal_pairs is not None
+                  and bool((layers[li].kept_pairs < layers[li].causal_pairs).any())]
     for li in sorted(layers):
         r = layers[li]
         h = r.causal_pairs.shape[1] if r.causal_pairs is not None else 0
@@ -65,7 +70,9 @@ def summarize_layers(layers: dict[int, LayerRecord], worst_fraction: float = 0.0
             }
         )
     out: dict[str, Any] = {"sparsity": 1.0 - kept / causal if causal else None, "per_layer": per_layer}
-    if have_recall:
+    if have_recall and unmeasured:
+        out.update(recall_mean=None, recall_worst=None, worst_heads=[], recall_matrix=None, recall_unmeasured_layers=unmeasured)
+    elif have_recall:
         mat = torch.stack(rows)  # [layers, heads]
         flat = mat.flatten()
         n = max(1, int(round(worst_fraction * flat.numel())))

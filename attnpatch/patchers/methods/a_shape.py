@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ...attention.streaming import A_BLOCK, a_shape_attention, a_shape_kept_pairs
+from ...attention.streaming import A_BLOCK, a_shape_attention, a_shape_kept_pairs, a_shape_recall
 from ...options import check_fields, opt, options_of
 from ..bench_hook import BenchCase, BenchInputs, sdpa
 from ..registry import ExactLimit, Knob, Method, register_method
@@ -60,6 +60,10 @@ def a_shape_forward(
     rec = LayerRecord(ctx.layer, "dense:window>=N" if exact else "sparse", lq, lk)
     if kept is not None:
         rec.kept_pairs = kept.cpu()
+    if ctx.state is not None and ctx.state.recall and not exact:  # diagnostic: one dense Q K^T pass more
+        rec.recall = a_shape_recall(
+            q, k, init_tokens=cfg.init_tokens, window=cfg.window, scale=ctx.scale, q_offset=ctx.q_offset, key_valid=ctx.key_valid,
+        ).cpu()
     return out, rec
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ...attention.vertical_slash import BLOCK, vertical_slash_attention, vertical_slash_pattern
+from ...attention.vertical_slash import BLOCK, vertical_slash_attention, vertical_slash_pattern, vertical_slash_recall
 from ...options import check_fields, opt, options_of
 from ..bench_hook import BenchCase, BenchInputs, sdpa
 from ..registry import ExactLimit, Knob, Method, register_method
@@ -73,6 +73,11 @@ def vertical_slash_forward(
     rec = LayerRecord(ctx.layer, mode, lq, lk)
     if kept is not None:
         rec.kept_pairs = kept.cpu()
+    if ctx.state is not None and ctx.state.recall and mode == "sparse":  # diagnostic: one dense Q K^T pass more
+        rec.recall = vertical_slash_recall(
+            q, k, vertical=cfg.vertical, slash=cfg.slash, last_q=cfg.last_q, chunk=cfg.chunk, scale=ctx.scale,
+            q_offset=ctx.q_offset, key_valid=ctx.key_valid,
+        ).cpu()
     return out, rec
 
 
