@@ -211,7 +211,7 @@ def test_cli_vision_outputs(vit_dir, images_dir, tmp_path, capsys):
                "--json", str(out), "--markdown", str(md), "--plot", str(png)])
     assert rc == 0
     res = json.loads(out.read_text())
-    assert res["eval"] == "knn" and res["match"] == {"key": "tokens", "value": 5} and res["complete"] is True
+    assert res["eval"] == "knn" and res["match"] == [{"key": "tokens", "value": 5}] and res["complete"] is True
     assert [(r["method"], r["options"].get("s")) for r in res["rows"]] == [("dense", None), ("fna", 5), ("nystromformer", 5), ("sink_mask", None)]
     for r in res["rows"]:
         assert {"method", "options", "metric", "fidelity", "speedup"} <= set(r)
@@ -308,3 +308,22 @@ def test_recall_summary_never_counts_an_unmeasured_sparse_layer_as_full_recall()
     assert ok["recall_mean"] == pytest.approx((0.9 + 0.8 + 1 + 1) / 4)
     bad = summarize_layers({0: measured, 1: dense, 2: blind}, recall_measured=True)
     assert bad["recall_mean"] is None and bad["recall_worst"] is None and bad["recall_unmeasured_layers"] == [2]
+
+
+def test_several_budgets_each_method_follows_the_first_its_knob_can(vit):
+    """``--match tokens=6 flops=0.6``: landmark methods get 6 landmarks, the others the kept fraction; a method
+    without a knob runs as given."""
+    model, images, pre = vit
+    assert [m.key for m in cmp.parse_matches(["tokens=6", "flops=0.6"], "knn")] == ["tokens", "flops"]
+    with pytest.raises(OptionError, match="each key at most once"):
+        cmp.parse_matches(["flops=0.5", "flops=0.6"], "knn")
+    res = cmp.compare_vision(model, images, pre, eval="knn",
+                             settings=[("anchorformer", {}), ("relu_linear", {}), ("sink_mask", {})],
+                             match=cmp.parse_matches(["tokens=6", "flops=0.6"], "knn"), batch_size=9, knn_k=3)
+    anchor, relu, sink = res["rows"][1:]
+    assert anchor["options"]["m"] == 6 and anchor["match"]["key"] == "tokens"
+    assert relu["match"]["key"] == "flops" and relu["match"]["status"] in ("matched", "closest") and relu["match"]["steps"] >= 1
+    assert sink["match"]["status"] == "not matched"
+    assert res["match"] == [{"key": "tokens", "value": 6}, {"key": "flops", "value": 0.6}]
+    rows = cmp.compare_rows(res)
+    assert rows[1]["match_text"] == "tokens 6" and rows[2]["match_text"].startswith("flops ")

@@ -104,7 +104,7 @@ def _cmd_compare(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     # everything checked before any model loads
-    match = cmp.parse_match(args.match, args.eval)
+    match = cmp.parse_matches(args.match, args.eval)
     settings = _unique_settings(args.method, args.option)
     cmp.check_settings(settings, args.eval)
     family = cmp.EVALS[args.eval][0]
@@ -129,8 +129,8 @@ def _cmd_compare(args) -> int:
     if stop is not None and result is None:
         return _interrupted(args, stop, None, None)
     result.update(model=args.model, machine=machine, complete=stop is None)
-    if match is not None:
-        title += f" — matched {match.text()}"
+    if match:
+        title += f" — matched {', '.join(m.text() for m in match)}"
     rc = _report(args, title, cmp.compare_rows(result), cmp.compare_columns(result), result, interrupted=stop)
     if rc == 0 and args.plot:
         cmp.plot_pareto(result, args.plot, title=title)
@@ -156,8 +156,10 @@ def add_parser(sub) -> None:
     )
     p.add_argument("-o", "--option", action="append", default=[], metavar="NAME=VALUE", help="option for every method (a METHOD:NAME=VALUE wins over it)")
     p.add_argument(
-        "--match", metavar="KEY=VALUE",
-        help="put every method with a knob at one budget, calibrated on the first batch / sample: "
+        "--match", metavar="KEY=VALUE", nargs="+",
+        help="put every method with a knob at one budget, calibrated on the first batch / sample; with several, each method "
+        "follows the first its knob can (e.g. --match tokens=64 speedup=1.4: landmark methods at s = m = 64, the others at "
+        "1.4x): "
         + "; ".join(f"{k} ({v})" for k, v in MATCH_KEYS.items()),
     )
     p.add_argument("--steps", type=_positive_int, default=10, help="bisection steps per method for --match (default: %(default)s)")

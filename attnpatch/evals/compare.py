@@ -42,7 +42,7 @@ from .recall import summarize_layers
 from .report import Column, EvalInterrupted
 
 __all__ = [
-    "EVALS", "MATCH_KEYS", "Match", "parse_match", "eval_kind", "check_settings", "match_settings", "compare_vision",
+    "EVALS", "MATCH_KEYS", "Match", "parse_match", "parse_matches", "eval_kind", "check_settings", "match_settings", "compare_vision",
     "compare_clip", "compare_ruler", "compare_rows", "compare_columns", "pareto_front", "plot_pareto",
 ]
 
@@ -78,6 +78,33 @@ class Match:
 
     def text(self) -> str:
         return f"{self.key}={int(self.value) if self.key == 'tokens' else self.value:g}"
+
+
+def parse_matches(texts: Sequence[str] | str | None, eval: str | None = None) -> list[Match]:
+    """Several ``--match`` budgets, in order (see :func:`match_settings`: each method takes the first one
+    its knob can follow); ``None`` -> ``[]``.
+
+    Raises:
+        OptionError: as :func:`parse_match`, or one key given twice.
+    """
+    if texts is None:
+        return []
+    out = [parse_match(t, eval) for t in ([texts] if isinstance(texts, str) else texts)]
+    keys = [m.key for m in out]
+    if len(set(keys)) != len(keys):
+        raise OptionError(f"--match {' '.join(texts)}: each key at most once (a method takes the first budget its knob can follow)")
+    return out
+
+
+def _as_list(match) -> list[Match]:
+    if match is None:
+        return []
+    return [match] if isinstance(match, Match) else list(match)
+
+
+def _applies(match: Match, knob) -> bool:
+    """Whether a method with ``knob`` can follow ``match`` (``tokens`` needs a knob that counts tokens)."""
+    return knob is not None and (match.key != "tokens" or knob.tokens is not None)
 
 
 def parse_match(text: str | None, eval: str | None = None) -> Match | None:
@@ -235,7 +262,7 @@ def match_settings(
     model: torch.nn.Module,
     settings: Settings,
     forward: Callable[[], Any],
-    match: Match | None,
+    match: Match | Sequence[Match] | None,
     *,
     towers: Any = None,
     steps: int = 10,
@@ -250,7 +277,10 @@ def match_settings(
         settings: ``[(method, options)]``; options as given by the user (kept; only the knob's options change).
         forward: runs the model once on the calibration input (the first batch, or the first
             sample's prefill), e.g. ``lambda: encode(model, x)``.
-        match: the budget, or ``None`` (settings run as given; sparsity still measured).
+        match: the budget, or several: each setting follows the first one its knob can follow
+            (``tokens`` only a knob that counts tokens, e.g. ``[tokens=64, speedup=1.4]`` puts landmark
+            methods at 64 landmarks and the others at a 1.4x speed-up); ``None`` or ``[]``: settings run as
+            given (sparsity still measured).
         towers: the towers each setting routes (``None``: the model's default).
         steps: at most this many bisection steps (measurements) per setting.
         tol: stop when within this of the target: default 0.01 (sparsity, flops), or 2 % of the
@@ -268,31 +298,35 @@ def match_settings(
         UnknownMethodError, OptionError, UnsupportedModelError: a bad setting, or a knob option
             the method refuses.
     """
-    tokens = _tokens_of(model, forward, towers) if match is not None else 0
-    if tol is None:
-        tol = 0.02 * match.value if match is not None and match.key == "speedup" else 0.01
-    dense_s = _seconds(forward, repeats) if match is not None and match.key == "speedup" else None
+    matches = _as_list(match)
+    tokens = _tokens_of(model, forward, towers) if matches else 0
+    dense_s: list[float] = []  # measured once, when a setting first needs it
     out, infos = [], []
     for m, given in settings:
         method = get_method(m)
         knob = method.knob
+        match = next((mt for mt in matches if _applies(mt, knob)), None)
         info: dict[str, Any]
-        if match is None:
+        if not matches:
             info = {"status": "as given", "options": validate_options(method, dict(given))}
-        elif knob is None:
-            info = {"status": "not matched", "reason": "the method has no knob", "options": validate_options(method, dict(given))}
+        elif match is None:
+            reason = "the method has no knob" if knob is None else "its knob counts no tokens"
+            info = {"status": "not matched", "reason": reason, "options": validate_options(method, dict(given))}
         elif match.key == "tokens":
-            if knob.tokens is None:
-                info = {"status": "not matched", "reason": "its knob counts no tokens", "options": validate_options(method, dict(given))}
-            else:
-                kopts = {knob.tokens: int(match.value)}
-                info = {"status": "matched", "target": match.value, "reached": match.value, "knob": knob.text,
-                        "knob_options": kopts, "steps": 0, "options": validate_options(method, {**given, **kopts})}
+            kopts = {knob.tokens: int(match.value)}
+            info = {"status": "matched", "target": match.value, "reached": match.value, "knob": knob.text,
+                    "knob_options": kopts, "steps": 0, "options": validate_options(method, {**given, **kopts})}
         elif match.key == "speedup":
+            if not dense_s:
+                dense_s.append(_seconds(forward, repeats))
             info = _calibrate(model, m, given, knob, tokens, match,
-                              lambda o, m=m: dense_s / _patched_seconds(model, m, o, forward, towers, repeats), steps, tol)
+                              lambda o, m=m: dense_s[0] / _patched_seconds(model, m, o, forward, towers, repeats), steps,
+                              0.02 * match.value if tol is None else tol)
         else:
-            info = _calibrate(model, m, given, knob, tokens, match, lambda o, m=m: _sparsity(model, m, o, forward, towers), steps, tol)
+            info = _calibrate(model, m, given, knob, tokens, match, lambda o, m=m: _sparsity(model, m, o, forward, towers), steps,
+                              0.01 if tol is None else tol)
+        if match is not None:
+            info["key"] = match.key
         info["sparsity"] = _sparsity(model, m, info["options"], forward, towers)
         if match is not None and log is not None:
             what = f"{match.key} {info['reached']:.3g}" if "reached" in info else info.get("reason", "")
@@ -324,7 +358,7 @@ def _first_batch(images, preprocess, batch_size: int) -> torch.Tensor:
     return preprocess([_image_of(images[i]) for i in range(min(len(images), batch_size))])
 
 
-def _finish(eval: str, match: Match | None, given: Settings, infos, runner_result: dict[str, Any], rows_of) -> dict[str, Any]:
+def _finish(eval: str, match, given: Settings, infos, runner_result: dict[str, Any], rows_of) -> dict[str, Any]:
     """The compare result from a runner's result (``rows_of(runner_result)`` -> dense row, run rows)."""
     _, _, mkey, mlabel, fkey, flabel = EVALS[eval]
     dense, runs = rows_of(runner_result)
@@ -340,7 +374,7 @@ def _finish(eval: str, match: Match | None, given: Settings, infos, runner_resul
         })
     return {
         "eval": eval, "metric": mkey, "metric_label": mlabel, "fidelity": fkey, "fidelity_label": flabel,
-        "match": None if match is None else {"key": match.key, "value": match.value}, "rows": rows, "result": runner_result,
+        "match": [{"key": mt.key, "value": mt.value} for mt in _as_list(match)] or None, "rows": rows, "result": runner_result,
     }
 
 
@@ -563,7 +597,7 @@ def compare_ruler(
     """
     from .ruler import run_ruler_settings
 
-    if match is not None and match.key == "tokens":
+    if any(mt.key == "tokens" for mt in _as_list(match)):
         raise OptionError("--match tokens applies to the vision and CLIP evals only; for ruler use sparsity, flops or speedup")
     given = [(m, dict(o)) for m, o in settings]
     check_settings(given, "ruler")
@@ -604,7 +638,7 @@ def compare_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
         if mi is None:
             row["match_text"] = ""
         elif mi["status"] in ("matched", "closest"):
-            key = result["match"]["key"]
+            key = mi.get("key", "")
             row["match_text"] = f"{key} {mi['reached']:.3g}" + (" (closest)" if mi["status"] == "closest" else "")
         elif mi["status"] == "not matched":
             row["match_text"] = "not matched"
@@ -672,8 +706,9 @@ def plot_pareto(result: dict[str, Any], path: str | Path, title: str | None = No
         ax.axvline(1.0, color="grey", lw=0.6, ls="--")
         ax.set_xlabel("speed-up over dense (x)")
         ax.set_ylabel(result.get("metric_label", "metric"))
-        m = result.get("match")
-        ax.set_title(title or f"{result.get('eval', '')}" + (f" — matched {m['key']}={m['value']:g}" if m else ""), fontsize=9)
+        m = result.get("match") or []
+        matched = ", ".join(f"{x['key']}={x['value']:g}" for x in m)
+        ax.set_title(title or f"{result.get('eval', '')}" + (f" — matched {matched}" if matched else ""), fontsize=9)
         ax.legend(loc="best", fontsize=8)
         ax.grid(alpha=0.3)
         fig.tight_layout()
