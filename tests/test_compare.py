@@ -327,3 +327,15 @@ def test_several_budgets_each_method_follows_the_first_its_knob_can(vit):
     assert res["match"] == [{"key": "tokens", "value": 6}, {"key": "flops", "value": 0.6}]
     rows = cmp.compare_rows(res)
     assert rows[1]["match_text"] == "tokens 6" and rows[2]["match_text"].startswith("flops ")
+
+
+def test_match_refuses_infinite_values_and_survives_a_refused_knob_end(vit):
+    for bad in ("speedup=inf", "tokens=inf", "sparsity=1e400"):
+        with pytest.raises(OptionError, match="finite"):
+            cmp.parse_match(bad, "knn")
+    model, images, pre = vit
+    # the sparsest nystromformer (s = 1) is refused on a model with a class token: the bisection moves denser
+    res = cmp.compare_vision(model, images, pre, eval="fidelity", settings=[("nystromformer", {})],
+                             match=cmp.Match("sparsity", 0.999), batch_size=9, knn_k=3)
+    row = res["rows"][1]
+    assert row["match"]["status"] == "closest" and row["options"]["s"] >= 2

@@ -310,3 +310,56 @@ def test_record_stats_counts_pairs_against_the_input_tokens():
     recs = rec.forwards[0]
     assert [recs[i].queries for i in sorted(recs)] == [17, 13, 9]
     assert float(recs[2].kept_pairs[0, 0]) == 81 and float(recs[2].causal_pairs[0, 0]) == 17 * 17
+
+
+def test_grid_readouts_are_refused_while_merged_and_restored_after():
+    model = _timm_vit()
+    x = torch.randn(1, 3, 64, 64)
+    ref = model.forward_intermediates(x, indices=[2], intermediates_only=True)[0]
+    with patched(model, "tome", r=2):
+        with pytest.raises(UnsupportedModelError, match="forward_intermediates reshapes the output tokens into the patch grid"):
+            model.forward_intermediates(x, indices=[2], intermediates_only=True)
+    assert "forward_intermediates" not in model.__dict__
+    assert torch.equal(model.forward_intermediates(x, indices=[2], intermediates_only=True)[0], ref)
+    oc = _open_clip_vit()
+    with patched(oc, "tome", r=2), pytest.raises(UnsupportedModelError, match="forward_intermediates"):
+        oc.forward_intermediates(x)
+
+
+def test_open_clip_every_token_readout_is_accepted():
+    oc = _open_clip_vit()
+    oc.pool_type = "none"
+    x = torch.randn(2, 3, 64, 64)
+    with patched(oc, "tome", r=2), torch.no_grad():
+        out = oc(x)
+        sizes = token_sizes(oc)
+    assert sizes is not None and sizes.sum(1).tolist() == [17.0, 17.0]
+    assert out.shape[1] == sizes.shape[1]
+
+
+def test_fidelity_reports_no_layer_errors_for_merged_tokens():
+    """Layer errors compare a layer's output with dense's on the same tokens; merged tokens have no such
+    counterpart, so a tome row has none (not the log(size) term alone, not 0)."""
+    from attnpatch.evals.vision import run_feature_eval
+    from PIL import Image
+
+    class Images:
+        labels = [0, 0, 1, 1]
+
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, i):
+            g = torch.Generator().manual_seed(i)
+            return Image.fromarray((torch.rand(56, 56, 3, generator=g) * 255).byte().numpy()), self.labels[i]
+
+    def pre(imgs):
+        import numpy as np
+
+        return torch.stack([torch.from_numpy(np.asarray(im, dtype=np.float32) / 255).permute(2, 0, 1) for im in imgs])
+
+    res = run_feature_eval(_hf_dinov2(), Images(), pre, settings=[("tome", {"r": 2})], tasks=["fidelity"], batch_size=2,
+                           compute_metrics=False, warmup=False)
+    row = res["runs"][0]
+    assert row["layer_error_teacher"] == [] and row["mean_layer_error_teacher"] is None and row["mean_layer_error_free"] is None
+    assert 0.5 < row["cls_cosine"] < 1.0

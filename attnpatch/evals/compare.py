@@ -25,6 +25,7 @@ row says ``not matched``.  Nothing here names a method: everything goes through 
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 import warnings
@@ -125,6 +126,8 @@ def parse_match(text: str | None, eval: str | None = None) -> Match | None:
         value = float(raw)
     except ValueError:
         raise OptionError(f"--match {text!r}: {raw.strip()!r} is not a number") from None
+    if not math.isfinite(value):
+        raise OptionError(f"--match {text!r}: {raw.strip()!r} is not a finite number")
     ok = {
         "sparsity": 0.0 <= value < 1.0, "flops": 0.0 < value <= 1.0, "speedup": 0.0 < value < float("inf"),
         "tokens": value >= 1 and value == int(value),
@@ -234,9 +237,15 @@ def _calibrate(model, m, given, knob, tokens, match: Match, measure, steps: int,
         opts = validate_options(get_method(m), {**given, **knob_opts})
         key = tuple(sorted(knob_opts.items()))
         if key not in cache:
-            cache[key] = measure(opts)
+            try:
+                cache[key] = measure(opts)
+            except OptionError:  # the knob's sparse end refused on this model (e.g. s not above the prefix tokens)
+                cache[key] = "refused"
             n_steps += 1
         value = cache[key]
+        if value == "refused":
+            lo = t  # denser
+            continue
         if value is None:
             break
         err = abs(value - target)
@@ -327,6 +336,10 @@ def match_settings(
                               0.01 if tol is None else tol)
         if match is not None:
             info["key"] = match.key
+            overridden = {k: v for k, v in given.items() if k in info.get("knob_options", {}) and info["knob_options"][k] != v}
+            if overridden and log is not None:
+                log(f"--match {match.text()}: {m}: the given {', '.join(f'{k}={v}' for k, v in overridden.items())} "
+                    "is the knob --match turns; it is replaced")
         info["sparsity"] = _sparsity(model, m, info["options"], forward, towers)
         if match is not None and log is not None:
             what = f"{match.key} {info['reached']:.3g}" if "reached" in info else info.get("reason", "")

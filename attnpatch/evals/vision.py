@@ -28,6 +28,7 @@ import torch
 
 from ..errors import DataError, OptionError, UnsupportedModelError
 from ..patchers.api import is_patched, patched, record_stats, token_sizes
+from ..patchers.registry import get_method
 from .image_pass import ImagePass, finish, resolve_settings, run_image_pass, run_labels, throughput
 from .image_pass import count_sampled_at  # noqa: F401  (defined here before; importable from here still)
 from .report import EvalInterrupted
@@ -214,8 +215,8 @@ def run_feature_eval(
         "images_per_s", "speedup", "cls_cosine", "cls_cosine_min", "patch_cosine",
         "knn_agreement", "layer_error_teacher" (list per layer), "layer_error_free",
         "approximated_layers", "mean_layer_error_teacher", "mean_layer_error_free" (means over
-        the approximated layers; free-running errors are ``None`` for layers whose token count the
-        method changed, ToMe's after its first merge), "sampled_at" (layer -> images)}]}``.
+        the approximated layers; a method that merges tokens, ToMe, has no layer errors: ``[]`` and
+        ``None``, since its layers see other tokens than dense's), "sampled_at" (layer -> images)}]}``.
         Times are seconds of model forward calls (landmark selection included).
 
     Raises:
@@ -247,8 +248,9 @@ def run_feature_eval(
         return rec.outputs[0]
 
     def layer_errors(m, o, x, start, dense_out):
-        """Per-layer errors of setting ``(m, o)`` on batch ``x``: (teacher-forced, free-running)."""
-        if not need_layers(start):
+        """Per-layer errors of setting ``(m, o)`` on batch ``x``: (teacher-forced, free-running); none for a
+        method that merges tokens (its layers see other tokens than dense's, so no layer error compares them)."""
+        if not need_layers(start) or get_method(m).block_hook is not None:
             return {}, {}
         with patched(model, m, **o), record_stats(model, teacher_forced=True) as rec_t:
             encode(model, x)
@@ -326,8 +328,8 @@ def _feature_result(
                 layer_error_teacher=te,
                 layer_error_free=fe,
                 approximated_layers=approx,
-                mean_layer_error_teacher=float(np.mean([te[i] for i in approx])) if approx else 0.0,
-                mean_layer_error_free=float(np.mean(fa)) if fa else (0.0 if not approx else None),
+                mean_layer_error_teacher=(float(np.mean([te[i] for i in approx])) if approx else 0.0) if te else None,
+                mean_layer_error_free=(float(np.mean(fa)) if fa else (0.0 if not approx else None)) if te else None,
             )
         row.update(run_labels(r))
         result["runs"].append(row)

@@ -35,6 +35,7 @@ __all__ = [
     "check_call",
     "run_block_hook",
     "wrap_blocks",
+    "refuse_calls",
 ]
 
 
@@ -365,6 +366,33 @@ def wrap_blocks(handle: "PatchHandle", blocks: list[tuple[int, torch.nn.Module]]
         block.__class__ = cache[cls]
         swapped.append((block, cls))
     return swapped
+
+
+class _RefusedCall:
+    """An instance attribute that shadows a model method the patch cannot serve; ``remove()`` restores the method."""
+
+    def __init__(self, module: torch.nn.Module, name: str, message: str):
+        self.module, self.name, self.message = module, name, message
+        module.__dict__[name] = self
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise UnsupportedModelError(self.message)
+
+    def remove(self) -> None:
+        if self.module.__dict__.get(self.name) is self:
+            del self.module.__dict__[self.name]
+
+
+def refuse_calls(handle: "PatchHandle", module: torch.nn.Module, names: tuple[str, ...], why: str) -> list[_RefusedCall]:
+    """Make ``module``'s methods ``names`` (those it has) raise :class:`UnsupportedModelError` while patched
+    (e.g. timm's ``forward_intermediates``, which reshapes tokens into the patch grid, under a method that
+    merges tokens); each returned object's ``remove()`` restores the method (adapters put them with their hooks)."""
+    out = []
+    for name in names:
+        if callable(getattr(module, name, None)):
+            msg = f"{type(handle.model).__name__} patched with {handle.method.name!r}: {type(module).__name__}.{name} {why}; unpatch first"
+            out.append(_RefusedCall(module, name, msg))
+    return out
 
 
 def block_refusal(handle: "PatchHandle", blocks: list[torch.nn.Module], forwards: dict[type, Callable]) -> str:

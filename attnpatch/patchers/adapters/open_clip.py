@@ -36,7 +36,9 @@ import torch.nn.functional as F
 
 from ...errors import UnsupportedModelError
 from ..registry import ModelGeometry
-from ..runtime import PatchHandle, block_refusal, input_hook, needs_attention_tensors, run_layer, run_module, undo_class_swap, wrap_blocks
+from ..runtime import (
+    PatchHandle, block_refusal, input_hook, needs_attention_tensors, refuse_calls, run_layer, run_module, undo_class_swap, wrap_blocks,
+)
 from .blocks import open_clip_block_forwards
 
 __all__ = ["OpenClipAdapter", "tower_modules"]
@@ -322,11 +324,12 @@ class OpenClipAdapter:
             if any(type(b) not in forwards for b in blocks):
                 raise UnsupportedModelError(block_refusal(handle, blocks, forwards))
             pool = getattr(visual, "pool_type", "tok")
-            if pool != "tok" or getattr(visual, "attn_pool", None) is not None:
+            if pool not in ("tok", "none") or getattr(visual, "attn_pool", None) is not None:
                 what = "an attention-pooling head" if getattr(visual, "attn_pool", None) is not None else f"pool_type={pool!r}"
                 raise UnsupportedModelError(
                     f"method {handle.method.name!r} merges tokens, but this open_clip image tower reads its output out with "
-                    f"{what}, which would weigh every merged token as one; supported: the class token (pool_type='tok')"
+                    f"{what}, which would weigh every merged token as one; supported: the class token (pool_type='tok') or every "
+                    "token (pool_type='none', then weight them by attnpatch.token_sizes(model))"
                 )
 
     @staticmethod
@@ -361,6 +364,11 @@ class OpenClipAdapter:
                         if handle.method.block_hook is not None:  # checked by check()
                             swapped += wrap_blocks(handle, [(i, block)], open_clip_block_forwards(), _BLOCK_CLASSES)
                     i += 1
+            if handle.method.block_hook is not None and "vision" in handle.towers:
+                hooks += refuse_calls(
+                    handle, _vision_root(model), ("forward_intermediates",),
+                    "reshapes the output tokens into the patch grid, which token merging no longer has",
+                )
         except Exception:
             OpenClipAdapter.restore(handle, (swapped, hooks))
             raise

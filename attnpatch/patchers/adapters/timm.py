@@ -20,13 +20,14 @@ import torch.nn.functional as F
 
 from ...errors import UnsupportedModelError
 from ..registry import ModelGeometry
-from ..runtime import PatchHandle, block_refusal, input_hook, run_layer, undo_class_swap, wrap_blocks
+from ..runtime import PatchHandle, block_refusal, input_hook, refuse_calls, run_layer, undo_class_swap, wrap_blocks
 from .blocks import timm_block_forwards
 
 __all__ = ["TimmAdapter", "attention_modules"]
 
 _PATCHED_CLASSES: dict[type, type] = {}
 _BLOCK_CLASSES: dict[type, type] = {}
+_GRID_CALL = "reshapes the output tokens into the patch grid, which token merging no longer has"
 
 
 def _timm_attention_class():
@@ -197,6 +198,8 @@ class TimmAdapter:
                 hooks.append(block.register_forward_pre_hook(input_hook(handle, "residual", ("x",)), with_kwargs=True))
             if handle.method.block_hook is not None:  # checked by check(): a timm Block
                 swapped += wrap_blocks(handle, [(i, block)], timm_block_forwards(), _BLOCK_CLASSES)
+        if handle.method.block_hook is not None:
+            hooks += refuse_calls(handle, model, ("forward_intermediates", "get_intermediate_layers"), _GRID_CALL)
         return swapped, hooks
 
     @staticmethod

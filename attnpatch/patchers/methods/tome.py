@@ -117,6 +117,10 @@ def _config(options: dict[str, Any]) -> ToMeConfig:
     return ToMeConfig(**options)
 
 
+def _no_merge(tokens: int) -> dict[str, Any]:
+    return {"r": 0}
+
+
 def _knob(t: float, n: int) -> dict[str, Any]:
     """The main knob at position ``t`` in [0, 1] for ``n`` tokens (see :class:`~attnpatch.patchers.registry.Knob`)."""
     return {"r": round((1.0 - t) * (n // 8))}
@@ -136,7 +140,7 @@ TOME = register_method(
         noncausal_calls=True,
         key_padding=False,
         token_roles=frozenset({"prefix"}),
-        exact_limit_decl=ExactLimit(lambda tokens: {"r": 0}, text="r = 0"),
+        exact_limit_decl=ExactLimit(_no_merge, text="r = 0"),
         bench_hook=tome_bench,
         knob=Knob("r, N/8 down to 0 tokens per block", _knob),
         small_settings={"vision": dict(r=4)},
