@@ -259,10 +259,11 @@ def patch_info(model: torch.nn.Module) -> dict[str, Any] | None:
 
 
 def token_sizes(model: torch.nn.Module) -> torch.Tensor | None:
-    """Sizes of the output tokens of the last forward call of a model patched with a method that merges
-    tokens (``tome``): ``[B, N']`` float, the input tokens each output token stands for (the prefix
-    tokens count 1), in the order of the model's output tokens; ``None`` when the last forward merged
-    nothing (any other method, ``r = 0``) or none has run.
+    """Sizes of the output tokens of the last forward call through the routed towers of a model patched
+    with a method that merges tokens (``tome``): ``[B, N']`` float, the input tokens each output token
+    stands for (the prefix tokens count 1), in the order of the tower's output tokens; ``None`` when that
+    forward merged nothing (any other method, ``r = 0``) or none has run.  A call of a tower the patch
+    does not route (a CLIP text tower) leaves it as it was.
 
     A mean over the output tokens that should equal the mean over the input tokens weighs each token
     by its size: ``(h * s[..., None]).sum(1) / s.sum(1, keepdim=True)``.
