@@ -53,7 +53,7 @@ def summarize_layers(layers: dict[int, LayerRecord], worst_fraction: float = 0.0
     rows = []
     have_recall = any(r.recall is not None for r in layers.values()) if recall_measured is None else recall_measured
     # a layer that skipped keys but did not measure its recall: no recall figure may claim it kept everything
-    unmeasured = [li for li in sorted(layers) if layers[li].recall is None and not layers[li].mode.startswith("dense")
+    unmeasured = [li for li in sorted(layers) if layers[li].recall is None
                   and layers[li].kept_pairs is not None and layers[li].causal_pairs is not None
                   and bool((layers[li].kept_pairs < layers[li].causal_pairs).any())]
     for li in sorted(layers):
