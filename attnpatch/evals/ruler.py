@@ -153,18 +153,10 @@ def run_ruler(
     def result() -> dict[str, Any]:
         return _result(method, options, dense_cells if baseline_only else run_cells[0], run_settings)
 
-    try:
-        _run_cells(
-            model, tokenizer, plan, setting, dense_cells, run_cells, recall=recall, recall_samples=recall_samples,
-            progress=progress, on_sample=on_sample, on_cell=(lambda: on_cell(result())) if on_cell else None,
-        )
-    except KeyboardInterrupt as exc:
-        if isinstance(exc, EvalInterrupted):
-            raise
-        done = f"{len(dense_cells)}/{len(plan)} cells"
-        partial = {**result(), "interrupted": True, "cells_done": len(dense_cells), "cells_planned": len(plan)}
-        raise EvalInterrupted(partial if dense_cells else None, done) from None
-    return result()
+    return _run_all(
+        model, tokenizer, plan, setting, dense_cells, run_cells, result, recall=recall, recall_samples=recall_samples,
+        progress=progress, on_sample=on_sample, on_cell=on_cell,
+    )
 
 
 def run_ruler_settings(
@@ -238,6 +230,16 @@ def run_ruler_settings(
             "runs": [{"method": m, "options": o, "cells": list(c)} for (m, o), c in zip(settings, run_cells)],
         }
 
+    return _run_all(
+        model, tokenizer, plan, settings, dense_cells, run_cells, result, recall=recall, recall_samples=recall_samples,
+        progress=progress, on_sample=on_sample, on_cell=on_cell,
+    )
+
+
+def _run_all(model, tokenizer, plan, settings, dense_cells, run_cells, result, *, recall, recall_samples, progress, on_sample,
+             on_cell) -> dict[str, Any]:
+    """:func:`_run_cells` over the whole plan, then ``result()``; Ctrl-C raises :class:`EvalInterrupted` carrying
+    ``result()`` over the finished cells (``None`` before the first)."""
     try:
         _run_cells(
             model, tokenizer, plan, settings, dense_cells, run_cells, recall=recall, recall_samples=recall_samples,
