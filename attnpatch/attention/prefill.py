@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["check_inputs", "split_padding", "per_sequence"]
+__all__ = ["check_inputs", "split_padding", "per_sequence", "per_sequence_rows"]
 
 
 def check_inputs(q, k, v, scale: float, q_offset: int, key_valid, *, value_dim: bool = False) -> None:
@@ -108,3 +108,13 @@ def per_sequence(
         out[bi : bi + 1, :, qi0:qi1] = o
         parts.append((qi0, first, extra))
     return out, parts
+
+
+def per_sequence_rows(parts: list, b: int, h: int, device, fill: float = 0.0) -> torch.Tensor:
+    """``[B, H]`` float64 from :func:`per_sequence`'s ``parts`` whose extras are ``[1, H]`` per-sequence rows
+    (kept-pair counts, recall); ``fill`` for sequences without a real query."""
+    out = torch.full((b, h), fill, dtype=torch.float64, device=device)
+    for bi, part in enumerate(parts):
+        if part is not None:
+            out[bi] = part[2][0]
+    return out

@@ -32,7 +32,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .prefill import check_inputs, per_sequence, split_padding
+from .prefill import check_inputs, per_sequence, per_sequence_rows, split_padding
 from .vertical_slash import column_diagonal_attention, column_diagonal_recall
 
 __all__ = ["a_shape_attention", "a_shape_pattern", "a_shape_kept_pairs", "a_shape_recall", "A_BLOCK"]
@@ -128,13 +128,7 @@ def a_shape_attention(
     split = split_padding(key_valid, q_offset, lq)
     if split is not None:
         out, parts = per_sequence(functools.partial(a_shape_attention, **kw), q, k, v, split, q_offset=q_offset, key_valid=key_valid)
-        kept = None
-        if return_counts:
-            kept = torch.zeros(b, h, dtype=torch.float64, device=q.device)
-            for bi, part in enumerate(parts):
-                if part is not None:
-                    kept[bi] = part[2][0]
-        return out, kept
+        return out, (per_sequence_rows(parts, b, h, q.device) if return_counts else None)
     if key_valid is not None and not bool(key_valid[:, : q_offset + lq].all()):  # padding inside the keys
         columns, diagonals = a_shape_pattern(key_valid, batch=b, keys=q_offset + lq, init_tokens=init_tokens, window=window)
         return column_diagonal_attention(q, k, v, columns, diagonals, scale=scale, q_offset=q_offset, key_valid=key_valid,

@@ -36,7 +36,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .prefill import check_inputs, per_sequence, split_padding
+from .prefill import check_inputs, per_sequence, per_sequence_rows, split_padding
 
 __all__ = [
     "BLOCK",
@@ -395,13 +395,7 @@ def vertical_slash_attention(
     split = split_padding(key_valid, q_offset, lq)
     if split is not None:
         out, parts = per_sequence(functools.partial(vertical_slash_attention, **kw), q, k, v, split, q_offset=q_offset, key_valid=key_valid)
-        kept = None
-        if return_counts:
-            kept = torch.zeros(b, h, dtype=torch.float64, device=q.device)
-            for bi, part in enumerate(parts):
-                if part is not None:
-                    kept[bi] = part[2][0]
-        return out, kept
+        return out, (per_sequence_rows(parts, b, h, q.device) if return_counts else None)
     step = lq if chunk is None else chunk
     outs, kept = [], None
     for c0 in range(0, lq, step):
@@ -497,17 +491,13 @@ def vertical_slash_recall(
     b, h, lq, _ = q.shape
     split = split_padding(key_valid, q_offset, lq)
     if split is not None:
-        out = torch.ones(b, h, dtype=torch.float64, device=q.device)
         kw = dict(vertical=vertical, slash=slash, last_q=last_q, scale=scale, chunk=chunk)
 
         def one(qi, ki, vi, *, q_offset, key_valid):
             return torch.zeros_like(qi), vertical_slash_recall(qi, ki, q_offset=q_offset, key_valid=key_valid, **kw)
 
         _, parts = per_sequence(one, q, k, k, split, q_offset=q_offset, key_valid=key_valid)
-        for bi, part in enumerate(parts):
-            if part is not None:
-                out[bi] = part[2][0]
-        return out
+        return per_sequence_rows(parts, b, h, q.device, fill=1.0)
     step = lq if chunk is None else chunk
     total = torch.zeros(b, h, dtype=torch.float64, device=q.device)
     count = torch.zeros(b, dtype=torch.float64, device=q.device)
