@@ -16,12 +16,16 @@ from .errors import (
     UnsupportedModelError,
 )
 from .evals.sink_diagnostic import sink_diagnostic
-from .patchers import is_patched, list_methods, patch, patch_info, patched, record_stats, time_attention, token_sizes, unpatch
+from .patchers import (
+    is_patched, list_methods, model_geometry, patch, patch_info, patched, record_stats, time_attention, token_sizes, unpatch,
+    write_config,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "patch", "unpatch", "patched", "is_patched", "patch_info", "token_sizes", "list_methods", "record_stats", "time_attention", "sink_diagnostic",
+    "model_geometry", "write_config",
     "AttnpatchError", "OptionError", "UnknownMethodError", "UnsupportedModelError", "PatchStateError",
     "ModelNotFoundError", "DataError", "InferenceOnlyError",
 ]

@@ -26,7 +26,8 @@ def _cmd_methods(args) -> int:
                 f"{escape(m['name'])} — {escape(m['summary'])}\n[dim]{escape(m['source'])}; model kinds: "
                 f"{escape('any (exact)' if m['exact'] else ', '.join(m['model_kinds']))}; model features supported: "
                 f"{escape(', '.join(m['supports']) or 'none (sliding windows, soft-capping and other layer types are refused)')}; "
-                f"{'keeps autograd' if m['exact'] else 'inference only'}; {escape(m['exactness'])}[/dim]"
+                f"{'keeps autograd' if m['exact'] else 'inference only'}; {escape(m['exactness'])}; "
+                f"config=PATH loads a saved JSON config[/dim]"
             ),
             expand=True,
         )
@@ -39,6 +40,9 @@ def _cmd_methods(args) -> int:
             t.add_row(escape(name), escape(str(o["kind"])), escape(repr(o["default"])), escape(help_))
         if not m["options"]:
             t.add_row("-", "-", "-", "no options")
+        for pname, p in m["presets"].items():
+            values = ", ".join(f"{k}={v!r}" for k, v in p["options"].items())
+            t.add_row(escape(f"preset={pname}"), "preset", "-", escape(f"{p['text']} ({values})"))
         con.print(t)
     return 0
 
@@ -66,7 +70,7 @@ def _cmd_models(args) -> int:
 
 def add_parser(sub) -> None:
     """Register ``methods`` and ``models`` on the top-level subparsers."""
-    pm = sub.add_parser("methods", help="list registered methods, their options, defaults and model kinds")
+    pm = sub.add_parser("methods", help="list registered methods, their options, defaults, presets and model kinds")
     pm.add_argument("--json", action="store_true", help="print JSON instead of tables")
     pm.add_argument("--markdown", action="store_true", help="print the README's method table (Markdown, generated from the registry)")
     pm.set_defaults(func=_cmd_methods)

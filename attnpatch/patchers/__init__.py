@@ -7,11 +7,13 @@ Layers, each importing only the ones below it (and :mod:`attnpatch.options`, :mo
 """
 
 from . import methods  # noqa: F401  (imports every method module: each registers its method)
-from .api import handle_of, is_patched, patch, patch_info, patched, record_stats, time_attention, token_sizes, unpatch
-from .registry import get_method, list_methods, methods_markdown, register_method
+from .api import (
+    handle_of, is_patched, model_geometry, patch, patch_info, patched, record_stats, time_attention, token_sizes, unpatch,
+)
+from .registry import get_method, list_methods, load_config, methods_markdown, register_method, write_config
 from .state import ForwardState, LayerRecord
 
 __all__ = [
     "patch", "unpatch", "patched", "is_patched", "patch_info", "token_sizes", "record_stats", "time_attention", "handle_of",
-    "get_method", "list_methods", "register_method", "methods_markdown", "ForwardState", "LayerRecord",
+    "model_geometry", "write_config", "load_config", "get_method", "list_methods", "register_method", "methods_markdown", "ForwardState", "LayerRecord",
 ]

@@ -17,7 +17,7 @@ import torch
 from ..errors import OptionError, PatchStateError, UnsupportedModelError
 from .adapter import Adapter
 from .adapters import ADAPTERS
-from .registry import MODEL_FEATURES, Method, get_method, validate_options
+from .registry import MODEL_FEATURES, Method, ModelGeometry, check_config_geometry, get_method, validate_options
 from .runtime import PatchHandle, Recorder
 from .state import ForwardState, LayerRecord
 
@@ -27,6 +27,7 @@ __all__ = [
     "LayerRecord",
     "patch",
     "unpatch",
+    "model_geometry",
     "patched",
     "is_patched",
     "handle_of",
@@ -145,6 +146,9 @@ def patch(model: torch.nn.Module, method: str = "anchor_attention", *, towers: A
             tower must fit the method: ``"vision"`` towers are of kind ``"vision"``, causal LM
             towers ``"causal_lm"``, and CLIP/SigLIP text towers ``"text"``, which only ``dense`` fits.
         **options: the method's options; unknown names, wrong types and out-of-range values are refused.
+            ``preset=NAME`` starts from one of the method's named option sets (``attnpatch methods``);
+            ``config=PATH`` from a saved JSON config (:func:`attnpatch.patchers.registry.write_config`),
+            refused when it records another model's layers or heads; options given beside them win.
 
     Returns:
         The same ``model`` object, patched.
@@ -190,11 +194,38 @@ def patch(model: torch.nn.Module, method: str = "anchor_attention", *, towers: A
     handle = PatchHandle(model, m, full, adapter, kind, towers=chosen, tower_kinds=kinds)
     adapter.check(handle)
     _check_features(model, m, adapter, handle)
+    if full.get("config") is not None:
+        check_config_geometry(full["config"], adapter.geometry(handle), type(model).__name__)
     if m.check is not None:
-        m.check(handle.config, adapter.geometry(handle))
+        try:
+            m.check(handle.config, adapter.geometry(handle))
+        except OptionError as e:
+            if full.get("config") is None:
+                raise
+            raise OptionError(f"config={full['config']!r}: {e}") from None
     handle.install()
     object.__setattr__(model, _HANDLE_ATTR, handle)
     return model
+
+
+def model_geometry(model: torch.nn.Module, *, towers: Any = None) -> ModelGeometry:
+    """The geometry of the attention a patch routes: layers, heads, KV heads, head size (what a saved config records).
+
+    Of ``model``'s own patch when it is patched, else of ``patch(model, "dense", towers=towers)`` (patched and
+    unpatched again, bit for bit).
+
+    Raises:
+        UnsupportedModelError: no adapter handles this model class.
+    """
+    handle = getattr(model, _HANDLE_ATTR, None)
+    if handle is not None:
+        return handle.adapter.geometry(handle)
+    patch(model, "dense", towers=towers)
+    try:
+        handle = getattr(model, _HANDLE_ATTR)
+        return handle.adapter.geometry(handle)
+    finally:
+        unpatch(model)
 
 
 def unpatch(model: torch.nn.Module) -> torch.nn.Module:

@@ -11,8 +11,10 @@ themselves with :func:`register_method` when that package imports them.
 
 from __future__ import annotations
 
+import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -23,8 +25,8 @@ from .bench_hook import BenchCase, BenchInputs, default_bench
 from .state import LayerRecord
 
 __all__ = [
-    "Option", "Method", "ExactLimit", "Knob", "ModelGeometry", "register_method", "get_method", "list_methods", "validate_options",
-    "methods_markdown", "METHODS", "MODEL_FEATURES", "MODEL_KINDS",
+    "Option", "Method", "ExactLimit", "Knob", "Preset", "ModelGeometry", "register_method", "get_method", "list_methods", "validate_options",
+    "methods_markdown", "METHODS", "MODEL_FEATURES", "MODEL_KINDS", "load_config", "check_config_geometry", "write_config",
 ]
 
 
@@ -121,6 +123,23 @@ class Knob:
 
 
 @dataclass(frozen=True)
+class Preset:
+    """A named set of option values of one method: ``patch(model, name, preset="fast")``.
+
+    The preset's values replace the defaults; options given beside it win over both
+    (``patch(model, "anchor_attention", preset="fast", theta=10)``).  What each preset costs and
+    keeps is measured in BENCHMARKS.md and the README, not here.
+
+    Attributes:
+        options: option values (validated like user options when the method registers).
+        text: what the preset is for, in one line.
+    """
+
+    options: dict[str, Any]
+    text: str
+
+
+@dataclass(frozen=True)
 class Method:
     """A registered attention method.
 
@@ -167,6 +186,8 @@ class Method:
             that block's attention layer), and it returns ``[B, N', C]``; ``None`` for a method that
             only replaces attention.  ``patch()`` refuses such a method on a model whose adapter
             cannot split its blocks that way.
+        presets: named option sets (:class:`Preset`), chosen with the pseudo-option ``preset``;
+            empty for a method without presets.
     """
 
     name: str
@@ -189,6 +210,12 @@ class Method:
     small_settings: dict[str, dict[str, Any]] = field(default_factory=dict)
     knob: Knob | None = None
     block_hook: Callable[..., torch.Tensor] | None = None
+    presets: dict[str, Preset] = field(default_factory=dict)
+
+    def build_config(self, options: dict[str, Any]) -> Any:
+        """The config object of a complete option dict (:func:`validate_options`'s result; its ``config`` path,
+        if any, is not an option of the method and is left out)."""
+        return self.make_config({k: v for k, v in options.items() if k != "config"})
 
     def fits(self, kind: str) -> bool:
         """Whether the method fits a tower of model kind ``kind`` (an exact method fits every kind)."""
@@ -243,6 +270,7 @@ class Method:
             "calls": {"causal": self.causal_calls, "noncausal": self.noncausal_calls, "key_padding": self.key_padding},
             "token_roles": sorted(self.token_roles),
             "options": {o.name: o.describe() for o in self.options.values()},
+            "presets": {n: {"text": p.text, "options": dict(p.options)} for n, p in self.presets.items()},
         }
 
 
@@ -253,10 +281,16 @@ def register_method(method: Method) -> Method:
     """Add ``method`` to the registry.
 
     Raises:
-        ValueError: a method of that name is already registered.
+        ValueError: a method of that name is already registered, or one of its presets sets an
+            unknown option or a value its option refuses.
     """
     if method.name in METHODS:
         raise ValueError(f"method {method.name!r} is already registered")
+    for name, p in method.presets.items():
+        try:
+            validate_options(method, dict(p.options))
+        except OptionError as e:
+            raise ValueError(f"method {method.name!r}, preset {name!r}: {e}") from None
     METHODS[method.name] = method
     return method
 
@@ -281,22 +315,139 @@ def validate_options(method: Method, options: dict[str, Any]) -> dict[str, Any]:
     """Fill defaults, check names, types and declared ranges, and build the method config once
     for its cross-option checks.
 
+    The pseudo-option ``preset`` (a name of :attr:`Method.presets`) puts the preset's values in
+    place of the defaults; the pseudo-option ``config`` (the path of a JSON config, see
+    :func:`load_config`) puts its saved options over those; the other options given win over both.
+
     Returns:
-        The complete option dict (defaults included).
+        The complete option dict (defaults included; ``preset`` replaced by the values it stands for;
+        ``config`` kept beside the values it stands for, so that passing the dict on to ``patch()``
+        still checks the model against the config's recorded geometry).
 
     Raises:
-        OptionError: unknown option name (the message lists the allowed ones), wrong type or
-            out-of-range value (the message names the value and what is allowed).
+        OptionError: unknown option name (the message lists the allowed ones), unknown preset (the
+            message lists the method's presets), a config file that cannot be read, is for another
+            method or holds a bad option (the message names the file), a preset beside a config, wrong type or out-of-range value (the message
+            names the value and what is allowed).
     """
+    options = dict(options)
+    base = {n: o.default for n, o in method.options.items()}
+    config = None
+    if "config" in options:
+        config = options.pop("config")
+        if isinstance(config, Path):
+            config = str(config)
+        if not isinstance(config, str):
+            raise OptionError(f"config={config!r}: must be the path of a JSON config (a string)")
+        if "preset" in options:
+            raise OptionError(
+                f"preset={options['preset']!r} and config={config!r}: give one of them (a saved config holds every option; "
+                "options given beside a config win over it)"
+            )
+        saved = load_config(config, method)["options"]
+        if "config" in saved:
+            raise OptionError(f"config={config!r}: its options name another config ({saved['config']!r}); a config cannot")
+        try:
+            base = validate_options(method, saved)
+        except OptionError as e:
+            raise OptionError(f"config={config!r}: {e}") from None
+    if "preset" in options:
+        name = options.pop("preset")
+        if not method.presets:
+            raise OptionError(f"preset={name!r}: method {method.name!r} has no presets")
+        if not isinstance(name, str) or name not in method.presets:
+            raise OptionError(f"preset={name!r} for method {method.name!r}: allowed: {', '.join(method.presets)}")
+        for n, v in method.presets[name].options.items():
+            base[n] = method.options[n].coerce(v)
     unknown = sorted(set(options) - set(method.options))
     if unknown:
-        allowed = f"allowed: {', '.join(method.options)}" if method.options else "it takes no options"
+        names = list(method.options) + (["preset"] if method.presets else []) + ["config"]
+        allowed = f"allowed: {', '.join(names)}" if names else "it takes no options"
         raise OptionError(f"unknown option(s) {', '.join(unknown)} for method {method.name!r}; {allowed}")
-    full = {n: o.default for n, o in method.options.items()}
+    full = base
     for n, v in options.items():
         full[n] = method.options[n].coerce(v)
-    method.make_config(full)  # cross-option checks live in the config's constructor
+    method.build_config(full)  # cross-option checks live in the config's constructor
+    if config is not None:
+        full["config"] = config  # kept, so that patch() checks the model against the geometry the config records
     return full
+
+
+# --------------------------------------------------------------------------- saved configs (config=PATH)
+
+#: Geometry fields a saved config may record and :func:`check_config_geometry` compares.
+_GEOMETRY_FIELDS = ("num_layers", "heads", "kv_heads", "head_dim")
+
+
+def write_config(path: str | Path, method: Method | str, options: dict[str, Any], geometry: ModelGeometry | None = None,
+                 **extra: Any) -> Path:
+    """Write ``{"method", "options", "geometry", ...extra}`` as JSON to ``path``, for ``patch(model, method, config=path)``.
+
+    ``options`` are validated first (:func:`validate_options`); ``geometry`` is the model's
+    (:class:`ModelGeometry`) when the options name its layers or heads, so that loading them on another
+    model is refused; ``extra`` holds plain data (what was measured, how it was chosen).
+
+    Raises:
+        UnknownMethodError: ``method`` is a name no method is registered under.
+        OptionError: an option is invalid.
+    """
+    if isinstance(method, str):
+        method = get_method(method)
+    full = validate_options(method, options)
+    full.pop("config", None)
+    data = {"method": method.name, "options": {k: (list(v) if isinstance(v, tuple) else v) for k, v in full.items()}}
+    if geometry is not None:
+        data["geometry"] = {k: v for k, v in asdict(geometry).items() if k in _GEOMETRY_FIELDS and v is not None}
+    data.update(extra)
+    path = Path(path)
+    path.write_text(json.dumps(data, indent=2, default=_json_value) + "\n")
+    return path
+
+
+def _json_value(v: Any) -> Any:
+    if isinstance(v, tuple):
+        return list(v)
+    raise TypeError(f"cannot write {type(v).__name__} to a config")
+
+
+def load_config(path: str | Path, method: Method | None = None) -> dict[str, Any]:
+    """Read a saved config (``config=PATH``): ``{"method": NAME, "options": {...}, "geometry": {...}}``.
+
+    Infinite floats may be written as JSON's ``Infinity``.  Only ``options`` (and ``geometry``, checked
+    by :func:`check_config_geometry` at ``patch()``) are used; other keys are notes.
+
+    Raises:
+        OptionError: the file is missing or not such a JSON object, or it is for a method other than ``method``.
+    """
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text())
+    except FileNotFoundError:
+        raise OptionError(f"config={str(path)!r}: no such file") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise OptionError(f"config={str(path)!r}: not a readable JSON config ({e})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("options"), dict) or not isinstance(data.get("method"), str):
+        raise OptionError(f"config={str(path)!r}: expected a JSON object with \"method\" (a name) and \"options\" (an object)")
+    geo = data.get("geometry")
+    if geo is not None and (not isinstance(geo, dict) or any(
+            not isinstance(geo.get(k, 0), int) or isinstance(geo.get(k), bool) for k in _GEOMETRY_FIELDS)):
+        raise OptionError(f"config={str(path)!r}: \"geometry\" must be an object of integers ({', '.join(_GEOMETRY_FIELDS)})")
+    if method is not None and data["method"] != method.name:
+        raise OptionError(f"config={str(path)!r} is a config for method {data['method']!r}, not {method.name!r}")
+    return data
+
+
+def check_config_geometry(path: str | Path, geometry: ModelGeometry, model_name: str) -> None:
+    """Refuse a saved config whose recorded geometry differs from the model's.
+
+    Raises:
+        OptionError: a recorded field (layers, heads, KV heads, head size) differs; the message gives both.
+    """
+    saved = load_config(path).get("geometry") or {}
+    have = asdict(geometry)
+    diff = [f"{k} {saved[k]} (model: {have[k]})" for k in _GEOMETRY_FIELDS if k in saved and have.get(k) is not None and saved[k] != have[k]]
+    if diff:
+        raise OptionError(f"config={str(path)!r} was made for another model: {', '.join(diff)}; {model_name} does not fit it")
 
 
 # --------------------------------------------------------------------------- the README's method table
@@ -333,5 +484,7 @@ def methods_markdown() -> str:
         opts = ", ".join(
             f"`{o.name}={_value(o.default)}`" + (f" ({'/'.join(o.choices)})" if o.choices else "") for o in m.options.values()
         ) or "none"
+        if m.presets:
+            opts += "; presets: " + ", ".join(f"`{p}`" for p in m.presets)
         lines.append(f"| `{name}` | {_cell(kinds)} | {_cell(what)} | {_cell(m.exactness())} | {_cell(opts)} |")
     return "\n".join(lines) + "\n"

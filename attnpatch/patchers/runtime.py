@@ -79,7 +79,7 @@ class PatchHandle:
         self.model = model
         self.method = method
         self.options = options
-        self.config = method.make_config(options)
+        self.config = method.build_config(options)
         self.method_forward = method.forward
         self.adapter = adapter
         self.kind = kind

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -14,6 +15,12 @@ _KERNELS = ("auto", "compiled", "torch")
 _GUARDS = ("global", "causal")
 _SELECT_DTYPES = ("float32", "bfloat16")
 _LAYERS = "name model layers"  # why dense_layers / dense_heads do not apply to a one-layer benchmark
+
+#: ``min_len="auto"``: the prompt length (tokens) from which sparse prefill is faster than the fused dense
+#: attention, by device type.  CPU: between the lengths where the ``"fast"`` preset (float32, compiled CPU
+#: kernel) was measured slower and faster than dense end to end (README, "Presets"); on a device type not
+#: listed (CUDA: the PyTorch path was slower than SDPA at every measured length) ``"auto"`` never runs sparse.
+BREAK_EVEN: dict[str, int] = {"cpu": 3072}
 
 
 @dataclass(frozen=True)
@@ -138,8 +145,9 @@ class AnchorConfig:
                                                       rule="must be an integer >= 1 (tokens)"))
     local_window: int = field(default=128, metadata=opt("int", "keys before each block's end always kept (tokens, >= block_size)",
                                                         low=1, rule="must be an integer >= 1 (tokens)"))
-    min_len: int = field(default=512, metadata=opt("int", "prompts shorter than this run dense (tokens)", low=0,
-                                                   rule="must be an integer >= 0 (tokens)"))
+    min_len: int | str = field(default=512, metadata=opt(
+        "int_or_auto", "prompts shorter than this run dense (tokens; 'auto' = the device's measured break-even length, "
+        "where sparse prefill starts to pay)", low=0, rule="must be 'auto' or an integer >= 0 (tokens)"))
     pool_stride: int | None = field(default=2, metadata=opt(
         "int", "queries averaged per pool for stripe selection (tokens; None = block_size as in the paper, 1 = per query; "
         "must divide block_size)", nullable=True, low=1, rule="must be None or an integer >= 1"))
@@ -174,6 +182,13 @@ class AnchorConfig:
             )
         if self.pool_stride is not None and self.block_size % self.pool_stride:
             raise OptionError(f"pool_stride={self.pool_stride} does not divide block_size={self.block_size}")
+
+    def min_len_on(self, device: torch.device | str) -> int:
+        """``min_len`` in tokens on ``device`` (``"auto"`` resolved through :data:`BREAK_EVEN`; ``sys.maxsize``
+        where the device type has no break-even: every prompt dense)."""
+        if self.min_len != "auto":
+            return int(self.min_len)
+        return BREAK_EVEN.get(torch.device(device).type, sys.maxsize)
 
     @property
     def stride(self) -> int:

@@ -86,7 +86,7 @@ def anchor_attention(
         raise OptionError(f"dense_heads={dense_set}: head indices must be in 0..{h - 1}")
     geo = _geometry(q, k, cfg, q_offset, key_valid)
     sparse_heads = [x for x in range(h) if x not in dense_set]
-    if cfg.theta == math.inf or not sparse_heads or ls == 0 or lq < cfg.min_len:
+    if cfg.theta == math.inf or not sparse_heads or ls == 0 or lq < cfg.min_len_on(q.device):
         # every causal key is kept (or the prompt is shorter than min_len): exactly dense
         out = dense_causal_attention(q, k, v, scale=scale, q_offset=q_offset, key_valid=key_valid)
         stats = None

@@ -47,7 +47,7 @@ def anchor_attention_reference(
     qd, kd, vd = q.double().cpu(), k.double().cpu(), v.double().cpu()
     valid = torch.ones(b, lk, dtype=torch.bool) if key_valid is None else key_valid.cpu()
     # prompts shorter than min_len run dense; otherwise the last dense_last queries do
-    n_sparse = 0 if lq < cfg.min_len else lq - min(cfg.dense_last, lq)
+    n_sparse = 0 if lq < cfg.min_len_on(q.device) else lq - min(cfg.dense_last, lq)
     nb = -(-lq // bq)
     causal_guard = cfg.guard == "causal"
     probes = set()

@@ -53,21 +53,28 @@ def layer_config(method: Method, options: dict[str, Any], *, causal: bool) -> An
             raise OptionError(f"method {method.name!r} is non-causal (it fits {kinds} models); run it with --mode noncausal")
         what = "a causal prefill method" if "causal_lm" in method.model_kinds else f"a method for {kinds} models"
         raise OptionError(f"method {method.name!r} is {what}; run it with --mode causal")
-    unknown = sorted(set(options) - set(method.options))
+    given = [n for n in options if n not in ("preset", "config")]
+    unknown = sorted(set(given) - set(method.options))
     if unknown:
         raise OptionError(f"{method.name}: unknown option(s) {unknown}; bench attention takes {_layer_options(method)}")
-    scoped = [n for n in options if method.options[n].model_scope]
+    full = validate_options(method, options)  # an unknown preset, a bad value: the registry's message
+    # a preset's or saved config's model-wide options count where they differ from the defaults
+    implied = [n for n, o in method.options.items() if n not in given and full[n] != o.default]
+    scoped = [n for n in given + implied if method.options[n].model_scope]
     if scoped:
         reason = method.options[scoped[0]].model_scope
+        origin = "".join(f" ({k}={options[k]!r} sets {sorted(set(scoped) & set(implied))})" for k in ("preset", "config")
+                         if k in options and set(scoped) & set(implied))
         raise OptionError(
-            f"{method.name} options {sorted(scoped)} {reason} and do not apply to one attention layer; "
+            f"{method.name} options {sorted(scoped)}{origin} {reason} and do not apply to one attention layer; "
             f"bench attention takes {_layer_options(method)}"
         )
-    return method.make_config(validate_options(method, options))
+    return method.build_config(full)
 
 
 def _layer_options(method: Method) -> str:
-    return ", ".join(n for n, o in method.options.items() if not o.model_scope) or "no options"
+    names = [n for n, o in method.options.items() if not o.model_scope] + (["preset"] if method.presets else []) + ["config"]
+    return ", ".join(names) or "no options"
 
 
 def bench_attention(

@@ -16,7 +16,7 @@ from ...attention.anchor import AnchorConfig, anchor_attention, select_stripes
 from ...errors import OptionError
 from ..bench_hook import BenchCase, BenchInputs
 from ...options import options_of
-from ..registry import ExactLimit, Knob, Method, ModelGeometry, register_method
+from ..registry import ExactLimit, Knob, Method, ModelGeometry, Preset, register_method
 from ..state import LayerContext, LayerRecord
 
 __all__ = ["ANCHOR", "anchor_forward", "anchor_bench"]
@@ -30,7 +30,7 @@ def anchor_forward(
     lq, lk = q.shape[2], k.shape[2]
     if lq == 1:
         return None, LayerRecord(layer, "dense:decode", lq, lk)
-    if lq < cfg.min_len:
+    if lq < cfg.min_len_on(q.device):
         return None, LayerRecord(layer, "dense:short", lq, lk)
     if layer in cfg.dense_layers:
         return None, LayerRecord(layer, "dense:layer", lq, lk)
@@ -88,8 +88,9 @@ def anchor_bench(cfg: AnchorConfig, q: torch.Tensor, k: torch.Tensor, v: torch.T
             "recall_min_head": float(st.recall.min()),
         }
 
-    if n < cfg.min_len or cfg.theta == math.inf:
-        note = "ran dense: N < min_len" if n < cfg.min_len else "ran dense: theta = inf"
+    short = n < cfg.min_len_on(q.device)
+    if short or cfg.theta == math.inf:
+        note = "ran dense: N < min_len" if short else "ran dense: theta = inf"
         return BenchCase(call=call, extra=lambda t, ref: {"select_seconds": None}, stats=stats, note=note)
     return BenchCase(call=call, parts={"select": select}, stats=stats)
 
@@ -108,6 +109,24 @@ def _knob(t: float, n: int) -> dict[str, Any]:
     return {"theta": 30.0 * t}
 
 
+#: Named option sets (``patch(model, "anchor_attention", preset=...)``); measured speed and accuracy of each: README
+#: ("AnchorAttention presets") and BENCHMARKS.md.
+PRESETS = {
+    "accurate": Preset(
+        dict(theta=12.0, pool_stride=2, dense_last=256, min_recall=0.9, min_len=512, select_dtype="float32"),
+        "accuracy first: the defaults, chosen so that NIAH accuracy is not below dense; slower than dense on CPU up to 16k",
+    ),
+    "fast": Preset(
+        dict(theta=8.0, pool_stride=8, dense_last=64, min_recall=0.75, min_len="auto", select_dtype="bfloat16"),
+        "speed first: sparse only from the device's break-even length (dense below it), coarser pooling, "
+        "bfloat16 selection, a looser recall guard",
+    ),
+    "paper": Preset(
+        dict(theta=12.0, pool_stride=None, dense_last=0, min_recall=0.0, min_len=512, select_dtype="float32"),
+        "the paper's setting: one pool per 128-query block, no dense tail, no recall guard",
+    ),
+}
+
 ANCHOR = register_method(
     Method(
         name="anchor_attention",
@@ -124,6 +143,7 @@ ANCHOR = register_method(
         exact_limit_decl=ExactLimit(_every_key, at_least=("theta",), text="theta = inf"),
         bench_hook=anchor_bench,
         knob=Knob("theta, 0 to 30 logits", _knob),
+        presets=PRESETS,
         small_settings={"causal_lm": dict(theta=1.0, block_size=16, init_block=16, local_window=16, min_len=32,
                                           dense_last=16, min_recall=0.0)},
         details=(
