@@ -333,7 +333,7 @@ def validate_options(method: Method, options: dict[str, Any]) -> dict[str, Any]:
     options = dict(options)
     base = {n: o.default for n, o in method.options.items()}
     config = None
-    if "config" in options:
+    if "config" in options and method.options:  # a method without options has nothing to save (refused below)
         config = options.pop("config")
         if isinstance(config, Path):
             config = str(config)
@@ -361,7 +361,7 @@ def validate_options(method: Method, options: dict[str, Any]) -> dict[str, Any]:
             base[n] = method.options[n].coerce(v)
     unknown = sorted(set(options) - set(method.options))
     if unknown:
-        names = list(method.options) + (["preset"] if method.presets else []) + ["config"]
+        names = list(method.options) + (["preset"] if method.presets else []) + (["config"] if method.options else [])
         allowed = f"allowed: {', '.join(names)}" if names else "it takes no options"
         raise OptionError(f"unknown option(s) {', '.join(unknown)} for method {method.name!r}; {allowed}")
     full = base
