@@ -194,11 +194,12 @@ def patch(model: torch.nn.Module, method: str = "anchor_attention", *, towers: A
     handle = PatchHandle(model, m, full, adapter, kind, towers=chosen, tower_kinds=kinds)
     adapter.check(handle)
     _check_features(model, m, adapter, handle)
+    geometry = adapter.geometry(handle)
     if full.get("config") is not None:
-        check_config_geometry(full["config"], adapter.geometry(handle), type(model).__name__)
+        check_config_geometry(full["config"], geometry, type(model).__name__)
     if m.check is not None:
         try:
-            m.check(handle.config, adapter.geometry(handle))
+            m.check(handle.config, geometry)
         except OptionError as e:
             if full.get("config") is None:
                 raise
@@ -216,6 +217,7 @@ def model_geometry(model: torch.nn.Module, *, towers: Any = None) -> ModelGeomet
 
     Raises:
         UnsupportedModelError: no adapter handles this model class.
+        OptionError: ``towers`` names no tower of this model.
     """
     handle = getattr(model, _HANDLE_ATTR, None)
     if handle is not None:

@@ -212,6 +212,12 @@ class Method:
     block_hook: Callable[..., torch.Tensor] | None = None
     presets: dict[str, Preset] = field(default_factory=dict)
 
+    @property
+    def pseudo_options(self) -> list[str]:
+        """The option names :func:`validate_options` takes beside the method's own: ``preset`` (where it has
+        presets) and ``config`` (where it has options to save)."""
+        return (["preset"] if self.presets else []) + (["config"] if self.options else [])
+
     def build_config(self, options: dict[str, Any]) -> Any:
         """The config object of a complete option dict (:func:`validate_options`'s result; its ``config`` path,
         if any, is not an option of the method and is left out)."""
@@ -333,7 +339,7 @@ def validate_options(method: Method, options: dict[str, Any]) -> dict[str, Any]:
     options = dict(options)
     base = {n: o.default for n, o in method.options.items()}
     config = None
-    if "config" in options and method.options:  # a method without options has nothing to save (refused below)
+    if "config" in options and "config" in method.pseudo_options:  # else refused below as unknown
         config = options.pop("config")
         if isinstance(config, Path):
             config = str(config)
@@ -361,7 +367,7 @@ def validate_options(method: Method, options: dict[str, Any]) -> dict[str, Any]:
             base[n] = method.options[n].coerce(v)
     unknown = sorted(set(options) - set(method.options))
     if unknown:
-        names = list(method.options) + (["preset"] if method.presets else []) + (["config"] if method.options else [])
+        names = list(method.options) + method.pseudo_options
         allowed = f"allowed: {', '.join(names)}" if names else "it takes no options"
         raise OptionError(f"unknown option(s) {', '.join(unknown)} for method {method.name!r}; {allowed}")
     full = base
@@ -395,19 +401,13 @@ def write_config(path: str | Path, method: Method | str, options: dict[str, Any]
         method = get_method(method)
     full = validate_options(method, options)
     full.pop("config", None)
-    data = {"method": method.name, "options": {k: (list(v) if isinstance(v, tuple) else v) for k, v in full.items()}}
+    data = {"method": method.name, "options": full}  # tuples are written as JSON lists
     if geometry is not None:
         data["geometry"] = {k: v for k, v in asdict(geometry).items() if k in _GEOMETRY_FIELDS and v is not None}
     data.update(extra)
     path = Path(path)
-    path.write_text(json.dumps(data, indent=2, default=_json_value) + "\n")
+    path.write_text(json.dumps(data, indent=2) + "\n")  # serialised whole before the file is opened
     return path
-
-
-def _json_value(v: Any) -> Any:
-    if isinstance(v, tuple):
-        return list(v)
-    raise TypeError(f"cannot write {type(v).__name__} to a config")
 
 
 def load_config(path: str | Path, method: Method | None = None) -> dict[str, Any]:

@@ -73,7 +73,7 @@ def layer_config(method: Method, options: dict[str, Any], *, causal: bool) -> An
 
 
 def _layer_options(method: Method) -> str:
-    names = [n for n, o in method.options.items() if not o.model_scope] + (["preset"] if method.presets else []) + (["config"] if method.options else [])
+    names = [n for n, o in method.options.items() if not o.model_scope] + method.pseudo_options
     return ", ".join(names) or "no options"
 
 
