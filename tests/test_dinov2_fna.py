@@ -24,7 +24,7 @@ def test_fna_s64_keeps_cls_cosine_on_real_weights_and_images(dino):
 
     model, images, pre = dino
     res = run_feature_eval(
-        model, images, pre, settings=[("fna", {"s": 64}), ("fna", {"s": 64, "sample_layer": 0}), ("fna", {"s": 257})],
+        model, images, pre, settings=[("fna", {"s": 64, "min_tokens": 0}), ("fna", {"s": 64, "sample_layer": 0, "min_tokens": 0}), ("fna", {"s": 257, "min_tokens": 0})],
         tasks=("fidelity",), batch_size=8, layer_error_images=8, knn_k=5,
     )
     default, layer0, exact = res["runs"]
@@ -62,6 +62,6 @@ def test_hf_and_timm_backends_agree_under_fna(dino):
     model, images, pre = dino
     tm, _ = load_vision_model("dinov2-small", backend="timm")
     x = pre([images[i][0] for i in range(4)])
-    with patched(model, "fna", s=64), patched(tm, "fna", s=64):
+    with patched(model, "fna", s=64, min_tokens=0), patched(tm, "fna", s=64, min_tokens=0):
         a, b = encode(model, x), encode(tm, x)
     torch.testing.assert_close(a[0], b[0], rtol=1e-4, atol=1e-4)

@@ -187,7 +187,7 @@ def test_s_at_least_n_is_exact_with_message_and_unpatch_is_bit_exact(make):
     model = make()
     ref = _run(model, X)
     n = ref.shape[1]
-    patch(model, "fna", s=n)
+    patch(model, "fna", s=n, min_tokens=0)
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         out = _run(model, X)
@@ -195,7 +195,7 @@ def test_s_at_least_n_is_exact_with_message_and_unpatch_is_bit_exact(make):
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     unpatch(model)
     assert torch.equal(_run(model, X), ref)
-    with patched(model, "fna", s=8, sample_layer=0):
+    with patched(model, "fna", s=8, sample_layer=0, min_tokens=0):
         approx = _run(model, X)
     assert not torch.equal(approx, ref)
     assert torch.equal(_run(model, X), ref)
@@ -205,7 +205,7 @@ def test_s_at_least_n_is_exact_with_message_and_unpatch_is_bit_exact(make):
 def test_sample_once_reused_per_image_and_prefix_kept(make):
     model = make()
     prefix = 1 + (4 if "Registers" in type(model).__name__ or getattr(model, "num_reg_tokens", 0) else 0)
-    with patched(model, "fna", s=9, sample_layer=1), record_stats(model) as rec:
+    with patched(model, "fna", s=9, sample_layer=1, min_tokens=0), record_stats(model) as rec:
         _run(model, X)
     lay = rec.forwards[0]
     assert lay[0].landmarks is None and lay[0].mode.startswith("dense")
@@ -215,13 +215,13 @@ def test_sample_once_reused_per_image_and_prefix_kept(make):
         assert torch.equal(lay[li].landmarks, first)
     assert first[:, :prefix].tolist() == [list(range(prefix))] * 3
     assert len({tuple(r) for r in first.tolist()}) > 1  # per image
-    with patched(model, "fna", s=9, sample_layer=1, resample=True), record_stats(model) as rec:
+    with patched(model, "fna", s=9, sample_layer=1, resample=True, min_tokens=0), record_stats(model) as rec:
         _run(model, X)
     assert not all(torch.equal(rec.forwards[0][li].landmarks, rec.forwards[0][1].landmarks) for li in (2, 3))
 
 
 @pytest.mark.parametrize("make", MODELS)
-@pytest.mark.parametrize("method,opts", [("fna", {"s": 9}), ("fna", {"s": 9, "sample_layer": 0, "strategy": "kmeans"}),
+@pytest.mark.parametrize("method,opts", [("fna", {"s": 9, "min_tokens": 0}), ("fna", {"s": 9, "sample_layer": 0, "strategy": "kmeans", "min_tokens": 0}),
                                          ("sink_mask", {"mask_layers": 2}), ("fna+sink_mask", {"s": 9, "sample_layer": 1})])
 def test_batch_independence(make, method, opts):
     model = make()
@@ -235,11 +235,11 @@ def test_batch_independence(make, method, opts):
 
 def test_auto_sample_layer_without_massive_tokens_uses_the_fallback():
     model = _hf_dinov2(layers=6)
-    with patched(model, "fna", s=9), record_stats(model) as rec:
+    with patched(model, "fna", s=9, min_tokens=0), record_stats(model) as rec:
         _run(model, X)
     modes = {li: r.mode for li, r in rec.forwards[0].items()}
     assert [modes[i] for i in range(6)] == ["dense:before_sample"] * 3 + ["fna"] * 3
-    with patched(model, "fna", s=9, auto_fallback=1), record_stats(model) as rec:
+    with patched(model, "fna", s=9, auto_fallback=1, min_tokens=0), record_stats(model) as rec:
         _run(model, X)
     assert rec.forwards[0][0].mode == "dense:before_sample" and rec.forwards[0][1].mode == "fna"
 
@@ -254,7 +254,7 @@ def test_auto_sample_layer_samples_where_massive_tokens_appear():
 
     hook = model.encoder.layer[2].register_forward_pre_hook(plant, with_kwargs=True)
     try:
-        with patched(model, "fna", s=9), record_stats(model) as rec:
+        with patched(model, "fna", s=9, min_tokens=0), record_stats(model) as rec:
             _run(model, X)
     finally:
         hook.remove()
@@ -291,18 +291,18 @@ def test_hf_and_timm_agree_on_the_same_weights():
     tm = _timm_vit()
     tm.load_state_dict(dinov2_hf_to_timm_state_dict(hf.state_dict(), hf.config), strict=True)
     torch.testing.assert_close(_run(tm, X), _run(hf, X), rtol=1e-4, atol=1e-4)
-    for method, opts in [("fna", {"s": 9}), ("fna", {"s": 9, "sample_layer": 0}), ("sink_mask", {}), ("fna+sink_mask", {"s": 12})]:
+    for method, opts in [("fna", {"s": 9, "min_tokens": 0}), ("fna", {"s": 9, "sample_layer": 0, "min_tokens": 0}), ("sink_mask", {}), ("fna+sink_mask", {"s": 12})]:
         with patched(hf, method, **opts), patched(tm, method, **opts):
             torch.testing.assert_close(_run(tm, X), _run(hf, X), rtol=1e-4, atol=1e-4)
 
 
 def test_two_models_patched_side_by_side_do_not_interfere():
     a, b = _hf_dinov2(seed=0), _hf_dinov2(seed=1)
-    with patched(a, "fna", s=9, sample_layer=0):
+    with patched(a, "fna", s=9, sample_layer=0, min_tokens=0):
         ref_a = _run(a, X)
-    with patched(b, "fna", s=12, sample_layer=1):
+    with patched(b, "fna", s=12, sample_layer=1, min_tokens=0):
         ref_b = _run(b, X)
-    with patched(a, "fna", s=9, sample_layer=0), patched(b, "fna", s=12, sample_layer=1):
+    with patched(a, "fna", s=9, sample_layer=0, min_tokens=0), patched(b, "fna", s=12, sample_layer=1, min_tokens=0):
         assert torch.equal(_run(a, X), ref_a)
         assert torch.equal(_run(b, X), ref_b)
 
@@ -364,7 +364,7 @@ def test_fps_runs_once_per_forward_not_per_layer(monkeypatch):
     monkeypatch.setattr(vision_methods, "select_landmarks", lambda *a, **k: calls.append(1) or real(*a, **k))
     for model in (_hf_dinov2(0), _timm_vit(0)):
         calls.clear()
-        with patched(model, "fna", s=9, sample_layer=1):
+        with patched(model, "fna", s=9, sample_layer=1, min_tokens=0):
             _run(model, X)
             _run(model, X)
         assert len(calls) == 2  # one per forward, not one per FNA layer (3 per forward here)

@@ -92,14 +92,14 @@ def test_a_renamed_copy_of_a_method_behaves_the_same():
     fna = get_method("fna")
     copy = register_method(dataclasses.replace(fna, name="contract_copy_of_fna"))
     try:
-        res = bench_attention([(copy.name, {"s": 16})], lengths=[64], repeats=1, warmup=0, heads=2, head_dim=16, memory=False)
+        res = bench_attention([(copy.name, {"s": 16, "min_tokens": 0})], lengths=[64], repeats=1, warmup=0, heads=2, head_dim=16, memory=False)
         row = res["rows"][1]
-        assert row["method"] == "contract_copy_of_fna (s=16)" and row["fps_seconds"] > 0 and row["nystrom_seconds"] > 0
+        assert row["method"] == "contract_copy_of_fna (s=16, min_tokens=0)" and row["fps_seconds"] > 0 and row["nystrom_seconds"] > 0
         assert f"{row['method']} [fps]" in res["exponents"]
         model = _dinov2()
-        with torch.no_grad(), patched(model, "fna", s=9, sample_layer=1):
+        with torch.no_grad(), patched(model, "fna", s=9, sample_layer=1, min_tokens=0):
             ref = model(pixel_values=X).last_hidden_state
-        with torch.no_grad(), patched(model, copy.name, s=9, sample_layer=1):
+        with torch.no_grad(), patched(model, copy.name, s=9, sample_layer=1, min_tokens=0):
             out = model(pixel_values=X).last_hidden_state
         assert torch.equal(out, ref)
         with pytest.raises(OptionError, match="contract_copy_of_fna' is non-causal"):

@@ -8,23 +8,31 @@ accuracy and speed they give, is measured in BENCHMARKS.md and the README.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from ...attention.nystrom import PINV_MODES, STRATEGIES, exact_attention, nystrom_attention, select_landmarks
+from ...attention.nystrom_local import nystrom_local_attention, window_keys
 from ...attention.sinks import massive_tokens
 from ...errors import OptionError
 from ..bench_hook import BenchCase, BenchInputs
 from ...options import check_fields, opt, options_of
-from ..registry import ExactLimit, Knob, Method, ModelGeometry, register_method
+from ..registry import ExactLimit, Knob, Method, ModelGeometry, Preset, register_method
 from ..state import LayerContext, LayerRecord
 from ._shared import repeat_kv, say
 
 __all__ = ["FNA", "FNAConfig", "FEATURES", "fna_forward", "fna_core", "fna_bench", "check_fna"]
 
 FEATURES = ("keys", "hidden")
+
+#: ``min_tokens="auto"``: the token count (CLS and registers included) from which FNA's defaults are faster than the
+#: model's exact attention end to end, by device type (CPU: measured on dinov2-small, README "FNA presets"); a device
+#: type not listed approximates every image.  The environment variable ``ATTNPATCH_FNA_BREAK_EVEN`` (tokens) overrides it
+#: on every device (a machine whose break-even differs; the test suite sets 0 so that tiny models are approximated).
+BREAK_EVEN: dict[str, int] = {"cpu": 600}
 _ACROSS = "act across layers"
 _LAYER_RULE = "must be 'auto' or a layer index >= 0"
 
@@ -59,6 +67,17 @@ class FNAConfig:
             ``"auto"`` = half the depth, ``num_layers // 2``: a model without massive tokens
             then has half its layers approximated).
         seed: seed of the ``random`` and ``kmeans`` strategies.
+        local_window: radius in patches of each query's exact window (:mod:`attnpatch.attention.nystrom_local`):
+            the queries of a ``window_tile x window_tile`` tile attend exactly to the tile grown by ``local_window``
+            patches on each side and to the CLS/register tokens; the Nyström estimate of the unnormalised kernel
+            covers the other keys, and one softmax normalises the union (Scatterbrain's sparse + low-rank, arXiv
+            2110.15343).  ``0``: plain FNA.  The patch grid is taken as square (``N - prefix`` a perfect square),
+            else as one row (the window then runs along the token order).
+        window_tile: query tile side in patches (``local_window > 0``).
+        window_until: layers from this index on run plain FNA (``None``: every approximated layer keeps the window;
+            ``"auto"``: half the depth, ``num_layers // 2``).
+        min_tokens: images with fewer tokens (CLS and registers included) run exact attention, recorded as
+            ``dense:short``; ``"auto"`` = :data:`BREAK_EVEN` of the device type (or ``ATTNPATCH_FNA_BREAK_EVEN``).
 
     The defaults were chosen by measurement on the offline ``dinov2-small``; the sweeps (sample
     layer, pseudo-inverse, landmark features and strategy; final-CLS cosine to dense and
@@ -91,6 +110,28 @@ class FNAConfig:
         "int_or_auto", "sample_layer=auto samples here at the latest ('auto' = num_layers // 2)", low=0, rule=_LAYER_RULE,
         model_scope=_ACROSS))
     seed: int = field(default=0, metadata=opt("int", "seed of the random and kmeans strategies", low=0, high=2**63 - 1))
+    local_window: int = field(default=0, metadata=opt(
+        "int", "radius (patches) of the exact 2-D window of each query, CLS and registers included; the low-rank "
+        "estimate covers only the keys outside it (0 = plain FNA)", low=0, rule="must be an integer >= 0 (patches)"))
+    window_tile: int = field(default=4, metadata=opt(
+        "int", "side (patches) of the query tiles that share one window box (local_window > 0)", low=1,
+        rule="must be an integer >= 1 (patches)"))
+    window_until: int | str | None = field(default=None, metadata=opt(
+        "int_or_auto", "layers from this index on run plain FNA without the local window (None = every approximated "
+        "layer keeps it; 'auto' = num_layers // 2)", nullable=True, low=0,
+        rule="must be None, 'auto' or a layer index >= 0", model_scope=_ACROSS))
+    min_tokens: int | str = field(default="auto", metadata=opt(
+        "int_or_auto", "images with fewer tokens run exact attention ('auto' = the device's break-even length, where "
+        "the approximation starts to pay)", low=0, rule="must be 'auto' or an integer >= 0 (tokens)"))
+
+    def min_tokens_on(self, device: torch.device | str) -> int:
+        """``min_tokens`` on ``device`` (``"auto"`` through :data:`BREAK_EVEN`; where the device type has none, 0)."""
+        if self.min_tokens != "auto":
+            return int(self.min_tokens)
+        env = os.environ.get("ATTNPATCH_FNA_BREAK_EVEN")
+        if env is not None:
+            return int(env)
+        return BREAK_EVEN.get(torch.device(device).type, 0)
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -103,9 +144,9 @@ def check_fna(cfg: FNAConfig, geo: ModelGeometry) -> None:
         OptionError: a layer index out of range.
     """
     num_layers = geo.num_layers
-    for name in ("sample_layer", "auto_fallback"):
+    for name in ("sample_layer", "auto_fallback", "window_until"):
         val = getattr(cfg, name)
-        if val != "auto" and val >= num_layers:
+        if val not in ("auto", None) and val >= num_layers:
             raise OptionError(f"{name}={val}: the model has {num_layers} attention layers (0..{num_layers - 1})")
 
 
@@ -159,20 +200,36 @@ def fna_core(cfg: FNAConfig, q, k, v, ctx: LayerContext, key_keep=None, renormal
             rec.mode = "dense:before_sample"
             return None, rec
         return exact_attention(q, k, v, scale=ctx.scale, key_keep=key_keep, renormalize=renormalize), rec
-    kw = dict(scale=ctx.scale, pinv=cfg.pinv, rtol=cfg.rtol, iters=cfg.newton_iters, renormalize=renormalize)
+    until = ctx.num_layers // 2 if cfg.window_until == "auto" else cfg.window_until
+    window = cfg.local_window > 0 and (until is None or ctx.layer < until)
+    if window:
+        kw = dict(scale=ctx.scale, prefix=ctx.prefix_tokens, radius=cfg.local_window, tile=cfg.window_tile, pinv=cfg.pinv,
+                  rtol=cfg.rtol, iters=cfg.newton_iters)
+        approx = nystrom_local_attention
+        rec.mode = mode + "+window"
+    else:
+        kw = dict(scale=ctx.scale, pinv=cfg.pinv, rtol=cfg.rtol, iters=cfg.newton_iters, renormalize=renormalize)
+        approx = nystrom_attention
     if bool(active.all()):
-        out = nystrom_attention(q, k, v, landmarks, key_keep=key_keep, **kw)
+        out = approx(q, k, v, landmarks, **kw) if window else approx(q, k, v, landmarks, key_keep=key_keep, **kw)
     else:
         out = exact_attention(q, k, v, scale=ctx.scale, key_keep=key_keep, renormalize=renormalize)
         rows = torch.nonzero(active).flatten()
-        out[rows] = nystrom_attention(
-            q[rows], k[rows], v[rows], landmarks[rows], key_keep=None if key_keep is None else key_keep[rows], **kw
-        )
+        if window:
+            out[rows] = approx(q[rows], k[rows], v[rows], landmarks[rows], **kw)
+        else:
+            out[rows] = approx(
+                q[rows], k[rows], v[rows], landmarks[rows], key_keep=None if key_keep is None else key_keep[rows], **kw
+            )
     if ctx.record:
         s = landmarks.shape[1]
         rec.landmarks = torch.where(active[:, None], landmarks, torch.full_like(landmarks, -1)).cpu()
         full = float(n * n)
-        kept = torch.where(active.cpu(), torch.full((b,), 2.0 * s * n + s * s), torch.full((b,), full)).double()
+        pairs = 2.0 * s * n + s * s
+        if window:
+            p = ctx.prefix_tokens
+            pairs += (n - p) * (window_keys(n - p, None, cfg.local_window, cfg.window_tile) + p) + p * n
+        kept = torch.where(active.cpu(), torch.full((b,), min(pairs, full)), torch.full((b,), full)).double()
         rec.causal_pairs = torch.full((b, h), full, dtype=torch.float64)
         rec.kept_pairs = kept[:, None].expand(b, h).clone()
     return out, rec
@@ -181,6 +238,8 @@ def fna_core(cfg: FNAConfig, q, k, v, ctx: LayerContext, key_keep=None, renormal
 def fna_forward(cfg: FNAConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: LayerContext):
     """FNA from ``sample_layer`` on; exact attention before it and wherever ``s >= N``."""
     n = q.shape[2]
+    if n < cfg.min_tokens_on(q.device):
+        return None, LayerRecord(ctx.layer, "dense:short", n, n)
     if cfg.s >= n:
         say(ctx, f"fna: s={cfg.s} >= N={n} tokens, so Nyström attention is exact attention; running exact attention")
         return None, LayerRecord(ctx.layer, "dense:s>=N", n, n)
@@ -197,21 +256,31 @@ def fna_bench(cfg: FNAConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         OptionError: ``N <= s`` (nothing to approximate).
     """
     b, heads, n, d = q.shape
+    kr, vr = repeat_kv(k, heads), repeat_kv(v, heads)
+    prefix, scale, reuse = inputs.prefix_tokens, inputs.scale, inputs.reuse_layers
+    if n < cfg.min_tokens_on(q.device):
+        def exact():
+            return exact_attention(q, kr, vr, scale=scale)
+        return BenchCase(call=exact, note=f"ran exact: N < min_tokens={cfg.min_tokens_on(q.device)}")
     if n <= cfg.s:
         raise OptionError(f"fna s={cfg.s}: every length must exceed s (got N={n})")
-    kr, vr = repeat_kv(k, heads), repeat_kv(v, heads)
     feats = kr.transpose(1, 2).reshape(b, n, heads * d)
-    prefix, scale, reuse = inputs.prefix_tokens, inputs.scale, inputs.reuse_layers
     lm = select_landmarks(feats, cfg.s, prefix=prefix, strategy=cfg.strategy, seed=cfg.seed)
 
     def fps():
         return select_landmarks(feats, cfg.s, prefix=prefix, strategy=cfg.strategy, seed=cfg.seed)
 
+    def approx(landmarks):
+        if cfg.local_window > 0:
+            return nystrom_local_attention(q, kr, vr, landmarks, scale=scale, prefix=prefix, radius=cfg.local_window,
+                                           tile=cfg.window_tile, pinv=cfg.pinv, rtol=cfg.rtol, iters=cfg.newton_iters)
+        return nystrom_attention(q, kr, vr, landmarks, scale=scale, pinv=cfg.pinv, rtol=cfg.rtol, iters=cfg.newton_iters)
+
     def nys():
-        return nystrom_attention(q, kr, vr, lm, scale=scale, pinv=cfg.pinv, rtol=cfg.rtol, iters=cfg.newton_iters)
+        return approx(lm)
 
     def whole():
-        return nystrom_attention(q, kr, vr, fps(), scale=scale, pinv=cfg.pinv, rtol=cfg.rtol, iters=cfg.newton_iters)
+        return approx(fps())
 
     def extra(t: dict[str, float], ref: float) -> dict[str, Any]:
         incl = t["nystrom"] + t["fps"]
@@ -238,6 +307,26 @@ def _knob(t: float, n: int) -> dict[str, Any]:
     return {"s": max(1, round(n ** t))}
 
 
+#: Named option sets (``patch(model, "fna", preset=...)``); measured speed and CLS cosine of each: README ("FNA presets")
+#: and BENCHMARKS.md.
+PRESETS = {
+    "accurate": Preset(
+        dict(s=64, sample_layer="auto", local_window=0, window_until=None, min_tokens="auto"),
+        "the defaults: landmarks sampled at half depth (no massive tokens), the early layers exact; exact below the "
+        "device's break-even token count",
+    ),
+    "fast": Preset(
+        dict(s=64, sample_layer=0, local_window=1, window_tile=4, window_until="auto", min_tokens=2048),
+        "every layer approximated: the first half with the exact local window (Nyström + window), the second half "
+        "plain FNA; exact below 2048 tokens (slower than exact at 1025 on CPU), faster than the defaults at 4097",
+    ),
+    "every-layer": Preset(
+        dict(s=64, sample_layer=0, local_window=1, window_tile=4, window_until=None, min_tokens=2048),
+        "every layer approximated with the exact local window: the most accurate way to approximate every layer, "
+        "slower than 'fast'",
+    ),
+}
+
 FNA = register_method(
     Method(
         name="fna",
@@ -255,7 +344,8 @@ FNA = register_method(
         exact_limit_decl=ExactLimit(_every_token, at_least=("s",), text="s >= N"),
         bench_hook=fna_bench,
         knob=Knob("s, 1 to N landmarks (log scale)", _knob, tokens="s"),
-        small_settings={"vision": dict(s=8, sample_layer=0)},
+        presets=PRESETS,
+        small_settings={"vision": dict(s=8, sample_layer=0, min_tokens=0)},
         details=(
             "Fast Nyström Attention: `s` landmark tokens (CLS and registers always among them) chosen by farthest-point sampling once, at "
             "`sample_layer`, and reused by every later layer; `softmax(QK̃ᵀ)·pinv(softmax(Q̃K̃ᵀ))·softmax(Q̃Kᵀ)·V` "

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from ...errors import OptionError
 from ..registry import ExactLimit, Knob, Method, ModelGeometry, register_method
 from ..state import LayerContext, LayerRecord
 from ._shared import say
@@ -27,6 +28,11 @@ class FNASinkConfig:
 
 
 def _config(options: dict[str, Any]) -> FNASinkConfig:
+    if options.get("local_window", 0):
+        raise OptionError(
+            f"local_window={options['local_window']}: fna+sink_mask does not implement sink masking with the local "
+            "window; use local_window=0 (plain FNA with sink masking) or fna with local_window"
+        )
     return FNASinkConfig(
         FNAConfig(**{k: v for k, v in options.items() if k in _FNA_NAMES}),
         SinkMaskConfig(**{k: v for k, v in options.items() if k not in _FNA_NAMES}),
@@ -42,6 +48,10 @@ def fna_sink_forward(cfg: FNASinkConfig, q: torch.Tensor, k: torch.Tensor, v: to
     """FNA in every patched layer; sink tokens masked (in Nyström form) in the last ``mask_layers`` layers."""
     sinks = sinks_of(cfg.sink, q, k, ctx)
     n = q.shape[2]
+    if n < cfg.fna.min_tokens_on(q.device):
+        if sinks is None:
+            return None, LayerRecord(ctx.layer, "dense:short", n, n)
+        return sink_mask_forward(cfg.sink, q, k, v, ctx)
     if cfg.fna.s >= n:
         say(ctx, f"fna: s={cfg.fna.s} >= N={n} tokens, so Nyström attention is exact attention; running exact attention")
         if sinks is None:
@@ -82,6 +92,6 @@ FNA_SINK_MASK = register_method(
         exact_limit_decl=ExactLimit(_exact, at_least=("s", "mass_ratio"), text=f"s >= N, {NO_SINKS.text}"),
         details="Both: FNA everywhere it applies, sink columns zeroed in Nyström form in the last layers.",
         knob=Knob("s, 1 to N landmarks (log scale)", _knob, tokens="s"),
-        small_settings={"vision": dict(s=8, sample_layer=0, mask_layers=2, detect="attention", mass_ratio=1.5)},
+        small_settings={"vision": dict(s=8, sample_layer=0, min_tokens=0, mask_layers=2, detect="attention", mass_ratio=1.5)},
     )
 )
