@@ -50,6 +50,11 @@ def test_window_covering_every_patch_or_every_token_a_landmark_is_exact(rows, co
     lm = select_landmarks(k.transpose(1, 2).reshape(2, n, -1), s, prefix=p)
     whole = nystrom_local_attention(q, k, v, lm, scale=SCALE, prefix=p, radius=max(rows, cols), tile=tile, grid=(rows, cols))
     torch.testing.assert_close(whole, exact, rtol=1e-10, atol=1e-10)
+    # just below the shortcut (radius = max(rows, cols) - 2) with one tile per image the box still holds every key
+    if max(rows, cols) - 2 >= 0 and tile >= max(rows, cols):
+        near = nystrom_local_attention(q, k, v, lm, scale=SCALE, prefix=p, radius=max(rows, cols) - 2, tile=tile,
+                                       grid=(rows, cols))
+        torch.testing.assert_close(near, exact, rtol=1e-10, atol=1e-10)
     every = torch.arange(n).expand(2, n)
     est = nystrom_local_attention(q, k, v, every, scale=SCALE, prefix=p, radius=radius, tile=tile, grid=(rows, cols),
                                   pinv="exact")

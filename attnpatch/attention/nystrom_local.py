@@ -27,7 +27,8 @@ each landmark query row by ``n_l`` = its largest logit over all keys; the shifts
 Nyström estimate is not a kernel); a row whose estimated far mass is not positive keeps its exact window
 attention alone (its denominator is then at least ``e^{s_ii - m_i} > 0``: the query's own key is in its window).
 
-Exact limits: a window covering every patch gives exact attention whatever the landmarks; every token a landmark
+Exact limits: a window covering every patch gives exact attention whatever the landmarks (computed as such:
+``radius >= max(rows, cols) - 1`` runs fused exact attention); every token a landmark
 with ``pinv="exact"`` gives exact attention whatever the window (the estimate is then the kernel itself, up to
 rounding).  Prefix queries (CLS, registers) attend to every key exactly (``prefix`` rows of fused attention).
 
@@ -145,6 +146,9 @@ def nystrom_local_attention(
     rows, cols = grid_of(n - p, grid)
     wd = torch.float32 if q.dtype in _HALF else q.dtype
     qw, kw, vw = q.to(wd), k.to(wd), v.to(wd)
+    if radius >= max(rows, cols) - 1:
+        # every window holds every key: exact attention (the hybrid's own value), without the (tile + 2r)^2 boxes
+        return F.scaled_dot_product_attention(qw, kw, vw, scale=scale).to(q.dtype)
     qs = qw * scale
     q_l, k_l = _gather_tokens(qs, landmarks), _gather_tokens(kw, landmarks)
     # far field: the low-rank estimate, rows shifted by m (queries) and n (landmark queries)
