@@ -24,7 +24,7 @@ from ..registry import ExactLimit, Knob, Method, ModelGeometry, Preset, register
 from ..state import LayerContext, LayerRecord
 from ._shared import repeat_kv, say
 
-__all__ = ["FNA", "FNAConfig", "FEATURES", "fna_forward", "fna_core", "fna_bench", "check_fna"]
+__all__ = ["FNA", "FNAConfig", "FEATURES", "fna_forward", "fna_core", "fna_bench", "check_fna", "exact_reason"]
 
 FEATURES = ("keys", "hidden")
 
@@ -189,6 +189,27 @@ def _fna_landmarks(cfg: FNAConfig, k: torch.Tensor, ctx: LayerContext) -> tuple[
     return (st["landmarks"] if bool(active.any()) else None), active.clone()
 
 
+def _approximate(cfg: FNAConfig, q, k, v, landmarks, *, scale, prefix, window, key_keep=None, renormalize=False):
+    """The layer's approximation with the given landmarks: Nyström + exact local window (``window``; no key mask:
+    ``fna+sink_mask`` refuses ``local_window > 0``) or plain Nyström (optionally sink-masked)."""
+    if window:
+        return nystrom_local_attention(q, k, v, landmarks, scale=scale, prefix=prefix, radius=cfg.local_window,
+                                       tile=cfg.window_tile, pinv=cfg.pinv, rtol=cfg.rtol, iters=cfg.newton_iters)
+    return nystrom_attention(q, k, v, landmarks, scale=scale, pinv=cfg.pinv, rtol=cfg.rtol, iters=cfg.newton_iters,
+                             key_keep=key_keep, renormalize=renormalize)
+
+
+def exact_reason(cfg: FNAConfig, n: int, ctx: LayerContext, device) -> str | None:
+    """Why a call of ``n`` tokens runs exact attention whatever the layer (``"dense:short"``: below ``min_tokens``;
+    ``"dense:s>=N"``: every token would be a landmark, said once), or ``None``; shared with ``fna+sink_mask``."""
+    if n < cfg.min_tokens_on(device):
+        return "dense:short"
+    if cfg.s >= n:
+        say(ctx, f"fna: s={cfg.s} >= N={n} tokens, so Nyström attention is exact attention; running exact attention")
+        return "dense:s>=N"
+    return None
+
+
 def fna_core(cfg: FNAConfig, q, k, v, ctx: LayerContext, key_keep=None, renormalize=False, mode="fna"):
     """FNA for the images whose landmarks are sampled, exact attention for the others (shared with ``fna+sink_mask``)."""
     b, h, n, _ = q.shape
@@ -203,24 +224,16 @@ def fna_core(cfg: FNAConfig, q, k, v, ctx: LayerContext, key_keep=None, renormal
     until = ctx.num_layers // 2 if cfg.window_until == "auto" else cfg.window_until
     window = cfg.local_window > 0 and (until is None or ctx.layer < until)
     if window:
-        kw = dict(scale=ctx.scale, prefix=ctx.prefix_tokens, radius=cfg.local_window, tile=cfg.window_tile, pinv=cfg.pinv,
-                  rtol=cfg.rtol, iters=cfg.newton_iters)
-        approx = nystrom_local_attention
         rec.mode = mode + "+window"
-    else:
-        kw = dict(scale=ctx.scale, pinv=cfg.pinv, rtol=cfg.rtol, iters=cfg.newton_iters, renormalize=renormalize)
-        approx = nystrom_attention
+    kw = dict(scale=ctx.scale, prefix=ctx.prefix_tokens, window=window, renormalize=renormalize)
     if bool(active.all()):
-        out = approx(q, k, v, landmarks, **kw) if window else approx(q, k, v, landmarks, key_keep=key_keep, **kw)
+        out = _approximate(cfg, q, k, v, landmarks, key_keep=key_keep, **kw)
     else:
         out = exact_attention(q, k, v, scale=ctx.scale, key_keep=key_keep, renormalize=renormalize)
         rows = torch.nonzero(active).flatten()
-        if window:
-            out[rows] = approx(q[rows], k[rows], v[rows], landmarks[rows], **kw)
-        else:
-            out[rows] = approx(
-                q[rows], k[rows], v[rows], landmarks[rows], key_keep=None if key_keep is None else key_keep[rows], **kw
-            )
+        out[rows] = _approximate(
+            cfg, q[rows], k[rows], v[rows], landmarks[rows], key_keep=None if key_keep is None else key_keep[rows], **kw
+        )
     if ctx.record:
         s = landmarks.shape[1]
         rec.landmarks = torch.where(active[:, None], landmarks, torch.full_like(landmarks, -1)).cpu()
@@ -238,11 +251,9 @@ def fna_core(cfg: FNAConfig, q, k, v, ctx: LayerContext, key_keep=None, renormal
 def fna_forward(cfg: FNAConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: LayerContext):
     """FNA from ``sample_layer`` on; exact attention before it and wherever ``s >= N``."""
     n = q.shape[2]
-    if n < cfg.min_tokens_on(q.device):
-        return None, LayerRecord(ctx.layer, "dense:short", n, n)
-    if cfg.s >= n:
-        say(ctx, f"fna: s={cfg.s} >= N={n} tokens, so Nyström attention is exact attention; running exact attention")
-        return None, LayerRecord(ctx.layer, "dense:s>=N", n, n)
+    reason = exact_reason(cfg, n, ctx, q.device)
+    if reason is not None:
+        return None, LayerRecord(ctx.layer, reason, n, n)
     return fna_core(cfg, q, k, v, ctx)
 
 
@@ -270,17 +281,11 @@ def fna_bench(cfg: FNAConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     def fps():
         return select_landmarks(feats, cfg.s, prefix=prefix, strategy=cfg.strategy, seed=cfg.seed)
 
-    def approx(landmarks):
-        if cfg.local_window > 0:
-            return nystrom_local_attention(q, kr, vr, landmarks, scale=scale, prefix=prefix, radius=cfg.local_window,
-                                           tile=cfg.window_tile, pinv=cfg.pinv, rtol=cfg.rtol, iters=cfg.newton_iters)
-        return nystrom_attention(q, kr, vr, landmarks, scale=scale, pinv=cfg.pinv, rtol=cfg.rtol, iters=cfg.newton_iters)
-
     def nys():
-        return approx(lm)
+        return _approximate(cfg, q, kr, vr, lm, scale=scale, prefix=prefix, window=cfg.local_window > 0)
 
     def whole():
-        return approx(fps())
+        return _approximate(cfg, q, kr, vr, fps(), scale=scale, prefix=prefix, window=cfg.local_window > 0)
 
     def extra(t: dict[str, float], ref: float) -> dict[str, Any]:
         incl = t["nystrom"] + t["fps"]

@@ -10,8 +10,7 @@ import torch
 from ...errors import OptionError
 from ..registry import ExactLimit, Knob, Method, ModelGeometry, register_method
 from ..state import LayerContext, LayerRecord
-from ._shared import say
-from .fna import FNA, FNAConfig, check_fna, fna_core
+from .fna import FNA, FNAConfig, check_fna, exact_reason, fna_core
 from .sink_mask import NO_SINKS, SINK_MASK, SinkMaskConfig, check_sink, sink_mask_forward, sinks_of
 
 __all__ = ["FNA_SINK_MASK", "FNASinkConfig", "fna_sink_forward"]
@@ -48,14 +47,10 @@ def fna_sink_forward(cfg: FNASinkConfig, q: torch.Tensor, k: torch.Tensor, v: to
     """FNA in every patched layer; sink tokens masked (in Nyström form) in the last ``mask_layers`` layers."""
     sinks = sinks_of(cfg.sink, q, k, ctx)
     n = q.shape[2]
-    if n < cfg.fna.min_tokens_on(q.device):
+    reason = exact_reason(cfg.fna, n, ctx, q.device)
+    if reason is not None:
         if sinks is None:
-            return None, LayerRecord(ctx.layer, "dense:short", n, n)
-        return sink_mask_forward(cfg.sink, q, k, v, ctx)
-    if cfg.fna.s >= n:
-        say(ctx, f"fna: s={cfg.fna.s} >= N={n} tokens, so Nyström attention is exact attention; running exact attention")
-        if sinks is None:
-            return None, LayerRecord(ctx.layer, "dense:s>=N", n, n)
+            return None, LayerRecord(ctx.layer, reason, n, n)
         return sink_mask_forward(cfg.sink, q, k, v, ctx)
     keep = None if sinks is None else ~sinks
     out, rec = fna_core(cfg.fna, q, k, v, ctx, key_keep=keep, renormalize=cfg.sink.renormalize, mode="fna+sink_mask")
