@@ -36,7 +36,7 @@ def test_anchor_presets_are_the_documented_settings():
     assert set(m.presets) >= {"accurate", "fast", "paper"}
     fast = validate_options(m, {"preset": "fast"})
     assert (fast["theta"], fast["pool_stride"], fast["dense_last"], fast["min_recall"], fast["select_dtype"], fast["min_len"]) == (
-        8.0, 8, 64, 0.75, "bfloat16", "auto")
+        8.0, 8, 64, 0.75, "auto", "auto")
     paper = validate_options(m, {"preset": "paper"})
     assert (paper["pool_stride"], paper["dense_last"], paper["min_recall"]) == (None, 0, 0.0)
 

@@ -1,5 +1,5 @@
 """Command line: ``attnpatch methods``, ``models``, ``eval ruler``, ``eval {fidelity,knn,linear-probe,retrieval}``,
-``eval {zeroshot,clip-retrieval}`` (CLIP), ``sinks``, ``bench {attention,capture,model}``.
+``eval {zeroshot,clip-retrieval}`` (CLIP), ``sinks``, ``bench {attention,capture,model}``, ``compare``, ``tune``.
 
 Thin by design: it parses, calls the library, prints. One module per command group, each command's
 parser next to its handler (every module's ``add_parser`` registers its commands and sets
@@ -13,7 +13,7 @@ import sys
 from typing import Sequence
 
 from ..errors import AttnpatchError
-from . import bench, clip, compare, methods, ruler, sinks, vision
+from . import bench, clip, compare, methods, ruler, sinks, tune, vision
 
 # The handlers and shared helpers stay importable (and patchable) as ``attnpatch.cli.<name>``, as
 # before the split; a patch here does not reach the command modules, which import them directly.
@@ -51,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_parser(sub)  # bench attention, capture, model
     sinks.add_parser(sub)
     compare.add_parser(sub)  # compare: dense + several settings at matched budgets
+    tune.add_parser(sub)  # tune: the cheapest setting that meets a target, as a config
     return p
 
 

@@ -166,7 +166,7 @@ def _check_outputs(*flags: tuple[str, str | None]) -> None:
         p = Path(path).expanduser()
         if p.is_dir():
             raise AttnpatchError(f"{flag} {path}: is a directory; give a file path")
-        key = os.path.abspath(p)
+        key = os.path.realpath(p)  # a symlink and its target are one file
         if key in seen:
             raise AttnpatchError(f"{flag} {path}: the same file as {seen[key]}; give different paths")
         seen[key] = f"{flag} {path}"

@@ -80,11 +80,15 @@ class ExactLimit:
             model computes (to float rounding where the method evaluates exact attention in its own code).
         at_least: options whose larger values are exact too (``fna``'s ``s``: every ``s >= N``).
         text: the condition in words, e.g. ``"s >= N"``.
+        everywhere: option values exact on calls of every length, where ``options(tokens)`` depends on the
+            length (``fna``: ``min_tokens`` above any input); ``None`` when no such setting exists or
+            ``options`` does not depend on the length (see :meth:`Method.exact_everywhere`).
     """
 
     options: Callable[[int], dict[str, Any]]
     at_least: tuple[str, ...] = ()
     text: str = ""
+    everywhere: dict[str, Any] | None = None
 
     def holds(self, options: dict[str, Any], tokens: int) -> bool:
         """Whether the complete option dict ``options`` makes the method exact at ``tokens`` tokens."""
@@ -188,6 +192,10 @@ class Method:
             cannot split its blocks that way.
         presets: named option sets (:class:`Preset`), chosen with the pseudo-option ``preset``;
             empty for a method without presets.
+        tune_space: ``tune_space(geometry) -> [options, ...]``: the candidate settings ``attnpatch tune``
+            measures on a model of that :class:`ModelGeometry` (each a partial option dict, validated
+            like user options); ``None`` for a method the tuner does not search.  Where the method has a
+            ``dense_heads`` option and records recall, the tuner adds per-head decisions on top.
     """
 
     name: str
@@ -211,6 +219,7 @@ class Method:
     knob: Knob | None = None
     block_hook: Callable[..., torch.Tensor] | None = None
     presets: dict[str, Preset] = field(default_factory=dict)
+    tune_space: Callable[[ModelGeometry], list[dict[str, Any]]] | None = None
 
     @property
     def pseudo_options(self) -> list[str]:
@@ -242,6 +251,19 @@ class Method:
         if self.exact_limit_decl is None:
             return None
         return dict(self.exact_limit_decl.options(tokens))
+
+    def exact_everywhere(self) -> dict[str, Any] | None:
+        """Options that make the method exact on calls of every length (``anchor_attention``: ``theta=inf``),
+        for a saved config that must stay exact on inputs of another size; ``None`` when the exact setting
+        depends on the length (``nystromformer``: ``s >= N``)."""
+        if self.exact:
+            return {}
+        if self.exact_limit_decl is None:
+            return None
+        if self.exact_limit_decl.everywhere is not None:
+            return dict(self.exact_limit_decl.everywhere)
+        short, long = self.exact_limit_decl.options(1), self.exact_limit_decl.options(2**31 - 1)
+        return dict(short) if short == long else None
 
     def is_exact(self, options: dict[str, Any], tokens: int) -> bool:
         """Whether the complete option dict ``options`` makes the method exact at ``tokens`` tokens."""
@@ -406,6 +428,7 @@ def write_config(path: str | Path, method: Method | str, options: dict[str, Any]
         data["geometry"] = {k: v for k, v in asdict(geometry).items() if k in _GEOMETRY_FIELDS and v is not None}
     data.update(extra)
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2) + "\n")  # serialised whole before the file is opened
     return path
 

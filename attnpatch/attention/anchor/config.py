@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import functools
 import sys
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -13,7 +15,7 @@ from ...options import check_fields, opt
 
 _KERNELS = ("auto", "compiled", "torch")
 _GUARDS = ("global", "causal")
-_SELECT_DTYPES = ("float32", "bfloat16")
+_SELECT_DTYPES = ("float32", "bfloat16", "auto")
 _LAYERS = "name model layers"  # why dense_layers / dense_heads do not apply to a one-layer benchmark
 
 #: ``min_len="auto"``: the prompt length (tokens) from which sparse prefill is faster than the fused dense
@@ -21,6 +23,37 @@ _LAYERS = "name model layers"  # why dense_layers / dense_heads do not apply to 
 #: kernel) was measured slower and faster than dense end to end (README, "Presets"); on a device type not
 #: listed (CUDA: the PyTorch path was slower than SDPA at every measured length) ``"auto"`` never runs sparse.
 BREAK_EVEN: dict[str, int] = {"cpu": 3072}
+
+
+@functools.lru_cache(maxsize=None)
+def bfloat16_is_faster(device_type: str) -> bool:
+    """Whether a bfloat16 matrix product (float32 accumulation) is faster than a float32 one on this
+    machine's ``device_type`` (``"cpu"``, ``"cuda"``): measured once per process on a selection-sized
+    product, ``[256, 64] x [64, 1024]``, best of 3 each.  CPUs without native bfloat16 dot products
+    (no AVX512-BF16 / AMX: AVX2-only x86, for one) emulate it, tens of times slower than float32.
+    ``select_dtype="auto"`` selects in bfloat16 only where this holds.
+    """
+    dev = torch.device(device_type)
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    a = torch.randn(256, 64, generator=gen).to(dev)
+    b = torch.randn(64, 1024, generator=gen).to(dev)
+
+    def best(x: torch.Tensor, y: torch.Tensor) -> float:
+        times = []
+        for _ in range(4):
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            t0 = time.perf_counter()
+            torch.matmul(x, y)
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            times.append(time.perf_counter() - t0)
+        return min(times[1:])  # the first call pays one-off costs
+
+    try:
+        return best(a.bfloat16(), b.bfloat16()) < best(a, b)
+    except RuntimeError:  # a device without bfloat16 products
+        return False
 
 
 @dataclass(frozen=True)
@@ -71,10 +104,12 @@ class AnchorConfig:
             ``recall_probes / 2 * Lq * block_size`` for the global one.  Guarded blocks run the
             compiled kernel over every causal key where it runs, else fused dense attention.  See
             "Which outputs depend on which tokens" below.
-        select_dtype: ``"float32"`` or ``"bfloat16"``: the precision of the pooled queries and keys in
-            the stripe-scoring product (accumulated in float32).  ``"bfloat16"`` makes the selection faster
-            on CPUs with native bfloat16 dot products (AVX512-BF16, AMX) and flips stripes only within
-            rounding of the threshold (speed and flipped stripes measured: BENCHMARKS.md).
+        select_dtype: ``"float32"``, ``"bfloat16"`` or ``"auto"``: the precision of the pooled queries and
+            keys in the stripe-scoring product (accumulated in float32).  ``"bfloat16"`` makes the selection
+            faster on CPUs with native bfloat16 dot products (AVX512-BF16, AMX) and flips stripes only within
+            rounding of the threshold (speed and flipped stripes measured: BENCHMARKS.md); on a CPU without
+            them it is emulated and many times slower.  ``"auto"``: ``"bfloat16"`` where
+            :func:`bfloat16_is_faster` measures it faster on the input's device type, else ``"float32"``.
             The anchors, the recall guard and the attention itself stay in the input precision.
         kernel: how the attention over kept stripes runs.  ``"auto"``: the compiled CPU kernel
             (:mod:`attnpatch.attention.cpu_kernel`, built on first use) for float32 CPU tensors without
@@ -167,7 +202,8 @@ class AnchorConfig:
         "before it (no output depends on later tokens); global = once per head from probes over the whole prompt",
         choices=_GUARDS))
     select_dtype: str = field(default="float32", metadata=opt(
-        "str", "precision of the stripe-scoring product (bfloat16: faster selection on CPUs with native bfloat16)",
+        "str", "precision of the stripe-scoring product (bfloat16: faster selection on CPUs with native bfloat16, "
+        "emulated and slow elsewhere; auto: bfloat16 where measured faster than float32 on this machine)",
         choices=_SELECT_DTYPES))
     kernel: str = field(default="auto", metadata=opt(
         "str", "attention over kept stripes: auto = the compiled CPU kernel for float32 where it builds, else PyTorch "
@@ -189,6 +225,12 @@ class AnchorConfig:
         if self.min_len != "auto":
             return int(self.min_len)
         return BREAK_EVEN.get(torch.device(device).type, sys.maxsize)
+
+    def select_dtype_on(self, device: torch.device | str) -> str:
+        """``select_dtype`` on ``device``: ``"auto"`` resolved by :func:`bfloat16_is_faster`."""
+        if self.select_dtype != "auto":
+            return self.select_dtype
+        return "bfloat16" if bfloat16_is_faster(torch.device(device).type) else "float32"
 
     @property
     def stride(self) -> int:

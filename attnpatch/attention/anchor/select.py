@@ -112,7 +112,7 @@ def _select_kernel(q: torch.Tensor, cfg: AnchorConfig):
     apply (``select_dtype="bfloat16"``, another device) selects with PyTorch operations; :func:`_compiled`
     raises for the attention that follows where that one does not apply.
     """
-    if cfg.kernel == "torch" or q.device.type != "cpu" or cfg.select_dtype != "float32":
+    if cfg.kernel == "torch" or q.device.type != "cpu" or cfg.select_dtype_on(q.device) != "float32":
         return None
     return stripe_kernel()
 
@@ -184,7 +184,7 @@ def _select(q: torch.Tensor, k: torch.Tensor, cfg: AnchorConfig, scale: float, g
     thr = (ap - cfg.theta).masked_fill(~has, math.inf)[..., None]  # [B,Hkv,G,nb,npool,1]
     # chunks of query blocks (about tiles.SELECT_ROWS pooled queries per key/value head: an efficient GEMM shape)
     # times tiles of keys, so that the [.., npool, tile] score buffer stays in cache
-    sel_dtype = getattr(torch, cfg.select_dtype)
+    sel_dtype = getattr(torch, cfg.select_dtype_on(dev))
     ks = kf if sel_dtype == torch.float32 else k.to(sel_dtype)
     step = max(1, min(nb, tiles.SELECT_ROWS // (g * npool)))
     tile = max(tiles.SELECT_MIN_TILE, tiles.SELECT_CHUNK_ELEMENTS // max(b * hkv * g * step * npool, 1))

@@ -117,15 +117,27 @@ PRESETS = {
         "accuracy first: the defaults, chosen so that NIAH accuracy is not below dense; slower than dense on CPU up to 16k",
     ),
     "fast": Preset(
-        dict(theta=8.0, pool_stride=8, dense_last=64, min_recall=0.75, min_len="auto", select_dtype="bfloat16"),
+        dict(theta=8.0, pool_stride=8, dense_last=64, min_recall=0.75, min_len="auto", select_dtype="auto"),
         "speed first: sparse only from the device's break-even length (dense below it), coarser pooling, "
-        "bfloat16 selection, a looser recall guard",
+        "bfloat16 selection where this machine has it (measured), a looser recall guard",
     ),
     "paper": Preset(
         dict(theta=12.0, pool_stride=None, dense_last=0, min_recall=0.0, min_len=512, select_dtype="float32"),
         "the paper's setting: one pool per 128-query block, no dense tail, no recall guard",
     ),
 }
+
+#: ``attnpatch tune``'s thresholds and pooling strides (``None``: one pool per block, as in the paper), each with the
+#: ``fast`` preset's other options and the online recall guard off: the tuner's measured per-head decisions
+#: (``dense_heads``) take its place.
+TUNE_THETAS = (4.0, 8.0, 12.0)
+TUNE_POOL_STRIDES = (None, 8)
+
+
+def _tune_space(geometry) -> list[dict[str, Any]]:
+    base = dict(PRESETS["fast"].options, min_recall=0.0)
+    return [dict(base, theta=t, pool_stride=p) for p in TUNE_POOL_STRIDES for t in TUNE_THETAS]
+
 
 ANCHOR = register_method(
     Method(
@@ -144,6 +156,7 @@ ANCHOR = register_method(
         bench_hook=anchor_bench,
         knob=Knob("theta, 0 to 30 logits", _knob),
         presets=PRESETS,
+        tune_space=_tune_space,
         small_settings={"causal_lm": dict(theta=1.0, block_size=16, init_block=16, local_window=16, min_len=32,
                                           dense_last=16, min_recall=0.0)},
         details=(

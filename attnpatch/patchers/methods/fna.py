@@ -332,6 +332,23 @@ PRESETS = {
     ),
 }
 
+#: ``attnpatch tune``'s landmark counts.
+TUNE_S = (32, 64, 128)
+
+
+def _tune_space(geometry) -> list[dict[str, Any]]:
+    """Per landmark count: sampling at 0, 1/4, 1/2 and 3/4 depth (plain FNA from there, the layers before it
+    exact), and sampling at layer 0 with the exact local window on the first half or on every layer; always
+    approximate (``min_tokens=0``: the tuner measures the exact model beside them)."""
+    n = geometry.num_layers
+    depths = sorted({0, n // 4, n // 2, (3 * n) // 4})
+    out: list[dict[str, Any]] = []
+    for s in TUNE_S:
+        out += [dict(s=s, sample_layer=d, local_window=0, min_tokens=0) for d in depths]
+        out += [dict(s=s, sample_layer=0, local_window=1, window_tile=4, window_until=u, min_tokens=0) for u in ("auto", None)]
+    return out
+
+
 FNA = register_method(
     Method(
         name="fna",
@@ -346,10 +363,11 @@ FNA = register_method(
         noncausal_calls=True,
         key_padding=False,
         token_roles=frozenset({"prefix", "hidden", "residual"}),
-        exact_limit_decl=ExactLimit(_every_token, at_least=("s",), text="s >= N"),
+        exact_limit_decl=ExactLimit(_every_token, at_least=("s",), text="s >= N", everywhere={"min_tokens": 2**31 - 1}),
         bench_hook=fna_bench,
         knob=Knob("s, 1 to N landmarks (log scale)", _knob, tokens="s"),
         presets=PRESETS,
+        tune_space=_tune_space,
         small_settings={"vision": dict(s=8, sample_layer=0, min_tokens=0)},
         details=(
             "Fast Nyström Attention: `s` landmark tokens (CLS and registers always among them) chosen by farthest-point sampling once, at "

@@ -1,0 +1,311 @@
+"""``attnpatch tune``: the cheapest setting of a method that meets an accuracy target on calibration data,
+written as a JSON config for ``patch(model, method, config=PATH)`` / ``-o config=PATH``, with a held-out check."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ..errors import AttnpatchError
+from .common import _check_outputs, _fraction, _nonnegative_int, _parse_options, _positive_int, _progress_line, _slug
+
+#: Calibration prompts come from these seeds on; the held-out check uses ``eval ruler``'s seed 0 on, so the two
+#: never share a prompt.
+CALIBRATION_SEED = 1000
+#: The tasks of the embedded calibration prompts (cycled) and of the held-out check.
+NIAH_TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery")
+
+
+def _kind(model: str, kind: str) -> str:
+    from ..checkpoints import _entry
+
+    if kind != "auto":
+        return kind
+    try:
+        return _entry(model).kind
+    except AttnpatchError:
+        if not Path(model).is_dir():
+            raise AttnpatchError(f"--model {model!r} is not in the catalogue; say --kind vision or --kind causal_lm") from None
+        return "vision" if (Path(model) / "preprocessor_config.json").is_file() else "causal_lm"
+
+
+def _prompt_files(path: str) -> list[tuple[Path, str]]:
+    """``(file, text)`` of each calibration prompt, read (and refused when unreadable or blank) before the model loads."""
+    p = Path(path)
+    if p.is_file():
+        files = [p]
+    elif p.is_dir():
+        files = sorted(f for f in p.iterdir() if f.suffix == ".txt" and f.is_file())
+        if not files:
+            raise AttnpatchError(f"--prompts {path}: no .txt files in this folder (one prompt per file)")
+    else:
+        raise AttnpatchError(f"--prompts {path}: no such file or folder (a .txt file, or a folder of .txt files, one prompt each)")
+    out = []
+    for f in files:
+        try:
+            text = f.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise AttnpatchError(f"--prompts: {f} cannot be read as UTF-8 text ({e})") from None
+        if not text.strip():
+            raise AttnpatchError(f"--prompts: {f} is empty or blank; a calibration prompt needs text")
+        out.append((f, text))
+    return out
+
+
+def _causal_prompts(args, tok, prompt_files) -> tuple[list, str]:
+    import torch
+
+    from ..evals import ruler_tasks
+
+    if prompt_files:
+        out = []
+        for f, text in prompt_files:
+            ids = tok(text, add_special_tokens=True)["input_ids"]
+            if len(ids) < 2:
+                raise AttnpatchError(f"--prompts: {f} encodes to {len(ids)} token(s); a calibration prompt needs text")
+            out.append(torch.tensor([ids]))
+        return out, f"{len(out)} prompt file(s) from {args.prompts}"
+    out = []
+    for i in range(args.calibration):
+        task = NIAH_TASKS[(i + 1) % len(NIAH_TASKS)]  # multikey first: the harder retrieval
+        s = ruler_tasks.make_samples(task, tok, args.length, 1, seed=CALIBRATION_SEED + i)[0]
+        out.append(torch.tensor([ruler_tasks.build_input_ids(tok, s)]))
+    return out, f"{len(out)} embedded NIAH prompt(s) of {args.length} tokens (seeds {CALIBRATION_SEED}+)"
+
+
+class _Subset:
+    """Images ``idx`` of a labelled image set (``len``, ``[i]``, ``labels``), for the held-out check."""
+
+    def __init__(self, images, idx):
+        self._images, self._idx = images, list(idx)
+        self.labels = images.labels[self._idx]
+        self.name = getattr(images, "name", "images")
+
+    def __len__(self) -> int:
+        return len(self._idx)
+
+    def __getitem__(self, i: int):
+        return self._images[self._idx[i]]
+
+
+def _fmt(v: Any, spec: str = ".3f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def _rows_table(result: dict[str, Any]) -> list[dict[str, Any]]:
+    from ..evals.tune import _short
+
+    rows = []
+    for r in result["rows"]:
+        row = {"setting": "exact (unpatched)" if r.get("exact") else _short(r["options"])}
+        if result["kind"] == "causal_lm":
+            row.update(dense_heads=r["dense_heads"], recall_mean=_fmt(r["recall_mean"]), recall_worst=_fmt(r["recall_worst"]))
+        else:
+            row.update(cls_cos=_fmt(r["cls_cos"], ".4f"), cls_cos_min=_fmt(r["cls_cos_min"], ".4f"))
+        row.update(meets="yes" if r["meets"] else "no", seconds=_fmt(r["seconds"], ".2f"),
+                   speedup="-" if r["speedup"] is None else f"{r['speedup']:.2f}x",
+                   chosen="<-" if r is result["chosen"] else "")
+        rows.append(row)
+    return rows
+
+
+def _print_rows(rows: list[dict[str, Any]], title: str) -> str:
+    from ..evals.report import Column, print_table, rows_to_markdown
+
+    columns = [Column(k, k.replace("_", " ")) for k in rows[0]]
+    print_table(rows, columns, title=title)
+    return rows_to_markdown(rows, columns)
+
+
+def _holdout_causal(args, model, tok, method: str, options: dict[str, Any]) -> dict[str, Any]:
+    from ..evals.ruler import run_ruler_settings
+
+    res = run_ruler_settings(
+        model, tok, settings=[(method, options)], tasks=list(NIAH_TASKS), lengths=[args.length], num_samples=args.holdout,
+        seed=0, recall=False, progress=_progress_line,
+    )
+    cells = [{"task": c["task"], "length": c["length"], "samples": c["n"], "dense": c["dense_acc"], "tuned": c["patched_acc"],
+              "per_sample": [(r["dense_score"], r["patched_score"]) for r in c["samples"]],
+              "prefill_speedup": c["prefill_speedup"]} for c in res["runs"][0]["cells"]]
+    return {"seed": 0, "samples": args.holdout, "tasks": list(NIAH_TASKS), "length": args.length, "cells": cells}
+
+
+def _holdout_vision(args, model, images, preprocess, hold, method: str, options: dict[str, Any]) -> dict[str, Any]:
+    from ..evals.vision import run_feature_eval
+
+    res = run_feature_eval(model, _Subset(images, hold), preprocess, settings=[(method, options)], tasks=("knn", "fidelity"),
+                           batch_size=args.batch_size, layer_error_images=0)
+    run = res["runs"][0]
+    return {"images": len(hold), "dense": res["dense"], "tuned": {k: v for k, v in run.items() if not isinstance(v, list)}}
+
+
+def _cmd_tune(args) -> int:
+    import torch
+
+    from ..evals.report import machine_info, write_json, write_text
+    from ..evals.tune import tune_causal, tune_vision
+    from ..patchers.api import model_geometry
+    from ..patchers.registry import get_method, validate_options, write_config
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    kind = _kind(args.model, args.kind)
+    method = args.method or ("fna" if kind == "vision" else "anchor_attention")
+    meth = get_method(method)
+    if not meth.fits(kind):
+        raise AttnpatchError(f"method {method!r} does not fit a {kind.replace('_', ' ')} model (it fits: {', '.join(sorted(meth.model_kinds))})")
+    if meth.tune_space is None and not args.candidate:
+        tunable = sorted(n for n in __import__("attnpatch.patchers.registry", fromlist=["METHODS"]).METHODS
+                         if get_method(n).tune_space is not None)
+        raise AttnpatchError(f"method {method!r} has no tuning space; give --candidate settings, or tune one of: {', '.join(tunable)}")
+    candidates = None
+    if args.candidate:
+        for c in args.candidate:
+            if not c.strip():
+                raise AttnpatchError("--candidate '': empty; give NAME=VALUE,... (e.g. theta=6,pool_stride=8)")
+        candidates = [_parse_options([p for p in c.split(",") if p.strip()]) for c in args.candidate]
+        for c in candidates:
+            validate_options(meth, c)  # fail before loading the model
+    vision = kind == "vision"
+    wrong = ([f for f, v in (("--length", args.length_given), ("--prompts", args.prompts), ("--target-recall", args.target_recall),
+                             ("--target-worst", args.target_worst)) if v is not None] if vision else
+             [f for f, v in (("--data", args.data), ("--resolution", args.resolution), ("--target-cos", args.target_cos)) if v is not None])
+    if wrong and vision:
+        raise AttnpatchError(f"{', '.join(wrong)}: apply to LLMs only; a ViT is tuned on images (--data, --resolution, --target-cos)")
+    if wrong:
+        raise AttnpatchError(f"{', '.join(wrong)}: apply to ViTs only; an LLM is tuned on prompts "
+                             "(--length, --prompts, --target-recall, --target-worst)")
+    if args.prompts and args.calibration_given is not None:
+        raise AttnpatchError(f"--calibration {args.calibration_given}: with --prompts every prompt file is a calibration "
+                             "prompt; drop one of the two")
+    prompt_files = _prompt_files(args.prompts) if args.prompts else None  # before loading the model
+    out = args.out or f"tuned_{_slug(args.model)}_{method}.json"
+    report = args.json or f"tune_{_slug(args.model)}_{method}.json"
+    _check_outputs(("--out", out), ("--json", report), ("--markdown", args.markdown))
+    machine = machine_info()
+    if not vision:
+        from ..checkpoints import load_causal_lm
+
+        model, tok = load_causal_lm(args.model)
+        prompts, source = _causal_prompts(args, tok, prompt_files)
+        result = tune_causal(
+            model, prompts, method, target_mean=args.target_recall if args.target_recall is not None else 0.95,
+            target_worst=args.target_worst if args.target_worst is not None else 0.8, candidates=candidates,
+            repeats=args.repeats, progress=_progress_line,
+        )
+        what = f"{result['tokens']} tokens, {source}"
+    else:
+        from ..checkpoints import load_vision_model
+        from ..evals.images import fit_resolution, load_image_set, make_preprocess
+        from ..evals.vision import patch_size
+        from ..fetch import _stderr
+
+        images = load_image_set(args.data)
+        if len(images) < args.calibration + (0 if args.holdout == 0 else 1):
+            raise AttnpatchError(f"--data: {len(images)} images; --calibration {args.calibration} needs that many, and the "
+                                 "held-out check at least one more (or --holdout 0)")
+        model, processor = load_vision_model(args.model, backend=args.backend)
+        resolution = fit_resolution(args.resolution, patch_size(model), log=_stderr, what="--resolution")
+        preprocess = make_preprocess(processor, resolution)
+        order = torch.randperm(len(images), generator=torch.Generator().manual_seed(0)).tolist()
+        cal, hold = order[: args.calibration], order[args.calibration:]
+        hold = hold if args.holdout is None else hold[: args.holdout]
+        pixels = preprocess([images[i][0] for i in cal])
+        result = tune_vision(model, pixels, method, target_cos=args.target_cos if args.target_cos is not None else 0.98,
+                             candidates=candidates, repeats=args.repeats, batch_size=args.batch_size, progress=_progress_line)
+        source = f"{len(cal)} images of {images.name} (seeded order, seed 0)"
+        what = f"{result['resolution']} px, {result['tokens']} tokens, {source}"
+    chosen = result["chosen"]
+    if chosen.get("exact_at_tokens"):
+        _stderr_line(f"note: {method}'s exact setting {_short_opts(chosen['options'])} is exact at {chosen['exact_at_tokens']} "
+                     "tokens only; the config records it, and on other input sizes it approximates")
+    geometry = model_geometry(model)
+    tuned_for = {"model": args.model, "kind": kind, "tokens": result["tokens"], "calibration": source, "target": result["target"],
+                 "measured": {k: chosen[k] for k in chosen if k not in ("options", "exact")}}
+    write_config(out, method, chosen["options"], geometry, tuned_for=tuned_for)
+    result.update(model=args.model, calibration=source, config=str(out), machine=machine)
+    write_json(report, result)  # the search is kept before the held-out check starts
+    title = f"tune — {args.model} — {method} — {what}"
+    md = _print_rows(_rows_table(result), title)
+    print(f"chosen: {'exact (unpatched): no setting met the target faster' if chosen.get('exact') else _short_opts(chosen['options'])}"
+          f" ({chosen['speedup']:.2f}x on the calibration input); wrote {out}  (use: -o config={out})")
+    if args.holdout != 0:
+        if vision:
+            result["holdout"] = _holdout_vision(args, model, images, preprocess, hold, method, {"config": str(out)})
+            h = result["holdout"]
+            d, t = h["dense"], h["tuned"]
+            line = (f"held-out ({h['images']} images): k-NN top-1 dense {_pct(d.get('knn_top1'))}, tuned {_pct(t.get('knn_top1'))}; "
+                    f"k-NN agreement {_pct(t.get('knn_agreement'))}; CLS cos mean {_fmt(t.get('cls_cosine'), '.4f')}, "
+                    f"min {_fmt(t.get('cls_cosine_min'), '.4f')}; speed {_fmt(t.get('speedup'), '.2f')}x")
+        else:
+            result["holdout"] = _holdout_causal(args, model, tok, method, {"config": str(out)})
+            parts = [f"{c['task']} dense {_pct(c['dense'])} tuned {_pct(c['tuned'])}" for c in result["holdout"]["cells"]]
+            line = f"held-out ({args.holdout} sample(s) per task at {args.length} tokens, seeds 0+): " + "; ".join(parts)
+        print(line)
+        md += "\n" + line + "\n"
+        write_json(report, result)
+    print(f"wrote {report}")
+    if args.markdown:
+        write_text(args.markdown, f"### {title}\n\n{md}")
+        print(f"wrote {args.markdown}")
+    return 0
+
+
+def _stderr_line(msg: str) -> None:
+    import sys
+
+    print(msg, file=sys.stderr)
+
+
+def _pct(v) -> str:
+    return "-" if v is None else f"{100 * v:.1f}%"
+
+
+def _short_opts(opts: dict[str, Any]) -> str:
+    from ..evals.tune import _short
+
+    return _short(opts)
+
+
+def add_parser(sub) -> None:
+    """Register ``tune``."""
+    p = sub.add_parser("tune", help="find the cheapest setting of a method that meets an accuracy target; write it as a config")
+    p.add_argument("--model", default="smollm2-135m-instruct", help="catalogue name or local directory (default: %(default)s)")
+    p.add_argument("--kind", choices=["auto", "vision", "causal_lm"], default="auto", help="auto: from the catalogue")
+    p.add_argument("--backend", choices=["hf", "timm"], default="hf", help="ViT implementation (default: %(default)s)")
+    p.add_argument("--method", help="method to tune (default: anchor_attention for an LLM, fna for a ViT)")
+    p.add_argument("--candidate", action="append", metavar="NAME=VALUE,...",
+                   help="a setting to try instead of the method's tuning space, repeatable (e.g. theta=6,pool_stride=8)")
+    p.add_argument("--length", type=_positive_int, default=None,
+                   help="LLM: length in tokens of the embedded calibration prompts and of the held-out NIAH check (default: 4096)")
+    p.add_argument("--prompts", help="LLM: a .txt file or a folder of .txt files, one calibration prompt each (default: embedded NIAH prompts)")
+    p.add_argument("--target-recall", type=_fraction, default=None, help="LLM: mean attention recall to reach (default: 0.95)")
+    p.add_argument("--target-worst", type=_fraction, default=None, help="LLM: mean recall of the worst 5%% (prompt, layer, head) (default: 0.8)")
+    p.add_argument("--data", help="ViT: imagefolder or hub dataset (default: the embedded image set)")
+    p.add_argument("--resolution", type=_positive_int, help="ViT: input size in pixels (default: the model's)")
+    p.add_argument("--target-cos", type=float, default=None, help="ViT: mean final-CLS cosine to the unpatched model (default: 0.98)")
+    p.add_argument("--batch-size", type=_positive_int, default=8, help="ViT: images per forward (default: %(default)s)")
+    p.add_argument("--calibration", type=_positive_int, default=None, help="prompts (default 2) or images (default 8) to tune on")
+    p.add_argument("--holdout", type=_nonnegative_int, default=None,
+                   help="held-out check: NIAH samples per task (default 2) or images (default: the rest of the set); 0 = none")
+    p.add_argument("--repeats", type=_positive_int, default=2, help="timed forwards per candidate (median; default: %(default)s)")
+    p.add_argument("--out", help="the tuned config (default: tuned_<model>_<method>.json)")
+    p.add_argument("--json", help="the search and held-out result (default: tune_<model>_<method>.json)")
+    p.add_argument("--markdown", help="also write the tables as Markdown here")
+    p.add_argument("--threads", type=_positive_int, help="torch CPU threads")
+    p.set_defaults(func=_run)
+
+
+def _run(args) -> int:
+    args.length_given, args.calibration_given = args.length, args.calibration
+    if args.length is None:
+        args.length = 4096
+    vision = _kind(args.model, args.kind) == "vision"
+    if args.calibration is None:
+        args.calibration = 8 if vision else 2
+    if args.holdout is None and not vision:
+        args.holdout = 2  # a ViT's held-out check takes every image not used for calibration
+    if args.target_cos is not None and not -1.0 <= args.target_cos <= 1.0:
+        raise AttnpatchError(f"--target-cos {args.target_cos}: must be a cosine in [-1, 1]")
+    return _cmd_tune(args)
+
