@@ -270,19 +270,111 @@ def test_tune_cli_vision_on_an_imagefolder(vit_dir, images_dir, tmp_path, capsys
     (["--kind", "causal_lm", "--prompts", "BLANK"], "is empty or blank; a calibration prompt needs text"),
     (["--kind", "causal_lm", "--prompts", "TEXT", "--calibration", "3"], "--calibration 3: with --prompts every prompt file"),
     (["--kind", "causal_lm", "--candidate", ""], "--candidate '': empty"),
+    (["--kind", "causal_lm", "--candidate", " , "], "--candidate ' , ': empty"),
+    (["--kind", "causal_lm", "--candidate", "=3"], "the NAME before '=' is empty"),
+    (["--target-recall", "abc"], "argument --target-recall: 'abc' is not a number in [0, 1]"),
+    (["--kind", "causal_lm", "--prompts", "BOM"], "is empty or blank; a calibration prompt needs text"),
+    (["--kind", "causal_lm", "--prompts", "NUL"], "holds NUL bytes"),
+    (["--kind", "causal_lm", "--prompts", "/dev/null"], "--prompts /dev/null: not a regular file or folder"),
+    (["--kind", "causal_lm", "--prompts", "TEXT", "--out", "TEXT"], "is a calibration prompt (--prompts)"),
+    (["--kind", "causal_lm", "--out", "MODEL/config.json"], "lies inside the input folder"),
+    (["--kind", "causal_lm", "--out", ""], "--out '': empty"),
+    (["--model", "/missing/dir"], "--model /missing/dir: no such folder"),
+    (["--kind", "vision", "--holdout", "1"], "--holdout 1: the held-out k-NN check needs at least 2 images"),
 ])
 def test_tune_cli_bad_input_is_one_line(argv, message, tmp_path, capsys, llm_dir):
     from attnpatch.cli import main
 
     (tmp_path / "blank.txt").write_text("  \n\t\n")
+    (tmp_path / "bom.txt").write_text("\ufeff \n", encoding="utf-8")
+    (tmp_path / "nul.txt").write_text("abc\0\0def")
     (tmp_path / "text.txt").write_text("a calibration prompt")
-    argv = [str(tmp_path / "blank.txt") if a == "BLANK" else str(tmp_path / "text.txt") if a == "TEXT" else a for a in argv]
-    if "--prompts" in argv or "--candidate" in argv or "--method" in argv or "--data" in argv:
+    files = {"BLANK": "blank.txt", "BOM": "bom.txt", "NUL": "nul.txt", "TEXT": "text.txt"}
+    argv = [str(tmp_path / files[a]) if a in files else a.replace("MODEL", str(llm_dir)) for a in argv]
+    if "--out" in argv:  # the case under test names its own --out
+        i = argv.index("--out")
+        out = [argv.pop(i), argv.pop(i)]
+    else:
+        out = ["--out", str(tmp_path / "c.json")]
+    if "--model" not in argv and "vision" not in argv:
         argv = ["--model", str(llm_dir), *argv]
     try:
-        rc = main(["tune", *argv, "--out", str(tmp_path / "c.json"), "--json", str(tmp_path / "t.json")])
+        rc = main(["tune", *argv, *out, "--json", str(tmp_path / "t.json")])
     except SystemExit as e:  # argparse's own errors
         rc = e.code
     assert rc == 2
     assert message in capsys.readouterr().err
-    assert not (tmp_path / "c.json").exists()
+    assert not (tmp_path / "c.json").exists() and not (tmp_path / "t.json").exists()
+    assert (tmp_path / "text.txt").read_text() == "a calibration prompt"
+
+
+def test_candidates_that_run_exact_on_the_calibration_input_are_not_timed_and_the_run_says_so():
+    model = tiny_causal_lm("llama", layers=2)
+    lines = []
+    res = tune_causal(model, _prompts(1), "anchor_attention", target_mean=0.0, target_worst=0.0,
+                      candidates=[dict(SMALL, theta=-1e9, min_len=10_000), dict(SMALL, theta=2.0, min_len=10_000)],
+                      repeats=1, progress=lines.append)
+    for row in res["rows"][:-1]:  # 192 tokens < min_len: every layer ran dense, whatever theta says
+        assert row["seconds"] is None and row["note"].startswith("every layer ran exact attention") and "dense:short" in row["note"]
+    assert res["chosen"]["exact"] and any("every candidate ran exact attention at 192 tokens" in w for w in res["warnings"])
+
+
+def test_a_preset_candidate_keeps_what_the_preset_sets():
+    from attnpatch.evals.tune import _candidates
+    from attnpatch.patchers.methods.anchor_attention import PRESETS
+
+    meth = get_method("anchor_attention")
+    (fast,) = _candidates(meth, None, [{"preset": "fast"}])
+    assert {k: fast[k] for k in PRESETS["fast"].options} == PRESETS["fast"].options and "preset" not in fast
+    (mixed,) = _candidates(meth, None, [{"preset": "fast", "theta": 4.0}])
+    assert mixed["theta"] == 4.0 and mixed["pool_stride"] == PRESETS["fast"].options["pool_stride"]
+    with pytest.raises(OptionError, match="no candidates"):
+        _candidates(meth, None, [])
+
+
+def test_a_candidate_the_model_cannot_run_fails_before_anything_is_timed():
+    model = tiny_causal_lm("llama", layers=2)
+    lines = []
+    with pytest.raises(OptionError, match=r"dense_heads contains \(1, 99\)"):
+        tune_causal(model, _prompts(1), "anchor_attention", candidates=[dict(SMALL, dense_heads=((1, 99),))],
+                    repeats=1, progress=lines.append)
+    assert lines == []  # the unpatched model was not timed
+
+
+@pytest.mark.parametrize("prompt", [torch.zeros(5, dtype=torch.long), torch.zeros(1, 5), torch.zeros(2, 5, dtype=torch.long)])
+def test_tune_causal_refuses_prompts_that_are_not_one_row_of_token_ids(prompt):
+    with pytest.raises(OptionError, match=r"prompts\[0\] of shape"):
+        tune_causal(tiny_causal_lm("llama"), [prompt], target_mean=0.5)
+
+
+def test_tune_vision_refuses_an_llm_and_non_square_images():
+    with pytest.raises(OptionError, match="needs a vision encoder"):
+        tune_vision(tiny_causal_lm("llama"), torch.zeros(1, 3, 28, 28))
+    with pytest.raises(OptionError, match="expected square float images"):
+        tune_vision(tiny_causal_lm("llama"), torch.zeros(1, 3, 28, 56))
+    with pytest.raises(OptionError, match="target_cos='0.9': must be a cosine"):
+        tune_vision(tiny_causal_lm("llama"), torch.zeros(1, 3, 28, 28), target_cos="0.9")
+
+
+def test_timing_warning_when_the_unpatched_times_drift():
+    from attnpatch.evals.tune import _timing_warning
+
+    assert _timing_warning([1.0, 1.2]) is None
+    assert "1.50x apart" in _timing_warning([1.0, 1.5])
+
+
+def test_tune_cli_a_length_too_short_for_the_held_out_tasks_fails_before_the_search(llm_dir, tmp_path, capsys):
+    from attnpatch.cli import main
+
+    rc = main(["tune", "--model", str(llm_dir), "--kind", "causal_lm", "--length", "100", "--prompts", str(_text(tmp_path)),
+               "--candidate", f"theta=2,{SMALL_CLI}", "--repeats", "1", "--out", str(tmp_path / "c.json"),
+               "--json", str(tmp_path / "t.json")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "too small for task" in err and "unpatched:" not in err
+    assert not (tmp_path / "c.json").exists() and not (tmp_path / "t.json").exists()
+
+
+def _text(tmp_path):
+    f = tmp_path / "p.txt"
+    f.write_text("a calibration prompt " * 20)
+    return f

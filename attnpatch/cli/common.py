@@ -24,6 +24,8 @@ def _parse_options(pairs: Sequence[str]) -> dict[str, Any]:
             raise AttnpatchError(f"option {p!r}: expected NAME=VALUE (e.g. -o theta=12, or METHOD:s=32)")
         k, v = p.split("=", 1)
         k = k.strip().replace("-", "_")
+        if not k:
+            raise AttnpatchError(f"option {p!r}: the NAME before '=' is empty; expected NAME=VALUE (e.g. -o theta=12)")
         if k in out:
             raise AttnpatchError(f"option {k} given twice ({k}={out[k]} and {k}={v.strip()}): give each option once")
         out[k] = v.strip()
@@ -78,7 +80,10 @@ def _nonnegative_int(text: str) -> int:
 
 
 def _fraction(text: str) -> float:
-    value = float(text)
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number in [0, 1]") from None
     if not 0.0 <= value <= 1.0:
         raise argparse.ArgumentTypeError(f"{value} is not in [0, 1]")
     return value

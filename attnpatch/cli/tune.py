@@ -25,6 +25,8 @@ def _kind(model: str, kind: str) -> str:
         return _entry(model).kind
     except AttnpatchError:
         if not Path(model).is_dir():
+            if "/" in model or Path(model).exists():
+                raise AttnpatchError(f"--model {model}: no such folder (a catalogue name or a model folder)") from None
             raise AttnpatchError(f"--model {model!r} is not in the catalogue; say --kind vision or --kind causal_lm") from None
         return "vision" if (Path(model) / "preprocessor_config.json").is_file() else "causal_lm"
 
@@ -32,6 +34,8 @@ def _kind(model: str, kind: str) -> str:
 def _prompt_files(path: str) -> list[tuple[Path, str]]:
     """``(file, text)`` of each calibration prompt, read (and refused when unreadable or blank) before the model loads."""
     p = Path(path)
+    if p.exists() and not p.is_file() and not p.is_dir():
+        raise AttnpatchError(f"--prompts {path}: not a regular file or folder (a .txt file, or a folder of .txt files)")
     if p.is_file():
         files = [p]
     elif p.is_dir():
@@ -46,6 +50,9 @@ def _prompt_files(path: str) -> list[tuple[Path, str]]:
             text = f.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
             raise AttnpatchError(f"--prompts: {f} cannot be read as UTF-8 text ({e})") from None
+        if "\0" in text:
+            raise AttnpatchError(f"--prompts: {f} holds NUL bytes; a calibration prompt is plain text")
+        text = text.removeprefix("\ufeff")  # a UTF-8 byte-order mark is not text
         if not text.strip():
             raise AttnpatchError(f"--prompts: {f} is empty or blank; a calibration prompt needs text")
         out.append((f, text))
@@ -101,8 +108,11 @@ def _rows_table(result: dict[str, Any]) -> list[dict[str, Any]]:
         if result["kind"] == "causal_lm":
             row.update(dense_heads=r["dense_heads"], recall_mean=_fmt(r["recall_mean"]), recall_worst=_fmt(r["recall_worst"]))
         else:
-            row.update(cls_cos=_fmt(r["cls_cos"], ".4f"), cls_cos_min=_fmt(r["cls_cos_min"], ".4f"))
-        row.update(meets="yes" if r["meets"] else "no", seconds=_fmt(r["seconds"], ".2f"),
+            row.update(cls_cos=_fmt(r["cls_cos"], ".5f"), cls_cos_min=_fmt(r["cls_cos_min"], ".5f"))
+        seconds = _fmt(r["seconds"], ".2f")
+        if r["seconds"] is None and r.get("note"):
+            seconds = "- (all heads dense)" if r["note"].startswith("every head dense") else "- (ran exact)"
+        row.update(meets="yes" if r["meets"] else "no", seconds=seconds,
                    speedup="-" if r["speedup"] is None else f"{r['speedup']:.2f}x",
                    chosen="<-" if r is result["chosen"] else "")
         rows.append(row)
@@ -161,8 +171,8 @@ def _cmd_tune(args) -> int:
     candidates = None
     if args.candidate:
         for c in args.candidate:
-            if not c.strip():
-                raise AttnpatchError("--candidate '': empty; give NAME=VALUE,... (e.g. theta=6,pool_stride=8)")
+            if not any(part.strip() for part in c.split(",")):
+                raise AttnpatchError(f"--candidate {c!r}: empty; give NAME=VALUE,... (e.g. theta=6,pool_stride=8)")
         candidates = [_parse_options([p for p in c.split(",") if p.strip()]) for c in args.candidate]
         for c in candidates:
             validate_options(meth, c)  # fail before loading the model
@@ -179,14 +189,23 @@ def _cmd_tune(args) -> int:
         raise AttnpatchError(f"--calibration {args.calibration_given}: with --prompts every prompt file is a calibration "
                              "prompt; drop one of the two")
     prompt_files = _prompt_files(args.prompts) if args.prompts else None  # before loading the model
+    for flag, v in (("--out", args.out), ("--json", args.json), ("--markdown", args.markdown)):
+        if v is not None and not v.strip():
+            raise AttnpatchError(f"{flag} '': empty; give a file path")
     out = args.out or f"tuned_{_slug(args.model)}_{method}.json"
     report = args.json or f"tune_{_slug(args.model)}_{method}.json"
     _check_outputs(("--out", out), ("--json", report), ("--markdown", args.markdown))
+    _check_not_inputs(args, prompt_files, (("--out", out), ("--json", report), ("--markdown", args.markdown)))
     machine = machine_info()
     if not vision:
         from ..checkpoints import load_causal_lm
 
         model, tok = load_causal_lm(args.model)
+        if args.holdout:  # the held-out prompts are built now, so that a length too short for a task fails before the search
+            from ..evals import ruler_tasks
+
+            for task in NIAH_TASKS:
+                ruler_tasks.make_samples(task, tok, args.length, 1, seed=0)
         prompts, source = _causal_prompts(args, tok, prompt_files)
         result = tune_causal(
             model, prompts, method, target_mean=args.target_recall if args.target_recall is not None else 0.95,
@@ -201,9 +220,9 @@ def _cmd_tune(args) -> int:
         from ..fetch import _stderr
 
         images = load_image_set(args.data)
-        if len(images) < args.calibration + (0 if args.holdout == 0 else 1):
+        if len(images) < args.calibration + (0 if args.holdout == 0 else 2):
             raise AttnpatchError(f"--data: {len(images)} images; --calibration {args.calibration} needs that many, and the "
-                                 "held-out check at least one more (or --holdout 0)")
+                                 "held-out k-NN check at least two more (or --holdout 0)")
         model, processor = load_vision_model(args.model, backend=args.backend)
         resolution = fit_resolution(args.resolution, patch_size(model), log=_stderr, what="--resolution")
         preprocess = make_preprocess(processor, resolution)
@@ -219,9 +238,14 @@ def _cmd_tune(args) -> int:
     if chosen.get("exact_at_tokens"):
         _stderr_line(f"note: {method}'s exact setting {_short_opts(chosen['options'])} is exact at {chosen['exact_at_tokens']} "
                      "tokens only; the config records it, and on other input sizes it approximates")
+    for w in result["warnings"]:
+        _stderr_line(f"warning: {w}")
     geometry = model_geometry(model)
     tuned_for = {"model": args.model, "kind": kind, "tokens": result["tokens"], "calibration": source, "target": result["target"],
-                 "measured": {k: chosen[k] for k in chosen if k not in ("options", "exact")}}
+                 "exact": bool(chosen.get("exact")), "measured": {k: chosen[k] for k in chosen if k not in ("options", "exact")},
+                 "machine": {k: machine.get(k) for k in ("cpu", "cpu_capability", "torch_threads", "torch") if k in machine}}
+    if vision:
+        tuned_for["resolution"] = result["resolution"]
     write_config(out, method, chosen["options"], geometry, tuned_for=tuned_for)
     result.update(model=args.model, calibration=source, config=str(out), machine=machine)
     write_json(report, result)  # the search is kept before the held-out check starts
@@ -239,16 +263,35 @@ def _cmd_tune(args) -> int:
                     f"min {_fmt(t.get('cls_cosine_min'), '.4f')}; speed {_fmt(t.get('speedup'), '.2f')}x")
         else:
             result["holdout"] = _holdout_causal(args, model, tok, method, {"config": str(out)})
-            parts = [f"{c['task']} dense {_pct(c['dense'])} tuned {_pct(c['tuned'])}" for c in result["holdout"]["cells"]]
+            parts = [f"{c['task']} dense {_pct(c['dense'])} tuned {_pct(c['tuned'])} (prefill {_fmt(c['prefill_speedup'], '.2f')}x)"
+                     for c in result["holdout"]["cells"]]
             line = f"held-out ({args.holdout} sample(s) per task at {args.length} tokens, seeds 0+): " + "; ".join(parts)
         print(line)
-        md += "\n" + line + "\n"
+        md += "\n\n" + line + "\n"
         write_json(report, result)
     print(f"wrote {report}")
     if args.markdown:
         write_text(args.markdown, f"### {title}\n\n{md}")
         print(f"wrote {args.markdown}")
     return 0
+
+
+def _check_not_inputs(args, prompt_files, outputs) -> None:
+    """Refuse an output path that is one of the run's inputs: a calibration prompt, a file in the model's folder,
+    a file in the image set's folder."""
+    import os
+
+    inputs = [os.path.realpath(f) for f, _ in (prompt_files or [])]
+    folders = [os.path.realpath(d) for d in (args.model, args.data) if d and Path(d).is_dir()]
+    for flag, path in outputs:
+        if not path:
+            continue
+        real = os.path.realpath(Path(path).expanduser())
+        if real in inputs:
+            raise AttnpatchError(f"{flag} {path}: is a calibration prompt (--prompts); give another path")
+        for d in folders:
+            if real.startswith(d + os.sep):
+                raise AttnpatchError(f"{flag} {path}: lies inside the input folder {d}; write it elsewhere")
 
 
 def _stderr_line(msg: str) -> None:
@@ -305,6 +348,8 @@ def _run(args) -> int:
         args.calibration = 8 if vision else 2
     if args.holdout is None and not vision:
         args.holdout = 2  # a ViT's held-out check takes every image not used for calibration
+    if vision and args.holdout == 1:
+        raise AttnpatchError("--holdout 1: the held-out k-NN check needs at least 2 images (or --holdout 0 for none)")
     if args.target_cos is not None and not -1.0 <= args.target_cos <= 1.0:
         raise AttnpatchError(f"--target-cos {args.target_cos}: must be a cosine in [-1, 1]")
     return _cmd_tune(args)

@@ -28,7 +28,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..errors import OptionError
-from ..patchers.api import model_geometry, patched
+from ..patchers.api import model_geometry, patched, record_stats
 from ..patchers.registry import Method, get_method, validate_options
 from .compare import _quiet  # warnings off (e.g. "s >= N: exact attention" on a small calibration input)
 from .compare import _seconds as _median_seconds  # median of repeats after one untimed call
@@ -37,6 +37,9 @@ from .recall import attention_recall
 __all__ = ["tune_causal", "tune_vision", "recall_scores"]
 
 Progress = Callable[[str], None]
+
+#: The unpatched model's times at the start and end of a run further apart than this ratio get a warning.
+TIMING_SPREAD = 1.25
 
 
 def recall_scores(recall: torch.Tensor, worst_fraction: float = 0.05) -> tuple[float, float]:
@@ -85,11 +88,39 @@ def _candidates(meth: Method, geometry, candidates: Sequence[dict[str, Any]] | N
             raise OptionError(f"method {meth.name!r} has no tuning space; attnpatch tune searches: "
                               f"{', '.join(_tunable())}")
         candidates = meth.tune_space(geometry)
+    if not candidates:
+        raise OptionError("no candidates to tune: give at least one option dict (or None for the method's tuning space)")
     out = []
     for c in candidates:
         full = validate_options(meth, dict(c))  # a bad candidate fails before any measurement
-        out.append({k: v for k, v in full.items() if k in c or k == "dense_heads"})
+        keep = set(c) | {"dense_heads"}
+        if c.get("preset") is not None:  # what the preset sets is part of the candidate
+            keep |= set(meth.presets[c["preset"]].options)
+        out.append({k: v for k, v in full.items() if k in keep and k not in ("preset", "config")})
     return out
+
+
+def _check_patches(model: torch.nn.Module, method: str, space: list[dict[str, Any]]) -> None:
+    """Patch and unpatch once per candidate, so that a model feature a candidate cannot run, or an option that
+    does not fit the model (``dense_heads`` naming a head it lacks), fails before anything is timed."""
+    for opts in space:
+        with patched(model, method, **opts):
+            pass
+
+
+def _all_dense(per_layer_modes: list[list[str]]) -> bool:
+    """Whether every routed layer of every calibration input ran exact attention (modes ``dense:*``)."""
+    modes = [m for layer_modes in per_layer_modes for m in layer_modes]
+    return bool(modes) and all(str(m).startswith("dense") for m in modes)
+
+
+def _timing_warning(dense_times: list[float]) -> str | None:
+    lo, hi = min(dense_times), max(dense_times)
+    if lo > 0 and hi / lo > TIMING_SPREAD:
+        return (f"the unpatched model took {dense_times[0]:.3g} s at the start and {dense_times[-1]:.3g} s at the end "
+                f"({hi / lo:.2f}x apart): this machine's speed changed during the run, so the speed-ups are uncertain; "
+                "run again on an idle machine or with more --repeats")
+    return None
 
 
 def _tunable() -> list[str]:
@@ -127,33 +158,40 @@ def tune_causal(
 
     Args:
         model: an unpatched causal LM (patched and unpatched per candidate; left unpatched).
-        prompts: calibration prompts, each ``[1, tokens]`` token ids; the first is the one timed.
+        prompts: calibration prompts, each ``[1, tokens]`` integer token ids; a timed pass runs every one.
         method: a registered method with a tuning space and a recall measurement (``anchor_attention``).
         target_mean: required mean recall over every (prompt, layer, query head), in ``[0, 1]``.
         target_worst: required mean of the worst ``worst_fraction`` of them, in ``[0, 1]``.
         worst_fraction: share of entries averaged into the worst recall (0.05 = worst 5 %).
         candidates: option dicts to try instead of the method's tuning space.
-        repeats: timed forwards per candidate (median; one untimed forward before them).
+        repeats: timed passes over the prompts per candidate (median; one untimed pass before them).
         max_rounds: recall measurements per candidate (per-head decisions added after each).
         progress: called with one line per measurement.
 
     Returns:
-        ``{"method", "target": {...}, "geometry", "tokens", "dense_seconds", "rows": [...], "chosen": row}``;
+        ``{"method", "target": {...}, "geometry", "tokens"`` (the longest prompt), ``"prompt_tokens", "dense_seconds",
+        "rows": [...], "chosen": row, "warnings": [...]}`` (warnings: the machine's speed changed during the run,
+        or every candidate ran exact attention on the calibration input);
         each row has ``options`` (``dense_heads`` included), ``dense_heads`` (count), ``recall_mean``,
         ``recall_worst``, ``meets``, ``seconds`` (``None`` when it misses the target, or when every head
-        ended dense: not timed) and ``speedup`` (unpatched seconds / seconds).  The exact setting is the last
+        ended dense, or every layer ran exact attention on the calibration input, e.g. below ``min_len``: not
+        timed, ``note`` says which) and ``speedup`` (unpatched seconds / seconds).  The exact setting is the last
         row (``exact``; ``exact_at_tokens`` where its options are exact at that length only).
 
     Raises:
-        OptionError: a target outside ``[0, 1]``, no prompts, a method the tuner cannot search, a bad
-            candidate.
+        OptionError: a target outside ``[0, 1]``, no prompts or prompts not ``[1, tokens]`` integer ids, a method
+            the tuner cannot search, a bad candidate.
         UnsupportedModelError: the method does not fit the model.
     """
     for name, v in (("target_mean", target_mean), ("target_worst", target_worst)):
-        if not 0.0 <= float(v) <= 1.0:
+        if not isinstance(v, (int, float)) or not 0.0 <= float(v) <= 1.0:
             raise OptionError(f"{name}={v!r}: must be a recall in [0, 1]")
     if not prompts:
         raise OptionError("tune_causal needs at least one calibration prompt")
+    for i, p in enumerate(prompts):
+        if not isinstance(p, torch.Tensor) or p.dim() != 2 or p.shape[0] != 1 or p.shape[1] < 1 or p.is_floating_point():
+            what = tuple(p.shape) if isinstance(p, torch.Tensor) else type(p).__name__
+            raise OptionError(f"prompts[{i}] of shape {what}: expected integer token ids of shape [1, tokens]")
     if repeats < 1 or max_rounds < 1:
         raise OptionError(f"repeats={repeats}, max_rounds={max_rounds}: each must be >= 1")
     meth = get_method(method)
@@ -163,17 +201,19 @@ def tune_causal(
     space = _candidates(meth, geometry, candidates)
     say = progress or (lambda s: None)
     per_head = "dense_heads" in meth.options
-    tokens = int(prompts[0].shape[-1])
-    first = prompts[0]
+    lengths = [int(p.shape[-1]) for p in prompts]
+    tokens = max(lengths)
+    _check_patches(model, method, space)
 
-    def forward():
-        model(input_ids=first, use_cache=False)
+    def forward():  # one pass over every calibration prompt
+        for p in prompts:
+            model(input_ids=p, use_cache=False)
 
     def unpatched_time() -> float:
         return _median_seconds(forward, repeats)
 
     dense_times = [unpatched_time()]
-    say(f"unpatched: {dense_times[0]:.2f} s ({tokens} tokens)")
+    say(f"unpatched: {dense_times[0]:.2f} s per pass ({len(prompts)} prompt(s), {sum(lengths)} tokens)")
     rows: list[dict[str, Any]] = []
     for i, cand in enumerate(space):
         opts = dict(cand)
@@ -200,7 +240,11 @@ def tune_causal(
             dense.update(add)
         row = {"options": dict(opts), "dense_heads": len(dense), "recall_mean": mean, "recall_worst": worst, "meets": meets,
                "seconds": None, "speedup": None}
-        if per_head and len(dense) >= rec.shape[1] * rec.shape[2]:
+        if _all_dense([[r["mode"] for r in m["per_layer"]] for m in mats]):
+            row["note"] = (f"every layer ran exact attention on the calibration input "
+                           f"({', '.join(sorted({r['mode'] for m in mats for r in m['per_layer']}))}): not timed")
+            say(f"[{i + 1}/{len(space)}] {_short(opts)}: {row['note']}")
+        elif per_head and len(dense) >= rec.shape[1] * rec.shape[2]:
             row["note"] = "every head dense: the exact model with the patch's overhead; not timed"
             say(f"[{i + 1}/{len(space)}] {_short(opts)}: {row['note']}")
         elif meets:
@@ -210,8 +254,10 @@ def tune_causal(
         rows.append(row)
     dense_times.append(unpatched_time())
     ref, chosen = _finish(rows, dense_times, meth, tokens, dense_heads=0, recall_mean=1.0, recall_worst=1.0)
+    warnings = _warnings(rows, dense_times, f"{tokens} tokens")
     return {
-        "method": method, "kind": "causal_lm", "tokens": tokens, "prompts": len(prompts),
+        "method": method, "kind": "causal_lm", "tokens": tokens, "prompt_tokens": lengths, "prompts": len(prompts),
+        "warnings": warnings,
         "target": {"recall_mean": target_mean, "recall_worst": target_worst, "worst_fraction": worst_fraction},
         "geometry": _geometry_dict(geometry), "dense_seconds": ref, "dense_seconds_each": dense_times,
         "rows": rows, "chosen": chosen,
@@ -246,28 +292,33 @@ def tune_vision(
         progress: called with one line per candidate.
 
     Returns:
-        ``{"method", "target", "geometry", "tokens", "images", "dense_seconds", "rows", "chosen"}``; each row has
-        ``options``, ``cls_cos`` (mean), ``cls_cos_min``, ``meets``, ``seconds`` (one pass over the calibration
-        images; ``None`` when it misses the target) and ``speedup``.  The exact setting is the last row (``exact``;
+        ``{"method", "target", "geometry", "tokens", "images", "dense_seconds", "rows", "chosen", "warnings"}``; each
+        row has ``options``, ``cls_cos`` (mean), ``cls_cos_min``, ``meets``, ``seconds`` (one pass over the calibration
+        images; ``None`` when it misses the target or every layer ran exact attention, ``note`` then says so) and
+        ``speedup``.  The exact setting is the last row (``exact``;
         ``exact_at_tokens`` where its options are exact at that length only).
 
     Raises:
-        OptionError: a target outside ``[-1, 1]``, no images, a method the tuner cannot search, a bad candidate.
+        OptionError: a target outside ``[-1, 1]``, no images or non-square ones, a model that is not a vision
+            encoder, a method the tuner cannot search, a bad candidate.
         UnsupportedModelError: the method does not fit the model.
     """
     from .vision import encode, token_count
 
-    if not -1.0 <= float(target_cos) <= 1.0:
+    if not isinstance(target_cos, (int, float)) or not -1.0 <= float(target_cos) <= 1.0:
         raise OptionError(f"target_cos={target_cos!r}: must be a cosine in [-1, 1]")
-    if pixels.dim() != 4 or pixels.shape[0] < 1:
-        raise OptionError(f"calibration images of shape {tuple(pixels.shape)}: expected [B >= 1, 3, R, R]")
+    if pixels.dim() != 4 or pixels.shape[0] < 1 or pixels.shape[-1] != pixels.shape[-2] or not pixels.is_floating_point():
+        raise OptionError(f"calibration images of shape {tuple(pixels.shape)}: expected square float images [B >= 1, 3, R, R]")
     if repeats < 1 or batch_size < 1:
         raise OptionError(f"repeats={repeats}, batch_size={batch_size}: each must be >= 1")
     meth = get_method(method)
     if not meth.fits("vision"):
         raise OptionError(f"method {method!r} does not fit a vision encoder (it fits: {', '.join(sorted(meth.model_kinds))})")
     geometry = model_geometry(model)
+    if "vision" not in geometry.kind:
+        raise OptionError(f"tune_vision needs a vision encoder; this model's routed attention is {geometry.kind or 'unknown'!r}")
     space = _candidates(meth, geometry, candidates)
+    _check_patches(model, method, space)
     say = progress or (lambda s: None)
     batches = list(pixels.split(batch_size))
     tokens = token_count(model, int(pixels.shape[-1]))
@@ -286,21 +337,40 @@ def tune_vision(
     rows: list[dict[str, Any]] = []
     for i, opts in enumerate(space):
         with patched(model, method, **opts):
-            c = _cos(_quiet(cls), ref_cls)
+            with record_stats(model) as recorder:
+                c = _cos(_quiet(cls), ref_cls)
             row = {"options": dict(opts), "cls_cos": float(c.mean()), "cls_cos_min": float(c.min()),
                    "meets": float(c.mean()) >= target_cos, "seconds": None, "speedup": None}
-            if row["meets"]:
+            modes = [[r.mode for r in f.values()] for f in recorder.forwards]
+            if _all_dense(modes):
+                row["note"] = (f"every layer ran exact attention on the calibration input "
+                               f"({', '.join(sorted({m for f in modes for m in f}))}): not timed")
+            elif row["meets"]:
                 row["seconds"] = _quiet(lambda: _median_seconds(one_pass, repeats))
         rows.append(row)
-        t = f"{row['seconds']:.2f} s" if row["seconds"] is not None else "not timed (misses the target)"
+        t = (f"{row['seconds']:.2f} s" if row["seconds"] is not None else
+             row.get("note", "not timed (misses the target)"))
         say(f"[{i + 1}/{len(space)}] {_short(opts)}: CLS cos {row['cls_cos']:.4f}, {t}")
     dense_times.append(_median_seconds(one_pass, repeats))
     ref, chosen = _finish(rows, dense_times, meth, tokens, cls_cos=1.0, cls_cos_min=1.0)
+    warnings = _warnings(rows, dense_times, f"{tokens} tokens")
     return {
         "method": method, "kind": "vision", "tokens": tokens, "images": int(pixels.shape[0]),
-        "resolution": int(pixels.shape[-1]), "target": {"cls_cos": target_cos}, "geometry": _geometry_dict(geometry),
+        "resolution": int(pixels.shape[-1]), "target": {"cls_cos": target_cos}, "warnings": warnings, "geometry": _geometry_dict(geometry),
         "dense_seconds": ref, "dense_seconds_each": dense_times, "rows": rows, "chosen": chosen,
     }
+
+
+def _warnings(rows: list[dict[str, Any]], dense_times: list[float], size: str) -> list[str]:
+    out = []
+    spread = _timing_warning(dense_times)
+    if spread:
+        out.append(spread)
+    approx = rows[:-1]
+    if approx and all(r.get("note", "").startswith("every layer ran exact") for r in approx):
+        out.append(f"every candidate ran exact attention at {size} (e.g. below its min_len / min_tokens): calibrate on "
+                   "inputs long enough for the method to run, or give candidates that approximate there")
+    return out
 
 
 def _finish(rows: list[dict[str, Any]], dense_times: list[float], meth: Method, tokens: int,

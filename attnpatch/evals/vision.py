@@ -105,7 +105,7 @@ def encode(
                 PreTrainedModel = ()  # noqa: N806
             if not isinstance(model, PreTrainedModel):
                 raise UnsupportedModelError(f"cannot encode images with a {type(model).__name__}: expected a transformers ViT or a timm ViT")
-            h = model(pixel_values=x).last_hidden_state
+            h = model(pixel_values=x, **_interpolate_kwargs(model, x)).last_hidden_state
     finally:
         for hk in hooks:
             hk.remove()
@@ -118,6 +118,21 @@ def encode(
         pm = h[:, p:].float().mean(1).cpu()
     cls = h[:, 0].float().cpu()
     return (cls, pm, got) if layers else (cls, pm)
+
+
+def _interpolate_kwargs(model: torch.nn.Module, x: torch.Tensor) -> dict[str, bool]:
+    """``interpolate_pos_encoding=True`` for a transformers ViT whose forward takes it (ViT, CLIP, SigLIP) on images of
+    another size than its configured ``image_size``; DINOv2 interpolates on its own."""
+    import inspect
+
+    size = getattr(getattr(model, "config", None), "image_size", None)
+    if size is None or tuple(x.shape[-2:]) == ((size, size) if isinstance(size, int) else tuple(size)):
+        return {}
+    try:
+        takes = "interpolate_pos_encoding" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):  # pragma: no cover
+        return {}
+    return {"interpolate_pos_encoding": True} if takes else {}
 
 
 def patch_size(model: torch.nn.Module) -> int | None:
