@@ -109,9 +109,9 @@ def _check_patches(model: torch.nn.Module, method: str, space: list[dict[str, An
 
 
 def _all_dense(per_layer_modes: list[list[str]]) -> bool:
-    """Whether every routed layer of every calibration input ran exact attention (modes ``dense:*``)."""
+    """Whether every routed layer of every calibration input ran exact attention (record modes ``dense:*``)."""
     modes = [m for layer_modes in per_layer_modes for m in layer_modes]
-    return bool(modes) and all(str(m).startswith("dense") for m in modes)
+    return bool(modes) and all(str(m).startswith("dense:") for m in modes)
 
 
 def _timing_warning(dense_times: list[float]) -> str | None:
