@@ -17,16 +17,32 @@ def test_niah_single_2k_patched_not_below_dense(smollm2):
     from attnpatch.evals.ruler import run_ruler
 
     model, tok = smollm2
-    res = run_ruler(model, tok, method="anchor_attention", tasks=["niah_single"], lengths=[2048], num_samples=5, recall=True)
+    # the accuracy-first preset: sparse from 512 tokens (the defaults run dense below the CPU's break-even length)
+    res = run_ruler(model, tok, method="anchor_attention", options={"preset": "accurate"}, tasks=["niah_single"],
+                    lengths=[2048], num_samples=5, recall=True)
     cell = res["cells"][0]
     print({k: v for k, v in cell.items() if k != "samples"})
     assert cell["n"] == 5
     assert 1900 <= cell["tokens"] <= 2048
     assert cell["dense_acc"] >= 0.8  # the dense model finds the needle at 2k
     assert cell["patched_acc"] >= cell["dense_acc"]
-    assert 0.02 < cell["sparsity"] < 1.0  # the default really skips work (4.2 % at 2k with pool_stride=2)
+    assert 0.02 < cell["sparsity"] < 1.0  # the preset really skips work (4.2 % at 2k with pool_stride=2)
     assert 0.9 < cell["recall_mean"] <= 1.0
     assert not hasattr(model, "_attnpatch_handle")  # left unpatched
+
+
+def test_defaults_run_the_models_own_attention_below_the_break_even_length(smollm2):
+    from attnpatch import patched, record_stats
+    from attnpatch.attention.anchor.config import BREAK_EVEN
+
+    model, tok = smollm2
+    ids = tok("The quick brown fox jumps over the lazy dog. " * 400, return_tensors="pt").input_ids[:, :BREAK_EVEN["cpu"] - 1]
+    with torch.no_grad():
+        ref = model(ids).logits
+        with patched(model, "anchor_attention"), record_stats(model) as rec:
+            got = model(ids).logits
+    assert {r.mode for r in rec.forwards[0].values()} == {"dense:short"}
+    assert torch.equal(got, ref)  # handed back to the model's own attention: bit for bit
 
 
 def test_unpatch_bit_exact_on_real_model(smollm2):

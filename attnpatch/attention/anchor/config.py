@@ -154,7 +154,7 @@ class AnchorConfig:
     keep every causal key, ``block_size * (1 + (init_block + local_window) // block_size)``,
     query ``i`` gives the same output, to float rounding, in every prompt of at least ``e(i)``
     tokens that agrees on the tokens before ``e(i)``.  The defaults are causal but not
-    prefix-consistent (``dense_last=256``, ``min_len=512``); ``guard="global"`` is neither.  A
+    prefix-consistent (``dense_last=256``, ``min_len="auto"``); ``guard="global"`` is neither.  A
     prompt continued on a cache (chunked prefill) is computed as its own call: blocks from its
     first query, ``dense_last`` and ``min_len`` on its own length, the causal guard's probes from
     its first block; it equals a one-pass prefill only for chunks that are multiples of
@@ -166,8 +166,10 @@ class AnchorConfig:
     a stripe is kept for the block when any pool keeps it), ``dense_last=256`` (the question at the
     end of the prompt attends densely) and the recall guard ``min_recall=0.9`` (the retrieval heads
     that thresholding hurts attend densely).  They were chosen by measurement on SmolLM2-135M-Instruct
-    so that needle-in-a-haystack accuracy is not below dense; they buy accuracy with sparsity.  The
-    measurements (accuracy, sparsity and recall per setting, and the speed of the defaults and of
+    so that needle-in-a-haystack accuracy is not below dense; they buy accuracy with sparsity.
+    ``min_len="auto"``: prompts shorter than the device's break-even length (:data:`BREAK_EVEN`) run
+    the model's own attention (record mode ``dense:short``), where sparse prefill would cost more than
+    it saves.  The measurements (accuracy, sparsity and recall per setting, and the speed of the defaults and of
     settings chosen for speed) are in the README ("Methods") and BENCHMARKS.md.
     """
 
@@ -180,7 +182,7 @@ class AnchorConfig:
                                                       rule="must be an integer >= 1 (tokens)"))
     local_window: int = field(default=128, metadata=opt("int", "keys before each block's end always kept (tokens, >= block_size)",
                                                         low=1, rule="must be an integer >= 1 (tokens)"))
-    min_len: int | str = field(default=512, metadata=opt(
+    min_len: int | str = field(default="auto", metadata=opt(
         "int_or_auto", "prompts shorter than this run dense (tokens; 'auto' = the device's measured break-even length, "
         "where sparse prefill starts to pay)", low=0, rule="must be 'auto' or an integer >= 0 (tokens)"))
     pool_stride: int | None = field(default=2, metadata=opt(
