@@ -153,21 +153,20 @@ def _cmd_tune(args) -> int:
     import torch
 
     from ..evals.report import machine_info, write_json, write_text
-    from ..evals.tune import tune_causal, tune_vision
+    from ..evals.tune import _short, _tunable, tune_causal, tune_vision
     from ..patchers.api import model_geometry
     from ..patchers.registry import get_method, validate_options, write_config
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    kind = _kind(args.model, args.kind)
+    kind = args.resolved_kind
     method = args.method or ("fna" if kind == "vision" else "anchor_attention")
     meth = get_method(method)
     if not meth.fits(kind):
         raise AttnpatchError(f"method {method!r} does not fit a {kind.replace('_', ' ')} model (it fits: {', '.join(sorted(meth.model_kinds))})")
     if meth.tune_space is None and not args.candidate:
-        tunable = sorted(n for n in __import__("attnpatch.patchers.registry", fromlist=["METHODS"]).METHODS
-                         if get_method(n).tune_space is not None)
-        raise AttnpatchError(f"method {method!r} has no tuning space; give --candidate settings, or tune one of: {', '.join(tunable)}")
+        raise AttnpatchError(f"method {method!r} has no tuning space; give --candidate settings, or tune one of: "
+                             f"{', '.join(_tunable())}")
     candidates = None
     if args.candidate:
         for c in args.candidate:
@@ -236,7 +235,7 @@ def _cmd_tune(args) -> int:
         what = f"{result['resolution']} px, {result['tokens']} tokens, {source}"
     chosen = result["chosen"]
     if chosen.get("exact_at_tokens"):
-        _stderr_line(f"note: {method}'s exact setting {_short_opts(chosen['options'])} is exact at {chosen['exact_at_tokens']} "
+        _stderr_line(f"note: {method}'s exact setting {_short(chosen['options'])} is exact at {chosen['exact_at_tokens']} "
                      "tokens only; the config records it, and on other input sizes it approximates")
     for w in result["warnings"]:
         _stderr_line(f"warning: {w}")
@@ -251,7 +250,7 @@ def _cmd_tune(args) -> int:
     write_json(report, result)  # the search is kept before the held-out check starts
     title = f"tune — {args.model} — {method} — {what}"
     md = _print_rows(_rows_table(result), title)
-    print(f"chosen: {'exact (unpatched): no setting met the target faster' if chosen.get('exact') else _short_opts(chosen['options'])}"
+    print(f"chosen: {'exact (unpatched): no setting met the target faster' if chosen.get('exact') else _short(chosen['options'])}"
           f" ({chosen['speedup']:.2f}x on the calibration input); wrote {out}  (use: -o config={out})")
     if args.holdout != 0:
         if vision:
@@ -304,12 +303,6 @@ def _pct(v) -> str:
     return "-" if v is None else f"{100 * v:.1f}%"
 
 
-def _short_opts(opts: dict[str, Any]) -> str:
-    from ..evals.tune import _short
-
-    return _short(opts)
-
-
 def add_parser(sub) -> None:
     """Register ``tune``."""
     p = sub.add_parser("tune", help="find the cheapest setting of a method that meets an accuracy target; write it as a config")
@@ -343,7 +336,8 @@ def _run(args) -> int:
     args.length_given, args.calibration_given = args.length, args.calibration
     if args.length is None:
         args.length = 4096
-    vision = _kind(args.model, args.kind) == "vision"
+    args.resolved_kind = _kind(args.model, args.kind)
+    vision = args.resolved_kind == "vision"
     if args.calibration is None:
         args.calibration = 8 if vision else 2
     if args.holdout is None and not vision:
