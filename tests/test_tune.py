@@ -332,6 +332,15 @@ def test_a_preset_candidate_keeps_what_the_preset_sets():
         _candidates(meth, None, [])
 
 
+def test_a_config_candidate_keeps_what_the_config_sets(tmp_path):
+    from attnpatch.evals.tune import _candidates
+
+    meth = get_method("anchor_attention")
+    path = write_config(tmp_path / "c.json", meth, dict(SMALL, theta=3.0, dense_heads=((0, 1),)))
+    (cand,) = _candidates(meth, None, [{"config": str(path)}])
+    assert cand["theta"] == 3.0 and cand["dense_heads"] == ((0, 1),) and cand["block_size"] == 16 and "config" not in cand
+
+
 def test_a_candidate_the_model_cannot_run_fails_before_anything_is_timed():
     model = tiny_causal_lm("llama", layers=2)
     lines = []

@@ -29,7 +29,7 @@ import torch
 
 from ..errors import OptionError
 from ..patchers.api import model_geometry, patched, record_stats
-from ..patchers.registry import Method, get_method, validate_options
+from ..patchers.registry import Method, get_method, load_config, validate_options
 from .compare import _quiet  # warnings off (e.g. "s >= N: exact attention" on a small calibration input)
 from .compare import _seconds as _median_seconds  # median of repeats after one untimed call
 from .recall import attention_recall
@@ -94,8 +94,10 @@ def _candidates(meth: Method, geometry, candidates: Sequence[dict[str, Any]] | N
     for c in candidates:
         full = validate_options(meth, dict(c))  # a bad candidate fails before any measurement
         keep = set(c) | {"dense_heads"}
-        if c.get("preset") is not None:  # what the preset sets is part of the candidate
+        if c.get("preset") is not None:  # what a preset or a saved config sets is part of the candidate
             keep |= set(meth.presets[c["preset"]].options)
+        if c.get("config") is not None:
+            keep |= set(load_config(c["config"], meth)["options"])
         out.append({k: v for k, v in full.items() if k in keep and k not in ("preset", "config")})
     return out
 
