@@ -44,7 +44,8 @@ TIMING_SPREAD = 1.25
 
 def recall_scores(recall: torch.Tensor, worst_fraction: float = 0.05) -> tuple[float, float]:
     """``(mean, worst)`` of a recall tensor (any shape, e.g. ``[prompts, layers, heads]``): the mean of all
-    entries and the mean of the lowest ``worst_fraction`` of them (at least one).
+    entries and the mean of the lowest ``worst_fraction`` of them (at least one).  Recall is the exact softmax
+    mass the kept keys carry (:mod:`.recall`), a fraction in ``[0, 1]``.
 
     Raises:
         ValueError: ``worst_fraction`` outside ``(0, 1]``, or an empty tensor.
@@ -157,6 +158,9 @@ def tune_causal(
     progress: Progress | None = None,
 ) -> dict[str, Any]:
     """The cheapest setting of ``method`` on a causal LM whose attention recall meets the target.
+
+    Per-head dense decisions measured offline on calibration prompts follow MInference's offline per-head
+    search (arXiv 2407.02490), here with attention recall as the criterion and wall time as the cost.
 
     Args:
         model: an unpatched causal LM (patched and unpatched per candidate; left unpatched).
@@ -282,6 +286,9 @@ def tune_vision(
     progress: Progress | None = None,
 ) -> dict[str, Any]:
     """The cheapest setting of ``method`` on a ViT encoder whose final CLS token stays within the target.
+
+    The criterion, the final CLS token's cosine to the exact model, is ``attnpatch eval fidelity``'s; the methods
+    searched are the method's own (``fna``: arXiv 2507.16018).  Times are seconds of wall clock per pass over ``pixels``.
 
     Args:
         model: an unpatched ViT encoder (:func:`attnpatch.evals.vision.encode`); left unpatched.
