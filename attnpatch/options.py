@@ -50,7 +50,8 @@ class Option:
             (list of ``(layer, head)`` pairs).
         default: the value used when the option is not given.
         help: one line, with units.
-        choices: allowed values for ``"str"`` options.
+        choices: allowed values for ``"str"`` options; for ``"int_or_auto"`` the allowed words besides an integer
+            (default ``("auto",)``).
         nullable: ``None`` (or the string ``"none"``) is an allowed value.
         low, high: the allowed range of a number (``None``: unbounded on that side); NaN is never
             allowed for ``"float"`` options.
@@ -83,7 +84,7 @@ class Option:
             OptionError: the value's type does not fit ``kind``, is not among ``choices``, or is out of range.
         """
         value = self._typed(value)
-        if value is not None and value != "auto" and not self.in_range(value):
+        if value is not None and not isinstance(value, str) and not self.in_range(value):
             raise OptionError(f"{self.name}={value!r}: {self.rule or 'must be ' + (self.range_text() or 'a number, not NaN')}")
         return value
 
@@ -105,7 +106,7 @@ class Option:
 
     def range_text(self) -> str:
         """The declared range in words, e.g. ``"an integer >= 1"``, ``"a number in (0, 1)"``; ``""`` if none."""
-        what = {"int": "an integer", "int_or_auto": "'auto' or an integer", "float": "a number"}.get(self.kind, "")
+        what = {"int": "an integer", "int_or_auto": f"{self._words()} or an integer", "float": "a number"}.get(self.kind, "")
         if self.nullable and what:
             what = "None or " + what
         if self.low is not None and self.high is not None:
@@ -118,6 +119,11 @@ class Option:
         else:
             return ""
         return ("a finite " + text[2:] if self.finite and text.startswith("a ") else text).strip()
+
+    def _words(self) -> str:
+        """The words an ``"int_or_auto"`` option takes besides an integer, quoted: ``"'auto'"``."""
+        words = [repr(w) for w in (self.choices or ("auto",))]
+        return words[0] if len(words) == 1 else "one of " + ", ".join(words)
 
     def _typed(self, value: Any) -> Any:
         where = f"option {self.name}={value!r}"
@@ -149,8 +155,8 @@ class Option:
                 return value
             if self.kind == "int_or_auto":
                 if isinstance(value, str):
-                    if value.strip().lower() == "auto":
-                        return "auto"
+                    if value.strip().lower() in (self.choices or ("auto",)):
+                        return value.strip().lower()
                     value = int(value)
                 if isinstance(value, bool) or not isinstance(value, numbers.Integral):
                     raise TypeError
@@ -180,7 +186,8 @@ class Option:
         except (TypeError, ValueError, OverflowError) as exc:
             if isinstance(exc, OptionError):
                 raise
-            raise OptionError(f"{where}: expected {KINDS[self.kind]}" + (" (or none)" if self.nullable else "")) from None
+            kind = f"an integer or {self._words()}" if self.kind == "int_or_auto" else KINDS[self.kind]
+            raise OptionError(f"{where}: expected {kind}" + (" (or none)" if self.nullable else "")) from None
         raise AssertionError(self.kind)
 
     def describe(self) -> dict[str, Any]:

@@ -30,7 +30,7 @@ def test_eval_ruler_end_to_end(tiny_dir, tmp_path, capsys):
     md = tmp_path / "r.md"
     rc = main([
         "eval", "ruler", "--model", str(tiny_dir), "--method", "anchor_attention", "-o", "theta=2", "-o", "min_len=0",
-        "-o", "block_size=32", "-o", "local_window=32", "-o", "init_block=16",
+        "-o", "pool_stride=2", "-o", "block_size=32", "-o", "local_window=32", "-o", "init_block=16",
         "--tasks", "niah_single", "variable_tracking", "--lengths", "900", "--samples", "2", "--json", str(out), "--markdown", str(md),
     ])
     assert rc == 0
@@ -55,7 +55,19 @@ def test_eval_ruler_end_to_end(tiny_dir, tmp_path, capsys):
         assert c["patched_acc"] == pytest.approx(sum(s["patched_score"] for s in c["samples"]) / 2)
     printed = capsys.readouterr().out
     assert "patched acc" in printed and "recall worst5%" in printed
+    assert "note:" not in printed  # sparse in every cell
     assert md.read_text().count("\n|") >= 3
+
+
+def test_eval_ruler_says_when_the_defaults_ran_the_models_own_attention(tiny_dir, tmp_path, capsys):
+    out, md = tmp_path / "r.json", tmp_path / "r.md"
+    assert main(["eval", "ruler", "--model", str(tiny_dir), "--lengths", "300", "--samples", "1", "--no-recall",
+                 "--json", str(out), "--markdown", str(md)]) == 0
+    note = ("note: in every cell the patch ran the model's own attention in every layer (record mode dense:short: the "
+            "prompt is below the method's minimum length")
+    assert note in capsys.readouterr().out and note in md.read_text()
+    cell = json.loads(out.read_text())["cells"][0]
+    assert cell["patched_modes"] == ["dense:short"] and cell["samples"][0]["patched_pred"] == cell["samples"][0]["dense_pred"]
 
 
 def test_eval_ruler_dense_baseline(tiny_dir, tmp_path, monkeypatch):

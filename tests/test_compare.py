@@ -201,6 +201,24 @@ def test_run_ruler_single_api_unchanged(lm_dir):
     assert "patched_acc" not in base["cells"][0] and base["cells"][0]["dense_acc"] == c["dense_acc"]
 
 
+def test_run_ruler_says_where_the_patch_ran_the_models_own_attention(lm_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from attnpatch.evals.ruler import run_ruler
+
+    model = AutoModelForCausalLM.from_pretrained(lm_dir).eval()
+    tok = AutoTokenizer.from_pretrained(lm_dir)
+    # the defaults below the CPU break-even length: every layer hands back, and the answers are dense's
+    res = run_ruler(model, tok, method="anchor_attention", tasks=["niah_single"], lengths=[300], num_samples=2, recall=False)
+    c = res["cells"][0]
+    assert c["patched_modes"] == ["dense:short"] and c["sparsity"] == 0.0
+    assert [s["modes"] for s in c["samples"]] == [["dense:short"]] * 2
+    assert [s["patched_pred"] for s in c["samples"]] == [s["dense_pred"] for s in c["samples"]]
+    res = run_ruler(model, tok, method="a_shape", options={"init_tokens": 4, "window": 64}, tasks=["niah_single"], lengths=[300],
+                    num_samples=1, recall=False)
+    assert res["cells"][0]["patched_modes"] == ["sparse"]
+
+
 # --------------------------------------------------------------------------- CLI
 
 

@@ -25,7 +25,7 @@ from attnpatch.errors import OptionError
 
 BLOCK = 32
 # the setting: theta 8, blocks of 32, guard on; dense_last=0 so that the last block is sparse and probed
-MODEL_KW = dict(theta=8.0, block_size=BLOCK, init_block=32, local_window=32, min_len=64, dense_last=0, min_recall=0.9)
+MODEL_KW = dict(theta=8.0, block_size=BLOCK, init_block=32, local_window=32, min_len=64, dense_last=0, min_recall=0.9, pool_stride=2)
 
 
 def _need_compiled():

@@ -36,7 +36,12 @@ def test_anchor_presets_are_the_documented_settings():
     assert set(m.presets) >= {"accurate", "fast", "paper"}
     fast = validate_options(m, {"preset": "fast"})
     assert (fast["theta"], fast["pool_stride"], fast["dense_last"], fast["min_recall"], fast["select_dtype"], fast["min_len"]) == (
-        8.0, 8, 64, 0.75, "auto", "auto")
+        8.0, 8, 64, 0.75, "auto", "auto-fast")
+    accurate = validate_options(m, {"preset": "accurate"})
+    assert (accurate["theta"], accurate["pool_stride"], accurate["min_len"], accurate["select_dtype"]) == (12.0, 2, 512, "float32")
+    defaults = validate_options(m, {})
+    assert (defaults["theta"], defaults["pool_stride"], defaults["dense_last"], defaults["min_recall"], defaults["min_len"],
+            defaults["select_dtype"]) == (12.0, 8, 256, 0.9, "auto", "float32")
     paper = validate_options(m, {"preset": "paper"})
     assert (paper["pool_stride"], paper["dense_last"], paper["min_recall"]) == (None, 0, 0.0)
 
@@ -69,6 +74,20 @@ def test_min_len_auto_resolves_per_device_type():
     assert AnchorConfig(min_len=300).min_len_on("meta") == 300
     with pytest.raises(OptionError, match="min_len='soon'"):
         AnchorConfig(min_len="soon")
+
+
+def test_min_len_auto_fast_is_the_fast_settings_break_even_length():
+    assert anchor_config.FAST_BREAK_EVEN["cpu"] < anchor_config.BREAK_EVEN["cpu"]  # a speed setting pays earlier
+    cfg = AnchorConfig(min_len="auto-fast")
+    assert cfg.min_len_on("cpu") == anchor_config.FAST_BREAK_EVEN["cpu"]
+    assert cfg.min_len_on("meta") == sys.maxsize
+    m = get_method("anchor_attention")
+    assert m.make_config(validate_options(m, {"preset": "fast"})).min_len_on("cpu") == 3072
+    assert validate_options(m, {"min_len": " Auto-Fast "})["min_len"] == "auto-fast"  # CLI text
+    with pytest.raises(OptionError, match=r"min_len='fast': expected an integer or one of 'auto', 'auto-fast'"):
+        AnchorConfig(min_len="fast")
+    with pytest.raises(OptionError, match=r"min_len=-1: must be 'auto', 'auto-fast' or an integer >= 0"):
+        AnchorConfig(min_len=-1)
 
 
 def _modes(model, ids):
@@ -106,7 +125,7 @@ def test_cli_lists_presets_and_refuses_a_bad_one():
     exe = [sys.executable, "-m", "attnpatch"]
     out = subprocess.run(exe + ["methods", "--json"], capture_output=True, text=True, check=True).stdout
     anchor = next(m for m in json.loads(out) if m["name"] == "anchor_attention")
-    assert anchor["presets"]["fast"]["options"]["min_len"] == "auto"
+    assert anchor["presets"]["fast"]["options"]["min_len"] == "auto-fast"
     r = subprocess.run(exe + ["bench", "attention", "--method", "anchor_attention:preset=quick", "--mode", "causal", "--lengths", "64"],
                        capture_output=True, text=True)
     assert r.returncode != 0

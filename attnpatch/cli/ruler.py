@@ -74,11 +74,27 @@ def _cmd_eval_ruler(args) -> int:
     save(result, complete=True)
     title = f"RULER-style eval — {args.model} — {args.method} {_fmt_opts(result['options'])}"
     print_table(result["cells"], RULER_COLUMNS, title=title)
+    note = _handback_note(result["cells"])
+    if note:
+        print(note)
     print(f"wrote {path}")
     if args.markdown:
-        write_text(args.markdown, f"### {title}\n\n" + rows_to_markdown(result["cells"], RULER_COLUMNS) + "\n")
+        write_text(args.markdown, f"### {title}\n\n" + rows_to_markdown(result["cells"], RULER_COLUMNS) + "\n"
+                   + (f"\n{note}\n" if note else ""))
         print(f"wrote {args.markdown}")
     return 0
+
+
+def _handback_note(cells: list[dict[str, Any]]) -> str | None:
+    """One line naming the cells whose patched prefills ran the model's own attention in every layer (record mode
+    ``dense:short``: prompts shorter than the method's minimum length), or ``None``."""
+    short = [f"{c['task']} {c['length']}" for c in cells if c.get("patched_modes") == ["dense:short"]]
+    if not short:
+        return None
+    which = "every cell" if len(short) == len(cells) else ", ".join(short)
+    return (f"note: in {which} the patch ran the model's own attention in every layer (record mode dense:short: the "
+            "prompt is below the method's minimum length, e.g. anchor_attention's min_len); the patched answers there "
+            "are the unpatched model's")
 
 
 def add_parser(esub) -> None:

@@ -126,7 +126,9 @@ def run_ruler(
         ``{"method", "options", "cells": [...], "settings": {...}}``; each cell has ``task``,
         ``length`` (target tokens), ``tokens`` (mean actual), ``n``, ``dense_acc``, and for a
         patched run ``patched_acc``, ``sparsity``, ``recall_mean``, ``recall_worst5``,
-        ``prefill_dense_s``, ``prefill_patched_s`` (medians, seconds), ``prefill_speedup``
+        ``prefill_dense_s``, ``prefill_patched_s`` (medians, seconds), ``prefill_speedup``,
+        ``patched_modes`` (the record modes of the patched prefills' layers, e.g. ``["dense:short"]`` where
+        every layer ran the model's own attention; see :func:`attnpatch.record_stats`)
         and ``samples`` (per-sample details).
 
     Raises:
@@ -309,6 +311,7 @@ def _run_cells(model, tokenizer, plan, settings, dense_cells, run_cells, *, reca
                         patched_score=ruler_tasks.score(task, text_p, s.answers),
                         prefill_patched_s=t_p,
                         sparsity=summ.get("sparsity"),
+                        modes=sorted({layer["mode"] for layer in summ.get("per_layer", [])}),
                     )
                     if recall and (recall_samples is None or i < recall_samples):
                         r = attention_recall(model, torch.tensor([ids], device=model.device))
@@ -357,6 +360,7 @@ def _aggregate(task: str, length: int, rows: list[dict[str, Any]], baseline_only
             recall_mean=_mean([r.get("recall_mean") for r in rows]),
             recall_worst5=_mean([r.get("recall_worst5") for r in rows]),
             prefill_patched_s=statistics.median(r["prefill_patched_s"] for r in rows),
+            patched_modes=sorted({m for r in rows for m in r.get("modes", [])}),
         )
         cell["prefill_speedup"] = cell["prefill_dense_s"] / cell["prefill_patched_s"] if cell["prefill_patched_s"] else None
     cell["samples"] = rows

@@ -18,11 +18,18 @@ _GUARDS = ("global", "causal")
 _SELECT_DTYPES = ("float32", "bfloat16", "auto")
 _LAYERS = "name model layers"  # why dense_layers / dense_heads do not apply to a one-layer benchmark
 
-#: ``min_len="auto"``: the prompt length (tokens) from which sparse prefill is faster than the fused dense
-#: attention, by device type.  CPU: between the lengths where the ``"fast"`` preset (float32, compiled CPU
-#: kernel) was measured slower and faster than dense end to end (README, "Presets"); on a device type not
-#: listed (CUDA: the PyTorch path was slower than SDPA at every measured length) ``"auto"`` never runs sparse.
-BREAK_EVEN: dict[str, int] = {"cpu": 3072}
+#: ``min_len="auto"``: the prompt length (tokens) from which the defaults' sparse prefill is faster than the fused dense
+#: attention, by device type.  CPU: between the lengths where the defaults were measured not faster (SmolLM2-135M at
+#: 8k) and faster (Qwen2.5-Coder-0.5B at 16k) than dense end to end (BENCHMARKS.md, "The defaults' break-even length");
+#: on a device type not listed (CUDA: the PyTorch path was slower than SDPA at every measured length) ``"auto"``
+#: never runs sparse.
+BREAK_EVEN: dict[str, int] = {"cpu": 12288}
+
+#: ``min_len="auto-fast"``: the same for a speed setting (the ``fast`` preset's pooling and threshold, and the tuner's
+#: candidates), which skips more keys for a cheaper selection and so pays from shorter prompts.  CPU: between the
+#: lengths where the ``fast`` preset was measured slower and faster than dense end to end (README, "Presets").
+FAST_BREAK_EVEN: dict[str, int] = {"cpu": 3072}
+_MIN_LEN_WORDS = ("auto", "auto-fast")
 
 
 @functools.lru_cache(maxsize=None)
@@ -161,15 +168,18 @@ class AnchorConfig:
     ``block_size`` and at least ``min_len`` long, with ``min_recall=0`` and ``dense_last=0``.
 
     Defaults: ``theta=12, block_size=128, init_block=128, local_window=128`` as in the paper, plus
-    three remedies for the paper setting's loss of multi-key retrieval: ``pool_stride=2`` (queries
-    pooled 2 at a time instead of a whole block, since the queries of one block want different keys;
+    three remedies for the paper setting's loss of multi-key retrieval: ``pool_stride=8`` (queries
+    pooled 8 at a time instead of a whole block, since the queries of one block want different keys;
     a stripe is kept for the block when any pool keeps it), ``dense_last=256`` (the question at the
     end of the prompt attends densely) and the recall guard ``min_recall=0.9`` (the retrieval heads
     that thresholding hurts attend densely).  They were chosen by measurement on SmolLM2-135M-Instruct
-    so that needle-in-a-haystack accuracy is not below dense; they buy accuracy with sparsity.
-    ``min_len="auto"``: prompts shorter than the device's break-even length (:data:`BREAK_EVEN`) run
-    the model's own attention (record mode ``dense:short``), where sparse prefill would cost more than
-    it saves.  The measurements (accuracy, sparsity and recall per setting, and the speed of the defaults and of
+    and Qwen2.5-Coder-0.5B-Instruct so that needle-in-a-haystack accuracy is not below dense; they buy
+    accuracy with sparsity, so their sparse prefill pays only on long prompts: ``min_len="auto"`` runs
+    prompts shorter than the device's break-even length (:data:`BREAK_EVEN`) through the model's own
+    attention (record mode ``dense:short``, bit for bit the unpatched model).  The ``accurate`` preset is
+    the accuracy-first setting before them (``pool_stride=2``, sparse from 512 tokens); ``fast`` skips more
+    keys from the shorter break-even length of ``min_len="auto-fast"`` (:data:`FAST_BREAK_EVEN`).  The
+    measurements (accuracy, sparsity and recall per setting, and the speed of the defaults and of
     settings chosen for speed) are in the README ("Methods") and BENCHMARKS.md.
     """
 
@@ -183,9 +193,10 @@ class AnchorConfig:
     local_window: int = field(default=128, metadata=opt("int", "keys before each block's end always kept (tokens, >= block_size)",
                                                         low=1, rule="must be an integer >= 1 (tokens)"))
     min_len: int | str = field(default="auto", metadata=opt(
-        "int_or_auto", "prompts shorter than this run dense (tokens; 'auto' = the device's measured break-even length, "
-        "where sparse prefill starts to pay)", low=0, rule="must be 'auto' or an integer >= 0 (tokens)"))
-    pool_stride: int | None = field(default=2, metadata=opt(
+        "int_or_auto", "prompts shorter than this run dense (tokens; 'auto' = the device's measured break-even length "
+        "of the defaults, where their sparse prefill starts to pay; 'auto-fast' = the same for the fast preset)",
+        choices=_MIN_LEN_WORDS, low=0, rule="must be 'auto', 'auto-fast' or an integer >= 0 (tokens)"))
+    pool_stride: int | None = field(default=8, metadata=opt(
         "int", "queries averaged per pool for stripe selection (tokens; None = block_size as in the paper, 1 = per query; "
         "must divide block_size)", nullable=True, low=1, rule="must be None or an integer >= 1"))
     dense_last: int = field(default=256, metadata=opt("int", "the last n prompt queries attend densely (tokens)", low=0,
@@ -222,11 +233,13 @@ class AnchorConfig:
             raise OptionError(f"pool_stride={self.pool_stride} does not divide block_size={self.block_size}")
 
     def min_len_on(self, device: torch.device | str) -> int:
-        """``min_len`` in tokens on ``device`` (``"auto"`` resolved through :data:`BREAK_EVEN`; ``sys.maxsize``
+        """``min_len`` in tokens on ``device`` (``"auto"`` resolved through :data:`BREAK_EVEN`, ``"auto-fast"`` through
+        :data:`FAST_BREAK_EVEN`; ``sys.maxsize``
         where the device type has no break-even: every prompt dense)."""
-        if self.min_len != "auto":
-            return int(self.min_len)
-        return BREAK_EVEN.get(torch.device(device).type, sys.maxsize)
+        if isinstance(self.min_len, int):
+            return self.min_len
+        table = FAST_BREAK_EVEN if self.min_len == "auto-fast" else BREAK_EVEN
+        return table.get(torch.device(device).type, sys.maxsize)
 
     def select_dtype_on(self, device: torch.device | str) -> str:
         """``select_dtype`` on ``device``: ``"auto"`` resolved by :func:`bfloat16_is_faster`."""

@@ -114,12 +114,14 @@ def _knob(t: float, n: int) -> dict[str, Any]:
 PRESETS = {
     "accurate": Preset(
         dict(theta=12.0, pool_stride=2, dense_last=256, min_recall=0.9, min_len=512, select_dtype="float32"),
-        "accuracy first: the defaults, chosen so that NIAH accuracy is not below dense; slower than dense on CPU up to 16k",
+        "accuracy first: finer pooling than the defaults and sparse from 512 tokens; NIAH accuracy not below dense; "
+        "slower than dense on CPU up to 16k",
     ),
     "fast": Preset(
-        dict(theta=8.0, pool_stride=8, dense_last=64, min_recall=0.75, min_len="auto", select_dtype="auto"),
-        "speed first: sparse only from the device's break-even length (dense below it), coarser pooling, "
-        "bfloat16 selection where this machine has it (measured), a looser recall guard",
+        dict(theta=8.0, pool_stride=8, dense_last=64, min_recall=0.75, min_len="auto-fast", select_dtype="auto"),
+        "speed first: sparse from the device's break-even length of this setting (dense below it), a lower threshold, "
+        "bfloat16 selection where this machine has it (measured), a looser recall guard; loses multi-value and "
+        "multi-query NIAH answers",
     ),
     "paper": Preset(
         dict(theta=12.0, pool_stride=None, dense_last=0, min_recall=0.0, min_len=512, select_dtype="float32"),
