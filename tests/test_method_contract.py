@@ -140,8 +140,8 @@ def test_every_option_is_declared_once_with_kind_help_and_a_valid_default():
     for m in METHODS.values():
         for name, o in m.options.items():
             assert o.name == name and o.kind in KINDS and len(o.help) > 10, (m.name, name)
-            if o.choices:
-                assert o.kind == "str" and o.default in o.choices
+            if o.choices:  # a str option's values, or the words an int_or_auto option takes besides an integer
+                assert o.kind in ("str", "int_or_auto") and (o.default in o.choices or isinstance(o.default, int))
             assert o.coerce(o.default) == o.default or (o.kind.endswith("list") and tuple(o.coerce(o.default)) == tuple(o.default))
 
 
