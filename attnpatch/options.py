@@ -120,9 +120,13 @@ class Option:
             return ""
         return ("a finite " + text[2:] if self.finite and text.startswith("a ") else text).strip()
 
+    def _auto_words(self) -> tuple[str, ...]:
+        """The words an ``"int_or_auto"`` option takes besides an integer: its ``choices``, else ``("auto",)``."""
+        return self.choices or ("auto",)
+
     def _words(self) -> str:
-        """The words an ``"int_or_auto"`` option takes besides an integer, quoted: ``"'auto'"``."""
-        words = [repr(w) for w in (self.choices or ("auto",))]
+        """:meth:`_auto_words` quoted for a message: ``"'auto'"``, ``"one of 'auto', 'auto-fast'"``."""
+        words = [repr(w) for w in self._auto_words()]
         return words[0] if len(words) == 1 else "one of " + ", ".join(words)
 
     def _typed(self, value: Any) -> Any:
@@ -155,7 +159,7 @@ class Option:
                 return value
             if self.kind == "int_or_auto":
                 if isinstance(value, str):
-                    if value.strip().lower() in (self.choices or ("auto",)):
+                    if value.strip().lower() in self._auto_words():
                         return value.strip().lower()
                     value = int(value)
                 if isinstance(value, bool) or not isinstance(value, numbers.Integral):

@@ -29,7 +29,9 @@ BREAK_EVEN: dict[str, int] = {"cpu": 12288}
 #: candidates), which skips more keys for a cheaper selection and so pays from shorter prompts.  CPU: between the
 #: lengths where the ``fast`` preset was measured slower and faster than dense end to end (README, "Presets").
 FAST_BREAK_EVEN: dict[str, int] = {"cpu": 3072}
-_MIN_LEN_WORDS = ("auto", "auto-fast")
+
+#: The words ``min_len`` takes besides a token count, each with its table of break-even lengths by device type.
+_BREAK_EVEN_BY_WORD: dict[str, dict[str, int]] = {"auto": BREAK_EVEN, "auto-fast": FAST_BREAK_EVEN}
 
 
 @functools.lru_cache(maxsize=None)
@@ -195,7 +197,7 @@ class AnchorConfig:
     min_len: int | str = field(default="auto", metadata=opt(
         "int_or_auto", "prompts shorter than this run dense (tokens; 'auto' = the device's measured break-even length "
         "of the defaults, where their sparse prefill starts to pay; 'auto-fast' = the same for the fast preset)",
-        choices=_MIN_LEN_WORDS, low=0, rule="must be 'auto', 'auto-fast' or an integer >= 0 (tokens)"))
+        choices=tuple(_BREAK_EVEN_BY_WORD), low=0, rule="must be 'auto', 'auto-fast' or an integer >= 0 (tokens)"))
     pool_stride: int | None = field(default=8, metadata=opt(
         "int", "queries averaged per pool for stripe selection (tokens; None = block_size as in the paper, 1 = per query; "
         "must divide block_size)", nullable=True, low=1, rule="must be None or an integer >= 1"))
@@ -234,12 +236,10 @@ class AnchorConfig:
 
     def min_len_on(self, device: torch.device | str) -> int:
         """``min_len`` in tokens on ``device`` (``"auto"`` resolved through :data:`BREAK_EVEN`, ``"auto-fast"`` through
-        :data:`FAST_BREAK_EVEN`; ``sys.maxsize``
-        where the device type has no break-even: every prompt dense)."""
+        :data:`FAST_BREAK_EVEN`; ``sys.maxsize`` where the device type has no break-even: every prompt dense)."""
         if isinstance(self.min_len, int):
             return self.min_len
-        table = FAST_BREAK_EVEN if self.min_len == "auto-fast" else BREAK_EVEN
-        return table.get(torch.device(device).type, sys.maxsize)
+        return _BREAK_EVEN_BY_WORD[self.min_len].get(torch.device(device).type, sys.maxsize)
 
     def select_dtype_on(self, device: torch.device | str) -> str:
         """``select_dtype`` on ``device``: ``"auto"`` resolved by :func:`bfloat16_is_faster`."""
