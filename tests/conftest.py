@@ -50,3 +50,34 @@ def tiny_vit_dir(tmp_path_factory):
     Dinov2Model(cfg).eval().save_pretrained(d)
     dinov2_image_processor().save_pretrained(d)
     return d
+
+
+def write_image_folder(root, n: int, shape=(64, 64, 3), classes: int = 3):
+    """``n`` random images in ``datasets``' imagefolder layout (``root/train/*.png`` + ``metadata.jsonl``), class
+    ``i % classes`` (the classes differ in brightness); returns ``root``."""
+    import json
+
+    import numpy as np
+    from PIL import Image
+
+    (root / "train").mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    rows = []
+    for i in range(n):
+        label = i % classes
+        Image.fromarray((rng.random(shape) * 60 + 60 * label).astype(np.uint8)).save(root / "train" / f"img{i:02d}.png")
+        rows.append({"file_name": f"img{i:02d}.png", "label": label})
+    (root / "train" / "metadata.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return root
+
+
+@pytest.fixture(scope="module")
+def tiny_lm_dir(tmp_path_factory):
+    """A tiny random Llama (:func:`tiny_causal_lm`) saved with a chat-template tokenizer, as a model folder."""
+    from test_ruler_tasks import _make_tokenizer
+
+    d = tmp_path_factory.mktemp("tiny-llama")
+    tok = _make_tokenizer(chat=True)
+    tiny_causal_lm("llama", vocab=len(tok)).save_pretrained(d)
+    tok.save_pretrained(d)
+    return d

@@ -17,7 +17,6 @@ from PIL import Image
 from attnpatch.cli import main
 from attnpatch.errors import DataError
 from conftest import tiny_causal_lm
-from test_ruler_tasks import _make_tokenizer
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 ANCHOR_SMALL = ["-o", "theta=2", "-o", "min_len=0", "-o", "block_size=32", "-o", "local_window=32", "-o", "init_block=16"]
@@ -35,12 +34,8 @@ def error_line(err: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def llm_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tiny-llama")
-    tok = _make_tokenizer(chat=True)
-    tiny_causal_lm("llama", vocab=len(tok)).save_pretrained(d)
-    tok.save_pretrained(d)
-    return d
+def llm_dir(tiny_lm_dir):
+    return tiny_lm_dir
 
 
 @pytest.fixture(scope="module")

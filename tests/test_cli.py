@@ -5,18 +5,11 @@ import json
 import pytest
 
 from attnpatch.cli import main
-from conftest import tiny_causal_lm
-from test_ruler_tasks import _make_tokenizer
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tiny-llama")
-    tok = _make_tokenizer(chat=True)
-    model = tiny_causal_lm("llama", vocab=len(tok))
-    model.save_pretrained(d)
-    tok.save_pretrained(d)
-    return d
+def tiny_dir(tiny_lm_dir):
+    return tiny_lm_dir
 
 
 def test_methods_json(capsys):

@@ -11,8 +11,6 @@ import torch
 from attnpatch.cli import main
 from attnpatch.errors import OptionError, UnsupportedModelError
 from attnpatch.evals import compare as cmp
-from conftest import tiny_causal_lm
-from test_ruler_tasks import _make_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -57,12 +55,8 @@ def vit(vit_dir, images_dir):
 
 
 @pytest.fixture(scope="module")
-def lm_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("cmp-llama")
-    tok = _make_tokenizer(chat=True)
-    tiny_causal_lm("llama", vocab=len(tok)).save_pretrained(d)
-    tok.save_pretrained(d)
-    return d
+def lm_dir(tiny_lm_dir):
+    return tiny_lm_dir
 
 
 # --------------------------------------------------------------------------- parsing and validation
@@ -194,7 +188,7 @@ def test_run_ruler_single_api_unchanged(lm_dir):
     tok = AutoTokenizer.from_pretrained(lm_dir)
     res = run_ruler(model, tok, method="a_shape", options={"init_tokens": 4, "window": 64}, tasks=["niah_single"], lengths=[300],
                     num_samples=1, recall=False)
-    assert set(res) == {"method", "options", "cells", "settings"} and res["options"]["window"] == 64
+    assert set(res) == {"method", "options", "cells", "settings", "world_size"} and res["options"]["window"] == 64 and res["world_size"] == 1
     c = res["cells"][0]
     assert {"dense_acc", "patched_acc", "sparsity", "prefill_speedup"} <= set(c) and 0 < c["sparsity"] < 1
     base = run_ruler(model, tok, method="dense", tasks=["niah_single"], lengths=[300], num_samples=1, recall=False)

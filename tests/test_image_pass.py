@@ -42,7 +42,9 @@ def test_batches_progress_and_hooks():
     assert torch.cat(ip.dense).tolist() == list(range(7))
     assert (ip.n, ip.n_planned, ip.batch_size, ip.interrupted, ip.resolution, ip.tokens) == (7, 7, 3, False, 4, None)
     assert ip.runs == [] and ip.dense_seconds > 0
-    assert finish({"x": 1}, ip) == {"x": 1}
+    res = finish({"x": 1}, ip)
+    assert res["x"] == 1 and res["world_size"] == 1 and res["resumed_batches"] == 0
+    assert [(r["rank"], r["batches"], r["images"]) for r in res["ranks"]] == [(0, [0, 3, 6], 7)]
 
 
 def test_ctrl_c_keeps_whole_batches():
@@ -50,7 +52,9 @@ def test_ctrl_c_keeps_whole_batches():
     assert ip.interrupted and ip.n == 3 and torch.cat(ip.dense).tolist() == [0, 1, 2]
     with pytest.raises(EvalInterrupted) as exc:
         finish({"n_images": ip.n}, ip)
-    assert exc.value.partial == {"n_images": 3, "interrupted": True, "n_images_planned": 7}
+    got = exc.value.partial
+    assert {k: got[k] for k in ("n_images", "interrupted", "n_images_planned", "world_size")} == {"n_images": 3, "interrupted": True, "n_images_planned": 7, "world_size": 1}
+    assert got["ranks"][0]["batches"] == [0]
     assert exc.value.done == "3/7 images"
 
 

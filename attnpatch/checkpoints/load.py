@@ -123,7 +123,7 @@ def _hub_error(name: str, err: BaseException, kind: str = "causal_lm") -> ModelN
     )
 
 
-def load_causal_lm(name_or_path: str | os.PathLike, dtype=None, device="cpu", log: Log = _stderr):
+def load_causal_lm(name_or_path: str | os.PathLike, dtype=None, device="cpu", log: Log = _stderr, device_map=None, max_memory=None):
     """Load a causal LM and its tokenizer, in eval mode.
 
     Args:
@@ -132,8 +132,11 @@ def load_causal_lm(name_or_path: str | os.PathLike, dtype=None, device="cpu", lo
             Hugging Face hub id. With ``HF_HUB_OFFLINE=1`` set (read at call time) a hub id is
             only looked up in the local hub cache.
         dtype: torch dtype of the weights; ``None`` means ``torch.float32``.
-        device: where to put the model (``"cpu"``, ``"cuda"``, a ``torch.device`` ...).
+        device: where to put the model (``"cpu"``, ``"cuda"``, a ``torch.device`` ...); ignored with ``device_map``.
         log: receives one line per step (defaults to stderr with an ``[attnpatch]`` prefix).
+        device_map: accelerate's big-model loading (``"auto"``, ``"balanced"``, ``"sequential"`` or a dict
+            module -> device): the layers are spread over the GPUs, CPU memory and disk (``max_memory`` per
+            device, e.g. ``{0: "20GiB", "cpu": "64GiB"}``); offloaded weights go to a temporary folder.
 
     Returns:
         ``(model, tokenizer)``. Loading a prepared catalogue model from the cache takes well under
@@ -166,13 +169,13 @@ def load_causal_lm(name_or_path: str | os.PathLike, dtype=None, device="cpu", lo
             f"needs its tokenizer; save it next to the model (tokenizer.save_pretrained(folder))"
         )
 
-    log(f"loading {source} ({dtype}, {device}) ...")
+    log(f"loading {source} ({dtype}, {f'device_map={device_map}' if device_map is not None else device}) ...")
     t0 = time.perf_counter()
     what = "tokenizer"
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, **kwargs)
         what = "model"
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kwargs, **_dispatch(device_map, max_memory))
     except Exception as err:  # noqa: BLE001 - transformers raises OSError, ValueError, SafetensorError ...
         if source.startswith("hub id") and isinstance(err, OSError):
             raise _hub_error(name, err) from err
@@ -180,9 +183,25 @@ def load_causal_lm(name_or_path: str | os.PathLike, dtype=None, device="cpu", lo
             raise
         raise ModelFileError(f"{folder.resolve()}: could not load the {what} ({type(err).__name__}: {first_line(err)})") from err
     _check_lm_tokenizer(tokenizer, folder.resolve() if local else name)
-    model = model.to(device).eval()
+    model = (model if device_map is not None else model.to(device)).eval()
     log(f"loaded {type(model).__name__} in {time.perf_counter() - t0:.2f} s")
     return model, tokenizer
+
+
+def _dispatch(device_map, max_memory) -> dict:
+    """``from_pretrained`` keywords of accelerate's big-model loading (nothing without a ``device_map``); weights
+    offloaded to disk go to a temporary folder that lives as long as the process."""
+    if device_map is None:
+        return {}
+    import tempfile
+
+    global _OFFLOAD
+    if _OFFLOAD is None:
+        _OFFLOAD = tempfile.TemporaryDirectory(prefix="attnpatch-offload-")
+    return {"device_map": device_map, "max_memory": max_memory, "offload_folder": _OFFLOAD.name}
+
+
+_OFFLOAD = None
 
 
 def _check_lm_tokenizer(tokenizer, where) -> None:
@@ -201,7 +220,8 @@ def _check_lm_tokenizer(tokenizer, where) -> None:
 
 
 def load_vision_model(
-    name_or_path: str | os.PathLike, backend: str = "hf", dtype=None, device="cpu", log: Log = _stderr
+    name_or_path: str | os.PathLike, backend: str = "hf", dtype=None, device="cpu", log: Log = _stderr, device_map=None,
+    max_memory=None,
 ):
     """Load a vision backbone and its image processor, in eval mode.
 
@@ -220,8 +240,9 @@ def load_vision_model(
             and ``forward`` the class token. Its position grid is resampled with plain bicubic
             interpolation like transformers', not timm's default antialiased bicubic.
         dtype: torch dtype of the weights; ``None`` means ``torch.float32``.
-        device: where to put the model.
+        device: where to put the model; ignored with ``device_map``.
         log: receives one line per step (defaults to stderr with an ``[attnpatch]`` prefix).
+        device_map, max_memory: as for :func:`load_causal_lm` (``backend="hf"`` only).
 
     Returns:
         ``(model, image_processor)``; both backends get the same image processor (for the
@@ -240,6 +261,8 @@ def load_vision_model(
     """
     if backend not in BACKENDS:
         raise OptionError(f"backend={backend!r} is not supported; allowed values: {', '.join(map(repr, BACKENDS))}")
+    if backend == "timm" and device_map is not None:
+        raise OptionError(f"device_map={device_map!r} loads transformers models only (backend='hf'), not backend='timm'")
     import torch
     from transformers import AutoImageProcessor, AutoModel
 
@@ -265,13 +288,13 @@ def load_vision_model(
             f"(image_processor.save_pretrained(folder)), {hint}"
         )
 
-    log(f"loading {source} (backend {backend}, {dtype}, {device}) ...")
+    log(f"loading {source} (backend {backend}, {dtype}, {f'device_map={device_map}' if device_map is not None else device}) ...")
     t0 = time.perf_counter()
     what = "image processor"
     try:
         processor = AutoImageProcessor.from_pretrained(folder, **kwargs)
         what = "model"
-        hf = AutoModel.from_pretrained(folder, dtype=torch.float32 if backend == "timm" else dtype, **kwargs)
+        hf = AutoModel.from_pretrained(folder, dtype=torch.float32 if backend == "timm" else dtype, **kwargs, **_dispatch(device_map, max_memory))
     except Exception as err:  # noqa: BLE001 - transformers raises OSError, ValueError, SafetensorError ...
         if source.startswith("hub id") and isinstance(err, OSError):
             raise _hub_error(name, err, kind="vision") from err
@@ -283,7 +306,7 @@ def load_vision_model(
         del hf
         model = model.to(device=device, dtype=dtype)
     else:
-        model = hf.to(device)
+        model = hf if device_map is not None else hf.to(device)
     model = model.eval()
     log(f"loaded {type(model).__name__} in {time.perf_counter() - t0:.2f} s")
     return model, processor

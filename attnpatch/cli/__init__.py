@@ -61,7 +61,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.func(args)
     except AttnpatchError as exc:
-        print(f"attnpatch: error: {exc}", file=sys.stderr)
+        if not getattr(exc, "quiet", False):  # a data-parallel run's common error is printed by process 0 alone
+            print(f"attnpatch: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C outside an eval's own handling (loading, writing): one line, no traceback
         print("attnpatch: interrupted (Ctrl-C); nothing more written", file=sys.stderr)

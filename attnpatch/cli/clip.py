@@ -14,16 +14,26 @@ from .common import (
     _positive_int,
     _Repeatable,
     _report,
+    _world_note,
+    scale_out_args,
 )
 
 
 def _cmd_eval_clip(args) -> int:
+    import time
+
     import torch
 
     from ..clip_models import load_clip
     from ..evals import clip as clip_eval
+    from ..evals.distributed import ranks as current_ranks
     from ..evals.report import CLIP_RETRIEVAL_COLUMNS, ZEROSHOT_COLUMNS, EvalInterrupted, clip_rows, machine_info
+    from ..evals.resume import BatchStore, same_path
+    from ..fetch import _stderr
     from ..patchers.registry import get_method, validate_options
+
+    t0 = time.perf_counter()
+    ranks = current_ranks()
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -33,24 +43,34 @@ def _cmd_eval_clip(args) -> int:
         opts = _parse_options(args.option)
         validate_options(get_method(method), opts)  # fail before loading anything
         settings.append((method, opts))
-    _check_outputs(("--json", _json_path(args)), ("--markdown", args.markdown))
+    if ranks.main:
+        _check_outputs(("--json", _json_path(args)), ("--markdown", args.markdown))
     templates = None
     if zeroshot and args.templates != "auto":
         templates = clip_eval.resolve_templates(args.templates)  # fail early on a bad name
-    if zeroshot:
-        from ..evals.images import load_image_set
+    with ranks.main_first():  # a dataset cache or a checkpoint download happens once
+        if zeroshot:
+            from ..evals.images import load_image_set
 
-        data = load_image_set(args.data, split=args.split or "train", limit=args.limit)
-        classnames, names_source = clip_eval.resolve_classnames(args.classnames, data)
-        if templates is None:
-            templates = clip_eval.resolve_templates("openai" if names_source == "imagenet1k" else "photo")
-    else:
-        data = clip_eval.load_caption_set(args.data, split=args.split, caption_column=args.caption_column, limit=args.limit)
-    bundle = load_clip(args.model, device=_device(args.device), resolution=args.resolution, resolution_flag="--resolution")
+            data = load_image_set(args.data, split=args.split or "train", limit=args.limit)
+            classnames, names_source = clip_eval.resolve_classnames(args.classnames, data)
+            if templates is None:
+                templates = clip_eval.resolve_templates("openai" if names_source == "imagenet1k" else "photo")
+        else:
+            data = clip_eval.load_caption_set(args.data, split=args.split, caption_column=args.caption_column, limit=args.limit)
+        bundle = load_clip(args.model, device=ranks.device(_device(args.device)), resolution=args.resolution, resolution_flag="--resolution",
+                           log=_stderr if ranks.main else (lambda line: None))
     towers = args.towers
+    key = dict(
+        eval=args.eval, model=same_path(args.model), data=same_path(args.data) or "default", split=args.split, n_images=len(data),
+        resolution=args.resolution, batch_size=args.batch_size, towers=towers,
+        settings=[(m, validate_options(get_method(m), dict(o))) for m, o in settings],  # the same run however it is written
+    )
+    store = BatchStore(_json_path(args) + ".parts", key, ranks=ranks, resume=args.resume, log=_stderr)
     stop = None
-    with _image_progress(args.eval, len(data)) as progress:
-        common = dict(settings=settings, towers=towers, batch_size=args.batch_size, text_batch_size=args.text_batch_size, progress=progress)
+    with _image_progress(args.eval, len(data), quiet=not ranks.main) as progress:
+        common = dict(settings=settings, towers=towers, batch_size=args.batch_size, text_batch_size=args.text_batch_size, progress=progress,
+                      ranks=ranks, store=store)
         try:
             if zeroshot:
                 result = clip_eval.run_zeroshot_eval(bundle, data, classnames, templates, ks=(1, 5), **common)
@@ -58,11 +78,15 @@ def _cmd_eval_clip(args) -> int:
                 result = clip_eval.run_retrieval_eval(bundle, data, ks=tuple(args.ks), **common)
         except EvalInterrupted as exc:
             stop, result = exc, exc.partial
+    if not ranks.main:  # rank 0 reports; the others wait for it to finish with the kept batches
+        if stop is None:
+            store.remove()
+        return 130 if stop is not None else 0
     if stop is not None and result is None:
         return _interrupted(args, stop, None, None)
     result.update(
         model=args.model, model_kind=bundle.kind, random_init=bundle.random_init, data=args.data or "default",
-        split=getattr(data, "split", None), machine=machine_info(),
+        split=getattr(data, "split", None), machine=machine_info(), wall_s=time.perf_counter() - t0,
     )
     if zeroshot:
         result.update(classnames=names_source)
@@ -79,7 +103,11 @@ def _cmd_eval_clip(args) -> int:
         if zeroshot else f"{result['n_images']} images, {result['n_texts']} captions"
     )
     title = f"{args.eval} — {args.model}{' (random weights)' if bundle.random_init else ''} — {getattr(data, 'name', args.data)}, {what}, {result['resolution']} px"
-    return _report(args, title, rows, columns, result, interrupted=stop)
+    title += _world_note(result)
+    status = _report(args, title, rows, columns, result, interrupted=stop)
+    if stop is None:
+        store.remove()
+    return status
 
 
 def clip_common(q) -> None:
@@ -97,10 +125,12 @@ def clip_common(q) -> None:
     q.add_argument("--resolution", type=_positive_int, help="input size in pixels (square; position embeddings resampled)")
     q.add_argument("--batch-size", type=_positive_int, default=32, help="images per forward call (default: %(default)s)")
     q.add_argument("--text-batch-size", type=_positive_int, default=256, help="texts per forward call (default: %(default)s)")
-    q.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: auto = cuda if available)")
+    q.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: auto = cuda if available; under a "
+                   "multi-process launch cuda:<local rank>)")
     q.add_argument("--threads", type=_positive_int, help="torch CPU threads")
     q.add_argument("--json", help="result JSON path (default: <eval>_<model>_<method>.json)")
     q.add_argument("--markdown", help="also write the table as Markdown to this path")
+    scale_out_args(q, device=False, big=False)
 
 
 def add_parser(esub) -> None:

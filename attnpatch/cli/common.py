@@ -144,6 +144,8 @@ def _report(args, title: str, rows, columns, result: dict[str, Any], interrupted
         write_json(path, result)
         return _interrupted(args, interrupted, path, f"### {title} (interrupted: {interrupted.done})\n\n" + rows_to_markdown(rows, columns) + "\n")
     print_table(rows, columns, title=title)
+    for line in rank_lines(result):
+        print(line)
     write_json(path, result)
     print(f"wrote {path}")
     if args.markdown:
@@ -195,9 +197,12 @@ def _progress_line(line: str) -> None:
 
 
 @contextlib.contextmanager
-def _image_progress(label: str, total: int):
+def _image_progress(label: str, total: int, quiet: bool = False):
     """A progress bar over ``total`` images; yields the ``progress(done, total)`` callback the evals take
-    (plain lines on stderr when the output is not a terminal)."""
+    (plain lines on stderr when the output is not a terminal; nothing with ``quiet``, e.g. on ranks other than 0)."""
+    if quiet:
+        yield None
+        return
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from rich.markup import escape
@@ -206,11 +211,34 @@ def _image_progress(label: str, total: int):
         bar = prog.add_task("", total=total)
 
         def progress(done: int, total: int) -> None:
-            prog.update(bar, completed=done)
+            prog.update(bar, completed=done, total=total)
             if not prog.console.is_terminal:
                 print(f"[{done}/{total}] images", file=sys.stderr, flush=True)
 
         yield progress
+
+
+def rank_lines(result: dict[str, Any]) -> list[str]:
+    """One line per process of a data-parallel image eval: the images it encoded, its median forward time per batch
+    (dense and each setting) and its wall time; nothing for a one-process run."""
+    ranks = result.get("ranks") or (result.get("result") or {}).get("ranks") or []
+    if len(ranks) < 2:
+        return []
+
+    def s(x):
+        return "-" if x is None else f"{x:.3f} s"
+
+    return [
+        f"process {r['rank']}: {r['images']} images in {len(r['batches'])} batch(es), median per batch: dense {s(r['dense_s_median'])}, "
+        f"settings {', '.join(s(x) for x in r['seconds_median'])}; wall {r['wall_s']:.1f} s"
+        for r in ranks
+    ]
+
+
+def _world_note(result: dict[str, Any]) -> str:
+    """`` — 2 processes, 12.3 s`` for a data-parallel run's title (how many processes and the wall time); ``""`` for one process."""
+    w = result.get("world_size") or 1
+    return f" — {w} processes, {result['wall_s']:.1f} s" if w > 1 and result.get("wall_s") is not None else ""
 
 
 def _device(name: str) -> str:
@@ -233,3 +261,80 @@ def _device(name: str) -> str:
     if dev.index is not None and dev.index >= torch.cuda.device_count():
         raise AttnpatchError(f"--device {name!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     return name
+
+
+def scale_out_args(q, *, device: bool = True, big: bool = True) -> None:
+    """The options of every eval for long and big runs: ``--resume``, and with ``big`` (transformers models)
+    ``--dtype``, ``--device-map``, ``--max-memory`` (and ``--device`` where the command has none yet).
+    Data-parallel runs need no option: launched by ``torchrun`` or ``accelerate launch``, each process takes its share."""
+    q.add_argument("--resume", action="store_true", help="continue a run that stopped: its finished cells or batches are read "
+                   "back (from --json, or the <json>.parts folder of an image eval) and the run goes on with the same inputs")
+    if not big:
+        return
+    if device:
+        q.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: auto = cuda if available; "
+                       "under a multi-process launch cuda:<local rank>)")
+    q.add_argument("--dtype", choices=list(_DTYPES), default="float32", help="weights and activations (default: %(default)s)")
+    q.add_argument("--device-map", choices=["auto", "balanced", "sequential"],
+                   help="spread a model that does not fit one device over the GPUs, CPU memory and disk (accelerate's "
+                   "big-model loading; each attention module runs where its weights are); not with several processes")
+    q.add_argument("--max-memory", metavar="DEVICE=SIZE,...", help="with --device-map: memory per device, e.g. 0=20GiB,1=20GiB,cpu=64GiB")
+
+
+_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+
+
+def _max_memory(text: str | None) -> dict | None:
+    """``"0=20GiB,cpu=64GiB"`` -> ``{0: "20GiB", "cpu": "64GiB"}`` (accelerate's ``max_memory``)."""
+    if not text:
+        return None
+    import torch
+    from accelerate.utils import convert_file_size_to_int
+
+    out: dict = {}
+    for part in text.split(","):
+        dev, sep, size = part.partition("=")
+        dev, size = dev.strip(), size.strip()
+        if not sep or not dev or not size:
+            raise AttnpatchError(f"--max-memory {text!r}: expected DEVICE=SIZE,... (e.g. 0=20GiB,cpu=64GiB; devices: GPU index, cpu, disk)")
+        if not (dev.isdigit() or dev in ("cpu", "disk")):
+            raise AttnpatchError(f"--max-memory: device {dev!r} is not a GPU index, cpu or disk")
+        key = int(dev) if dev.isdigit() else dev
+        if key in out:
+            raise AttnpatchError(f"--max-memory: device {dev} is given twice ({out[key]} and {size}); give each device once")
+        if isinstance(key, int) and key >= torch.cuda.device_count():
+            raise AttnpatchError(f"--max-memory: GPU {key} does not exist on this machine ({torch.cuda.device_count()} CUDA device(s))")
+        value = int(size) if size.isdigit() else size  # bytes, or a size with its unit
+        try:
+            if convert_file_size_to_int(value) <= 0:
+                raise ValueError
+        except (ValueError, TypeError):
+            raise AttnpatchError(f"--max-memory: size {size!r} of {dev} is not a positive size (e.g. 512MB, 20GiB, or bytes: 1000000)") from None
+        out[key] = value
+    return out
+
+
+def load_kwargs(args, ranks) -> dict[str, Any]:
+    """The loader keywords (``dtype``, ``device``, ``device_map``, ``max_memory``) of ``args``, checked before loading.
+
+    Raises:
+        AttnpatchError: ``--max-memory`` without ``--device-map`` or malformed; ``--device-map`` in a
+            multi-process run (each process would spread its model over every device).
+    """
+    import torch
+
+    if args.max_memory and not args.device_map:
+        raise AttnpatchError("--max-memory applies with --device-map only (e.g. --device-map auto --max-memory 0=20GiB,cpu=64GiB)")
+    if args.device_map and ranks.distributed:
+        exc = AttnpatchError(
+            f"--device-map {args.device_map} with {ranks.world_size} processes: each process would spread its model over "
+            "every device; run one process with --device-map, or several without it (one device each)"
+        )
+        exc.quiet = not ranks.main  # every process finds it: process 0 says it
+        raise exc
+    out: dict[str, Any] = {"dtype": getattr(torch, _DTYPES[args.dtype])}
+    if args.device_map:
+        out.update(device_map=args.device_map, max_memory=_max_memory(args.max_memory))
+    else:
+        out["device"] = ranks.device(_device(getattr(args, "device", "cpu")))
+    return out

@@ -20,7 +20,11 @@ from .common import (
     _report,
     _slug,
     _unique_settings,
+    _world_note,
+    load_kwargs,
+    scale_out_args,
 )
+from ..errors import AttnpatchError
 
 EVAL_NAMES = ["fidelity", "knn", "linear-probe", "retrieval", "zeroshot", "clip-retrieval", "ruler"]
 
@@ -47,59 +51,97 @@ def _ruler_progress(total: int):
         yield progress
 
 
-def _run(args, family: str, settings, match, save):
-    """Load the model and inputs of ``args.eval`` and run the compare; returns ``(result, title)``."""
+def _store(args, ranks, n: int, settings, match, family: str):
+    """The kept batches of an image compare (``<json>.parts``, ``--resume``)."""
+    from ..evals.resume import BatchStore, same_path
+
+    from ..patchers.registry import get_method, validate_options
+
+    key = dict(eval=args.eval, model=same_path(args.model), data=same_path(args.data) or "default", n_images=n, resolution=args.resolution,
+               batch_size=args.batch_size, settings=[(m, validate_options(get_method(m), dict(o))) for m, o in settings], match=[m.text() for m in match or []], family=family,
+               dtype=getattr(args, "dtype", None), backend=getattr(args, "backend", None), towers=getattr(args, "towers", None))
+    return BatchStore(args.json + ".parts", key, ranks=ranks, resume=args.resume, log=_stderr)
+
+
+def _run(args, family: str, settings, match, save, ranks, earlier):
+    """Load the model and inputs of ``args.eval`` and run the compare; returns ``(result, title, store)``."""
     from ..evals import compare as cmp
 
-    common = dict(settings=settings, match=match, steps=args.steps, log=_stderr)
+    common = dict(settings=settings, match=match, steps=args.steps, log=_stderr, ranks=ranks)
+    quiet = not ranks.main
     if family == "vision":
         from .vision import _load_images_and_model
 
-        images, model, preprocess = _load_images_and_model(args)
+        images, model, preprocess = _load_images_and_model(args, ranks)
+        store = _store(args, ranks, len(images), settings, match, family)
         lei = args.layer_error_images if args.layer_error_images is not None else (32 if args.eval == "fidelity" else 0)
         title = f"compare {args.eval} — {args.model} ({args.backend}) — {images.name}, {len(images)} images"
-        with _image_progress(f"compare {args.eval}", len(images)) as progress:
+        with _image_progress(f"compare {args.eval}", len(images), quiet=quiet) as progress:
             return cmp.compare_vision(model, images, preprocess, eval=args.eval, batch_size=args.batch_size or 16,
-                                      layer_error_images=lei, knn_k=args.k, progress=progress, **common), title
+                                      layer_error_images=lei, knn_k=args.k, progress=progress, store=store, **common), title, store
     if family == "clip":
         from ..clip_models import load_clip
         from ..evals import clip as clip_eval
 
         extra = {}
-        if args.eval == "zeroshot":
-            from ..evals.images import load_image_set
+        with ranks.main_first():  # a dataset cache or a checkpoint download happens once
+            if args.eval == "zeroshot":
+                from ..evals.images import load_image_set
 
-            templates = None if args.templates == "auto" else clip_eval.resolve_templates(args.templates)
-            data = load_image_set(args.data, split=args.split or "train", limit=args.limit)
-            classnames, source = clip_eval.resolve_classnames(args.classnames, data)
-            extra = dict(classnames=classnames, templates=templates or clip_eval.resolve_templates("openai" if source == "imagenet1k" else "photo"))
-        else:
-            data = clip_eval.load_caption_set(args.data, split=args.split, caption_column=args.caption_column, limit=args.limit)
-        bundle = load_clip(args.model, device=_device(args.device), resolution=args.resolution, resolution_flag="--resolution")
+                templates = None if args.templates == "auto" else clip_eval.resolve_templates(args.templates)
+                data = load_image_set(args.data, split=args.split or "train", limit=args.limit)
+                classnames, source = clip_eval.resolve_classnames(args.classnames, data)
+                extra = dict(classnames=classnames, templates=templates or clip_eval.resolve_templates("openai" if source == "imagenet1k" else "photo"))
+            else:
+                data = clip_eval.load_caption_set(args.data, split=args.split, caption_column=args.caption_column, limit=args.limit)
+            bundle = load_clip(args.model, device=ranks.device(_device(args.device)), resolution=args.resolution, resolution_flag="--resolution",
+                           log=_stderr if ranks.main else (lambda line: None))
+        store = _store(args, ranks, len(data), settings, match, family)
         title = f"compare {args.eval} — {args.model} — {getattr(data, 'name', args.data)}, {len(data)} images"
-        with _image_progress(f"compare {args.eval}", len(data)) as progress:
-            return cmp.compare_clip(bundle, data, eval=args.eval, batch_size=args.batch_size or 32, progress=progress, **extra, **common), title
+        with _image_progress(f"compare {args.eval}", len(data), quiet=quiet) as progress:
+            return cmp.compare_clip(bundle, data, eval=args.eval, batch_size=args.batch_size or 32, progress=progress, store=store,
+                                    **extra, **common), title, store
     from ..checkpoints import load_causal_lm
     from ..evals import ruler_tasks
 
     tasks = args.tasks or ["niah_single"]
     if tasks == ["all"]:
         tasks = list(ruler_tasks.TASKS)
-    model, tok = load_causal_lm(args.model)
+    with ranks.main_first():  # a catalogue model is prepared once
+        model, tok = load_causal_lm(args.model, **load_kwargs(args, ranks))
     title = f"compare ruler — {args.model} — {', '.join(tasks)} at {', '.join(map(str, args.lengths))} tokens, {args.samples} samples per cell"
-    with _ruler_progress(len(tasks) * len(args.lengths) * args.samples) as progress:
+    with (_ruler_progress(len(tasks) * len(args.lengths) * args.samples) if ranks.main else contextlib.nullcontext()) as progress:
         return cmp.compare_ruler(
             model, tok, tasks=tasks, lengths=args.lengths, num_samples=args.samples, seed=args.seed, depths=args.depths,
             haystack=args.haystack, recall=not args.no_recall, recall_samples=args.recall_samples, progress=progress,
-            on_cell=save, **common,
-        ), title
+            on_cell=save, resume=earlier, **common,
+        ), title, None
+
+
+def _ruler_key(args, settings, match) -> dict:
+    """The fields of a compare ruler JSON a ``--resume`` must find equal."""
+    tasks = args.tasks or ["niah_single"]
+    return {
+        "model": args.model, "eval": "ruler", "match": [{"key": m.key, "value": m.value} for m in match or []] or None,
+        "given": [[m, o] for m, o in settings], "dtype": args.dtype,
+        "result": {"settings": {"tasks": tasks, "lengths": args.lengths, "num_samples": args.samples, "seed": args.seed,
+                                "depths": args.depths, "haystack": args.haystack, "recall": not args.no_recall,
+                                "recall_samples": args.recall_samples}},
+    }
 
 
 def _cmd_compare(args) -> int:
+    import time
+
     import torch
 
     from ..evals import compare as cmp
+    from ..evals.distributed import ranks as current_ranks
     from ..evals.report import EvalInterrupted, machine_info, write_json
+    from ..evals.resume import resume_cells
+
+    t0 = time.perf_counter()
+    ranks = current_ranks()
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -115,23 +157,44 @@ def _cmd_compare(args) -> int:
 
         raise OptionError("compare --eval clip-retrieval needs --data (an imagefolder with captions or a hub dataset id)")
     args.json = args.json or f"compare_{_slug(args.eval)}_{_slug(args.model)}.json"
-    _check_outputs(("--json", args.json), ("--markdown", args.markdown), ("--plot", args.plot))
+    if family == "clip" and (args.device_map or args.dtype != "float32"):
+        raise AttnpatchError("compare: --device-map and --dtype apply to the transformers models (ruler and the ViT evals); "
+                             "a CLIP model loads in float32 on --device")
+    earlier = None
+    if ranks.main:
+        _check_outputs(("--json", args.json), ("--markdown", args.markdown), ("--plot", args.plot))
+        if args.resume and family == "ruler":
+            tasks = args.tasks or ["niah_single"]
+            earlier = resume_cells(args.json, _ruler_key(args, settings, match), [(t, n) for t in tasks for n in args.lengths])
+            _stderr(f"--resume: {args.json} does not exist; starting from the beginning" if earlier is None else
+                    f"--resume: the finished cells of {args.json} are read back")
+    earlier = ranks.broadcast(earlier)
     machine = machine_info()
 
     def save(partial) -> None:  # RULER: the JSON rewritten after every finished cell
-        write_json(args.json, {**partial, "model": args.model, "machine": machine})
+        if ranks.main:
+            write_json(args.json, {**partial, "model": args.model, "machine": machine, "given": [[m, o] for m, o in settings],
+                                   "dtype": args.dtype, "wall_s": time.perf_counter() - t0})
 
-    stop = None
+    stop = store = None
     try:
-        result, title = _run(args, family, settings, match, save)
+        result, title, store = _run(args, family, settings, match, save, ranks, earlier)
     except EvalInterrupted as exc:
         stop, result, title = exc, exc.partial, f"compare {args.eval} — {args.model}"
+    if not ranks.main:
+        if stop is None and store is not None:
+            store.remove()
+        return 130 if stop is not None else 0
     if stop is not None and result is None:
         return _interrupted(args, stop, None, None)
-    result.update(model=args.model, machine=machine, complete=stop is None)
+    result.update(model=args.model, machine=machine, complete=stop is None, given=[[m, o] for m, o in settings], dtype=args.dtype,
+                  wall_s=time.perf_counter() - t0, world_size=ranks.world_size)
+    title += _world_note(result)
     if match:
         title += f" — matched {', '.join(m.text() for m in match)}"
     rc = _report(args, title, cmp.compare_rows(result), cmp.compare_columns(result), result, interrupted=stop)
+    if stop is None and store is not None:
+        store.remove()
     if rc == 0 and args.plot:
         cmp.plot_pareto(result, args.plot, title=title)
         print(f"wrote {args.plot}")
@@ -167,6 +230,7 @@ def add_parser(sub) -> None:
     p.add_argument("--markdown", help="also write the table as Markdown to this path")
     p.add_argument("--plot", help="also draw the Pareto plot (metric vs speed-up) to this PNG path")
     p.add_argument("--threads", type=_positive_int, help="torch CPU threads")
+    scale_out_args(p, device=False)
     g = p.add_argument_group("vision and CLIP evals")
     g.add_argument("--data", help="imagefolder directory or hub dataset id (default: the embedded image set; clip-retrieval: required)")
     g.add_argument("--resolution", type=_positive_int, help="input size in pixels (square; position embeddings interpolated)")
@@ -175,7 +239,8 @@ def add_parser(sub) -> None:
     g.add_argument("--backend", choices=["hf", "timm"], default="hf", help="ViT implementation (default: %(default)s)")
     g.add_argument("--k", type=_positive_int, default=20, help="k-NN neighbours (default: %(default)s)")
     g.add_argument("--layer-error-images", type=int, help="per-layer errors on the first N images (default: 32 for fidelity, else 0)")
-    g.add_argument("--device", default="auto", help="CLIP: cpu, cuda, cuda:1, ... (default: auto)")
+    g.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: auto = cuda if available; under a multi-process "
+                   "launch cuda:<local rank>)")
     g.add_argument("--split", help="CLIP: dataset split")
     g.add_argument("--classnames", default="auto", help="zeroshot: auto, imagenet1k, dataset or a file (default: %(default)s)")
     g.add_argument("--templates", default="auto", help="zeroshot: openai, openai-7, photo or a file (default: %(default)s)")

@@ -15,19 +15,31 @@ from .common import (
     _positive_int,
     _Repeatable,
     _slug,
+    _world_note,
+    load_kwargs,
+    scale_out_args,
 )
 
 
 def _cmd_eval_ruler(args) -> int:
+    import contextlib
+    import time
+
     import torch
     from rich.markup import escape
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from ..checkpoints import load_causal_lm
     from ..evals import ruler_tasks
+    from ..evals.distributed import ranks as current_ranks
     from ..evals.report import RULER_COLUMNS, EvalInterrupted, machine_info, print_table, rows_to_markdown, write_json, write_text
+    from ..evals.resume import resume_cells
     from ..evals.ruler import run_ruler
+    from ..fetch import _stderr
     from ..patchers.registry import get_method, validate_options
+
+    t0 = time.perf_counter()
+    ranks = current_ranks()
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -37,52 +49,99 @@ def _cmd_eval_ruler(args) -> int:
     if tasks == ["all"]:
         tasks = list(ruler_tasks.TASKS)
     path = args.json or f"ruler_{_slug(args.model)}_{_slug(args.method)}.json"
-    _check_outputs(("--json", path), ("--markdown", args.markdown))  # before the long work, not after it
-    model, tok = load_causal_lm(args.model)
-    total = len(tasks) * len(args.lengths) * args.samples
-    with Progress(
+    kwargs = load_kwargs(args, ranks)
+    key = {
+        "model": args.model, "method": args.method, "options": options, "dtype": args.dtype,
+        "settings": {"tasks": tasks, "lengths": args.lengths, "num_samples": args.samples, "seed": args.seed,
+                     "depths": args.depths, "haystack": args.haystack, "recall": not args.no_recall,
+                     "recall_samples": args.recall_samples},
+    }
+    earlier = None
+    if ranks.main:
+        _check_outputs(("--json", path), ("--markdown", args.markdown))  # before the long work, not after it
+        if args.resume:
+            plan = [(t, n) for t in tasks for n in args.lengths]
+            earlier = resume_cells(path, key, plan)
+            if earlier is None:
+                _stderr(f"--resume: {path} does not exist; starting from the beginning")
+            else:
+                _stderr(f"--resume: {len(earlier.get('cells') or [])} finished cell(s) read back from {path}")
+    earlier = ranks.broadcast(earlier)
+    with ranks.main_first():  # a catalogue model is prepared once
+        model, tok = load_causal_lm(args.model, log=_stderr if ranks.main else (lambda line: None), **kwargs)
+    # the bar counts process 0's samples (its share of each cell in a data-parallel run)
+    total = len(tasks) * len(args.lengths) * len(ranks.shard(args.samples))
+    with (Progress(
         TextColumn("[bold]ruler[/bold]"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("{task.description}"),
         transient=False,
-    ) as prog:
-        bar = prog.add_task("", total=total)
+    ) if ranks.main else contextlib.nullcontext()) as prog:
+        done0 = len((earlier or {}).get("cells") or []) * len(ranks.shard(args.samples))
+        bar = prog.add_task("", total=total, completed=done0) if prog else None
 
         def progress(msg: str) -> None:
             prog.update(bar, advance=1, description=escape(msg))  # task text, not rich markup
             if not prog.console.is_terminal:  # a log file gets one plain line per sample
                 done = int(prog.tasks[0].completed)
-                print(f"[{done}/{total}] {msg}", file=sys.stderr, flush=True)
+                share = f" of process 0's share ({ranks.world_size} processes)" if ranks.distributed else ""
+                print(f"[{done}/{total}{share}] {msg}", file=sys.stderr, flush=True)
 
         machine = machine_info()
 
         def save(partial: dict[str, Any], complete: bool = False) -> None:
-            write_json(path, {**partial, "model": args.model, "machine": machine, "complete": complete})
+            if ranks.main:
+                write_json(path, {**partial, "model": args.model, "dtype": args.dtype, "machine": machine, "complete": complete,
+                                  "wall_s": time.perf_counter() - t0})
 
         try:
             result = run_ruler(
                 model, tok, method=args.method, options=options, tasks=tasks, lengths=args.lengths,
                 num_samples=args.samples, seed=args.seed, depths=args.depths, haystack=args.haystack,
-                recall=not args.no_recall, recall_samples=args.recall_samples, progress=progress, on_cell=save,
+                recall=not args.no_recall, recall_samples=args.recall_samples, progress=progress if prog else None, on_cell=save,
+                ranks=ranks, resume=earlier,
             )
         except EvalInterrupted as stop:
             result = stop.partial
+            if not ranks.main:
+                return 130
             if result is not None:
                 save(result)  # "interrupted": true is in the partial result
             return _interrupted(args, stop, path, result and (
                 f"### RULER-style eval — {args.model} — {args.method} {_fmt_opts(result['options'])} (interrupted: {stop.done})\n\n"
                 + rows_to_markdown(result["cells"], RULER_COLUMNS) + "\n"
             ))
+    if not ranks.main:
+        return 0
     save(result, complete=True)
     title = f"RULER-style eval — {args.model} — {args.method} {_fmt_opts(result['options'])}"
+    title += _world_note({**result, "wall_s": time.perf_counter() - t0})
     print_table(result["cells"], RULER_COLUMNS, title=title)
     note = _handback_note(result["cells"])
     if note:
         print(note)
+    for line in _rank_lines(result["cells"]):
+        print(line)
     print(f"wrote {path}")
     if args.markdown:
         write_text(args.markdown, f"### {title}\n\n" + rows_to_markdown(result["cells"], RULER_COLUMNS) + "\n"
                    + (f"\n{note}\n" if note else ""))
         print(f"wrote {args.markdown}")
     return 0
+
+
+def _rank_lines(cells: list[dict[str, Any]]) -> list[str]:
+    """One line per process of a data-parallel run: the samples it answered and its median prefill times over them."""
+    import statistics
+
+    per: dict[int, list[dict[str, Any]]] = {}
+    for c in cells:
+        for r in c.get("ranks") or []:
+            per.setdefault(r["rank"], []).extend(c["samples"][i] for i in r["samples"])
+    out = []
+    for k, rows in sorted(per.items()):
+        med = [f"{name} {statistics.median(x[key] for x in rows):.2f} s" for name, key in (("dense", "prefill_dense_s"), ("patched", "prefill_patched_s"))
+               if rows and key in rows[0]]
+        out.append(f"process {k}: {len(rows)} samples" + (f", median prefill {', '.join(med)}" if med else ""))
+    return out
 
 
 def _handback_note(cells: list[dict[str, Any]]) -> str | None:
@@ -116,4 +175,5 @@ def add_parser(esub) -> None:
     pr.add_argument("--json", help="result JSON path, rewritten after every finished cell (default: ruler_<model>_<method>.json)")
     pr.add_argument("--markdown", help="also write the table as Markdown to this path")
     pr.add_argument("--threads", type=_positive_int, help="torch CPU threads")
+    scale_out_args(pr)
     pr.set_defaults(func=_cmd_eval_ruler)

@@ -12,29 +12,53 @@ from .common import (
     _positive_int,
     _Repeatable,
     _report,
+    _world_note,
+    load_kwargs,
+    scale_out_args,
 )
 
 VISION_EVALS = {"fidelity": "fidelity", "knn": "knn", "linear-probe": "linear_probe", "retrieval": "retrieval"}
 
 
-def _load_images_and_model(args):
+def _load_images_and_model(args, ranks=None, before_model=None):
+    """The image set, the model (``--dtype``, ``--device-map`` ... where the command has them) and the preprocessing;
+    ``before_model(images)`` runs in between (e.g. the ``--resume`` check, before a long model load)."""
     from ..checkpoints import load_vision_model
+    from ..evals.distributed import Ranks
     from ..evals.images import fit_resolution, load_image_set, make_preprocess
     from ..evals.vision import patch_size
     from ..fetch import _stderr
 
-    images = load_image_set(args.data, limit=args.limit)
-    model, processor = load_vision_model(args.model, backend=args.backend)
+    ranks = ranks or Ranks()
+    kwargs = load_kwargs(args, ranks) if hasattr(args, "dtype") else {}
+    with ranks.main_first():  # a dataset cache is prepared once
+        images = load_image_set(args.data, limit=args.limit, log=_stderr if ranks.main else _quiet)
+    if before_model is not None:
+        before_model(images)
+    with ranks.main_first():  # a catalogue model is prepared once
+        model, processor = load_vision_model(args.model, backend=args.backend, log=_stderr if ranks.main else _quiet, **kwargs)
     resolution = fit_resolution(args.resolution, patch_size(model), log=_stderr, what="--resolution")
     return images, model, make_preprocess(processor, resolution)
 
 
+def _quiet(line: str) -> None:
+    """The log of processes other than 0 in a data-parallel run: process 0 says it."""
+
+
 def _cmd_eval_vision(args) -> int:
+    import time
+
     import torch
 
+    from ..evals.distributed import ranks as current_ranks
     from ..evals.report import VISION_COLUMNS, EvalInterrupted, machine_info, vision_rows
+    from ..evals.resume import BatchStore, same_path
     from ..evals.vision import run_feature_eval
+    from ..fetch import _stderr
     from ..patchers.registry import get_method, validate_options
+
+    t0 = time.perf_counter()
+    ranks = current_ranks()
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -45,23 +69,44 @@ def _cmd_eval_vision(args) -> int:
         method, opts = _method_spec(spec, args.option)
         validate_options(get_method(method), opts)  # fail before loading anything
         settings.append((method, opts))
-    _check_outputs(("--json", _json_path(args)), ("--markdown", args.markdown))
-    images, model, preprocess = _load_images_and_model(args)
+    if ranks.main:
+        _check_outputs(("--json", _json_path(args)), ("--markdown", args.markdown))
+    stores = []
+
+    def open_store(images):  # before the model loads: a --resume of another run fails at once
+        key = dict(
+            eval=args.eval, model=same_path(args.model), backend=args.backend, data=same_path(args.data) or "default", n_images=len(images),
+            resolution=args.resolution, dtype=args.dtype, batch_size=args.batch_size, layer_error_images=args.layer_error_images,
+            settings=[(m, validate_options(get_method(m), dict(o))) for m, o in settings],  # the same run however it is written
+        )
+        stores.append(BatchStore(_json_path(args) + ".parts", key, ranks=ranks, resume=args.resume, log=_stderr))
+
+    images, model, preprocess = _load_images_and_model(args, ranks, before_model=open_store)
+    store = stores[0]
     stop = None
-    with _image_progress(args.eval, len(images)) as progress:
+    with _image_progress(args.eval, len(images), quiet=not ranks.main) as progress:
         try:
             result = run_feature_eval(
                 model, images, preprocess, settings=settings, tasks=tasks, batch_size=args.batch_size,
-                layer_error_images=args.layer_error_images, knn_k=args.k, progress=progress,
+                layer_error_images=args.layer_error_images, knn_k=args.k, progress=progress, ranks=ranks, store=store,
             )
         except EvalInterrupted as exc:
             stop, result = exc, exc.partial
+    if not ranks.main:  # rank 0 reports; the others wait for it to finish with the kept batches
+        if stop is None:
+            store.remove()
+        return 130 if stop is not None else 0
     if stop is not None and result is None:
         return _interrupted(args, stop, None, None)
-    result.update(model=args.model, backend=args.backend, data=args.data or "default", eval=args.eval, machine=machine_info())
+    result.update(model=args.model, backend=args.backend, data=args.data or "default", eval=args.eval, machine=machine_info(),
+                  dtype=args.dtype, wall_s=time.perf_counter() - t0)
     rows = vision_rows(result)
     title = f"{args.eval} — {args.model} ({args.backend}) — {images.name}, {result['n_images']} images, {result['resolution']} px"
-    return _report(args, title, rows, VISION_COLUMNS, result, interrupted=stop)
+    title += _world_note(result)
+    status = _report(args, title, rows, VISION_COLUMNS, result, interrupted=stop)
+    if stop is None:
+        store.remove()
+    return status
 
 
 def vision_common(q) -> None:
@@ -90,4 +135,5 @@ def add_parser(esub) -> None:
         pv.add_argument("--k", type=_positive_int, default=20, help="k-NN neighbours (default: %(default)s)")
         pv.add_argument("--json", help="result JSON path (default: <eval>_<model>_<method>.json)")
         pv.add_argument("--markdown", help="also write the table as Markdown to this path")
+        scale_out_args(pv)
         pv.set_defaults(func=_cmd_eval_vision)

@@ -39,6 +39,7 @@ import torch
 from ..errors import OptionError, UnsupportedModelError
 from ..patchers.api import patched, record_stats
 from ..patchers.registry import MODEL_KINDS, get_method, validate_options
+from .distributed import Ranks
 from .recall import summarize_layers
 from .report import Column, EvalInterrupted
 
@@ -367,6 +368,18 @@ def _image_of(item):
     return item[0] if isinstance(item, tuple) else item
 
 
+def _calibrated(ranks, store, fn, done: str):
+    """``fn()`` (the matched settings and their infos) run once, on rank 0, and sent to every process; with a resumed
+    ``store``, what the earlier run matched (a budget matched on measured time would come out otherwise)."""
+    r = ranks or Ranks()
+    got = store.recall("calibration") if store is not None else None
+    if got is None:
+        got = r.broadcast(_interrupt_guard(fn, done) if r.main else None)
+        if store is not None and r.main:
+            store.keep("calibration", got)
+    return got
+
+
 def _first_batch(images, preprocess, batch_size: int) -> torch.Tensor:
     return preprocess([_image_of(images[i]) for i in range(min(len(images), batch_size))])
 
@@ -430,6 +443,8 @@ def compare_vision(
     steps: int = 10,
     progress: Callable[[int, int], None] | None = None,
     log: Log | None = None,
+    ranks: Ranks | None = None,
+    store=None,
 ) -> dict[str, Any]:
     """Dense vs several settings on frozen ViT features, at a matched budget, in one run.
 
@@ -447,6 +462,8 @@ def compare_vision(
         steps: bisection steps per setting at most.
         progress: ``progress(images_done, images_total)``.
         log: one line per matched setting.
+        ranks, store: a data-parallel run and the kept batches of ``--resume``
+            (:func:`attnpatch.evals.vision.run_feature_eval`); the budget is matched on rank 0 and kept in ``store``.
 
     Returns:
         ``{"eval", "metric" (key of the main metric), "metric_label", "fidelity", "fidelity_label",
@@ -467,15 +484,15 @@ def compare_vision(
     given = [(m, dict(o)) for m, o in settings]
     check_settings(given, eval)
     x = _first_batch(images, preprocess, batch_size)
-    final, infos = _interrupt_guard(
-        lambda: match_settings(model, given, lambda: encode(model, x), match, steps=steps, log=log), "matching (first batch)"
+    final, infos = _calibrated(
+        ranks, store, lambda: match_settings(model, given, lambda: encode(model, x), match, steps=steps, log=log), "matching (first batch)"
     )
     task = eval.replace("-", "_")
     tasks = ["fidelity", "knn"] if task == "fidelity" else ["fidelity", task]
     _, _, mkey, _, fkey, _ = EVALS[eval]
     return _runner(
         lambda: run_feature_eval(model, images, preprocess, settings=final, tasks=tasks, batch_size=batch_size,
-                                 layer_error_images=layer_error_images, knn_k=knn_k, progress=progress),
+                                 layer_error_images=layer_error_images, knn_k=knn_k, progress=progress, ranks=ranks, store=store),
         eval, match, given, infos, _image_rows(mkey, fkey),
     )
 
@@ -495,6 +512,8 @@ def compare_clip(
     steps: int = 10,
     progress: Callable[[int, int], None] | None = None,
     log: Log | None = None,
+    ranks: Ranks | None = None,
+    store=None,
 ) -> dict[str, Any]:
     """Dense vs several settings of a CLIP image tower (zero-shot or image-text retrieval), at a matched budget.
 
@@ -502,7 +521,7 @@ def compare_clip(
         bundle: a :class:`attnpatch.clip_models.ClipBundle` (left unpatched).
         data: a labelled image set (``zeroshot``) or a :class:`~attnpatch.evals.clip.CaptionSet` (``clip-retrieval``).
         eval: ``"zeroshot"`` or ``"clip-retrieval"``.
-        settings, match, steps, progress, log: as for :func:`compare_vision` (matched on the first batch).
+        settings, match, steps, progress, log, ranks, store: as for :func:`compare_vision` (matched on the first batch).
         classnames, templates: zero-shot class names and prompt templates (required for ``zeroshot``).
         ks: cut-offs (default: (1, 5) zero-shot, (1, 5, 10) retrieval).
         batch_size, text_batch_size: images / texts per forward call.
@@ -524,10 +543,11 @@ def compare_clip(
     given = [(m, dict(o)) for m, o in settings]
     check_settings(given, eval)
     x = _first_batch(data, bundle.preprocess, batch_size)
-    final, infos = _interrupt_guard(
-        lambda: match_settings(bundle.model, given, lambda: bundle.encode_image(x), match, steps=steps, log=log), "matching (first batch)"
+    final, infos = _calibrated(
+        ranks, store, lambda: match_settings(bundle.model, given, lambda: bundle.encode_image(x), match, steps=steps, log=log),
+        "matching (first batch)",
     )
-    common = dict(settings=final, batch_size=batch_size, text_batch_size=text_batch_size, progress=progress)
+    common = dict(settings=final, batch_size=batch_size, text_batch_size=text_batch_size, progress=progress, ranks=ranks, store=store)
     if eval == "zeroshot":
         fn = lambda: run_zeroshot_eval(bundle, data, classnames, templates, ks=tuple(ks or (1, 5)), **common)  # noqa: E731
     else:
@@ -579,6 +599,8 @@ def compare_ruler(
     progress: Callable[[str], None] | None = None,
     on_cell: Callable[[dict[str, Any]], None] | None = None,
     log: Log | None = None,
+    ranks: Ranks | None = None,
+    resume: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Dense vs several settings on the RULER-style tasks of a causal LM, at a matched budget, in one run.
 
@@ -596,6 +618,9 @@ def compare_ruler(
         progress: called with a line after each sample.
         on_cell: called after each finished cell with the compare result so far.
         log: one line per matched setting.
+        ranks: a data-parallel run (:func:`attnpatch.evals.ruler.run_ruler_settings`; the budget is matched on rank 0).
+        resume: the compare result (JSON) of an earlier run of this configuration that stopped: its finished
+            cells and its matched settings are kept.
 
     Returns:
         As :func:`compare_vision`; the metric is the accuracy over every cell (samples pooled),
@@ -608,16 +633,18 @@ def compare_ruler(
         OptionError: ``match`` of key ``tokens``; the errors of :func:`run_ruler_settings`.
         EvalInterrupted: Ctrl-C; ``partial`` is the compare result over the finished cells, or ``None``.
     """
+    from .devices import input_device
     from .ruler import run_ruler_settings
 
     if any(mt.key == "tokens" for mt in _as_list(match)):
         raise OptionError("--match tokens applies to the vision and CLIP evals only; for ruler use sparsity, flops or speedup")
     given = [(m, dict(o)) for m, o in settings]
     check_settings(given, "ruler")
-    infos: list[dict[str, Any]] = []
+    # a resumed run keeps what the earlier one matched (its rows), and runs its settings
+    infos: list[dict[str, Any]] = [{**row.get("match", {}), "options": row["options"]} for row in (resume or {}).get("rows", [])[1:]]
 
     def calibrate(ids: list[int]):
-        x = torch.tensor([ids], device=model.device)
+        x = torch.tensor([ids], device=input_device(model))
         final, got = match_settings(model, given, lambda: model(input_ids=x, use_cache=False), match, steps=steps, log=log)
         infos.extend(got)
         return final
@@ -627,6 +654,7 @@ def compare_ruler(
         lambda: run_ruler_settings(
             model, tokenizer, settings=given, tasks=tasks, lengths=lengths, num_samples=num_samples, seed=seed, depths=depths,
             haystack=haystack, recall=recall, recall_samples=recall_samples, calibrate=calibrate, progress=progress, on_cell=cell_cb,
+            ranks=ranks, resume=(resume or {}).get("result"),
         ),
         "ruler", match, given, infos, _ruler_rows,
     )

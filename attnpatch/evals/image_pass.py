@@ -21,7 +21,9 @@ import torch
 from ..errors import OptionError
 from ..patchers.api import patch_info, patched, record_stats
 from ..patchers.registry import get_method, validate_options
+from .distributed import Ranks
 from .report import EvalInterrupted
+from .resume import BatchStore
 
 __all__ = ["SettingRun", "ImagePass", "resolve_settings", "count_sampled_at", "run_image_pass", "finish", "throughput", "run_labels"]
 
@@ -92,6 +94,9 @@ class ImagePass:
             patched layers (``None`` when no setting recorded any).
         dense: dense ``encode`` output per batch; dense_seconds: their forward time.
         runs: one :class:`SettingRun` per setting, in order.
+        ranks: per process of the run, ``{"rank", "batches" (first image index of each batch it encoded),
+            "images", "wall_s", "dense_s_median", "seconds_median" (per setting; medians over its batches, seconds)}``.
+        resumed_batches: batches read back from the store of an earlier run (``--resume``).
     """
 
     n: int
@@ -103,10 +108,43 @@ class ImagePass:
     dense: list
     dense_seconds: float
     runs: list[SettingRun]
+    ranks: list[dict[str, Any]] = field(default_factory=list)
+    resumed_batches: int = 0
 
 
 def _image_of(item):
     return item[0] if isinstance(item, tuple) else item  # labelled sets give (image, label)
+
+
+def _batch(model, images, preprocess, encode, settings, start, stop, *, towers, warmup, after_dense, after_setting) -> dict[str, Any]:
+    """One batch, dense then each setting (see :func:`run_image_pass`), as a picklable record: ``dense``,
+    ``dense_seconds``, ``resolution``, ``tokens``, and per setting ``towers``, ``output``, ``seconds``,
+    ``extra``, ``sampled_at``, ``modes``."""
+    x = preprocess([_image_of(images[i]) for i in range(start, stop)])
+    if warmup:
+        encode(x[:1])
+        for m, o in settings:
+            with patched(model, m, towers=towers, **o):
+                encode(x[:1])
+    t0 = time.perf_counter()
+    dense_b = encode(x)
+    dt = time.perf_counter() - t0
+    dense_extra = after_dense(x, start) if after_dense is not None else None
+    runs, tokens = [], None
+    for m, o in settings:
+        with patched(model, m, towers=towers, **o), record_stats(model) as rec:
+            tw = patch_info(model)["towers"]
+            t0 = time.perf_counter()
+            out = encode(x)
+            t_run = time.perf_counter() - t0
+        extra = after_setting(m, o, x, start, dense_extra) if after_setting is not None else None
+        lay = rec.forwards[0] if rec.forwards else {}
+        tokens = next((lr.queries for lr in lay.values()), tokens)
+        runs.append({
+            "towers": tw, "output": out, "seconds": t_run, "extra": extra,
+            "sampled_at": count_sampled_at(lay, {}), "modes": sorted({lr.mode for lr in lay.values()}),
+        })
+    return {"start": start, "stop": stop, "resolution": int(x.shape[-1]), "tokens": tokens, "dense": dense_b, "dense_seconds": dt, "runs": runs}
 
 
 def run_image_pass(
@@ -122,89 +160,135 @@ def run_image_pass(
     progress: Callable[[int, int], None] | None = None,
     after_dense: Callable[[torch.Tensor, int], Any] | None = None,
     after_setting: Callable[[str, dict[str, Any], torch.Tensor, int, Any], Any] | None = None,
+    ranks: Ranks | None = None,
+    store: BatchStore | None = None,
 ) -> ImagePass:
     """Encode every image dense and under each setting, batch by batch and interleaved.
 
-    Per batch: ``preprocess`` the images; on the first batch with ``warmup``, one untimed forward
-    of one image, dense and per setting; the timed dense ``encode``; ``after_dense(x, start)``
+    Per batch: ``preprocess`` the images; on the first batch a process runs, with ``warmup``, one
+    untimed forward of one image, dense and per setting; the timed dense ``encode``; ``after_dense(x, start)``
     (untimed; its value goes to ``after_setting``); then per setting, under ``patched(model,
     method, towers=towers, **options)`` and ``record_stats(model)``, the timed ``encode`` and after
     it ``after_setting(method, options, x, start, dense_value)`` (untimed, kept per batch in
     :attr:`SettingRun.extras`).
 
+    In a data-parallel run (``ranks`` of several processes, :mod:`attnpatch.evals.distributed`) each
+    process encodes its contiguous share of the batches and every process receives all of them in
+    the original order, so the result is the one-process result (timings aside: ``seconds`` are the
+    forward times summed over all processes, :attr:`ImagePass.ranks` has each process's own).  With a
+    ``store``, each finished batch is written to it, and batches already there (``store.load()``,
+    a resumed run) are read back instead of encoded.
+
     Args:
         model: the unpatched module the settings patch (left unpatched).
         images: ``len`` and ``[i]`` -> a PIL image or an ``(image, label)`` tuple.
         preprocess: list of PIL images -> ``[B, 3, R, R]``.
-        encode: ``[B, 3, R, R]`` -> anything (kept per batch).
+        encode: ``[B, 3, R, R]`` -> anything picklable (kept per batch).
         settings: validated ``[(method, options), ...]`` (see :func:`resolve_settings`).
         batch_size: images per forward call (a positive int).
         towers: the towers each setting routes (``None``: the model's default).
         warmup: one untimed forward per setting on the first batch.
-        progress: ``progress(images_done, images_total)`` after each batch.
+        progress: ``progress(images_done, images_total)`` after each batch, counting this process's
+            images (and those read back from ``store``).
         after_dense, after_setting: extra untimed work per batch (e.g. per-layer errors).
+        ranks: this process's place in a data-parallel run (default: one process).
+        store: where finished batches are kept for ``--resume`` (:class:`BatchStore`).
 
     Returns:
         :class:`ImagePass` over the finished batches; ``interrupted`` when a Ctrl-C stopped it.
 
     Raises:
         OptionError: ``batch_size`` not a positive int.
-        EvalInterrupted: a Ctrl-C before the first batch finished (``partial`` ``None``).
+        EvalInterrupted: a Ctrl-C before the first batch finished (``partial`` ``None``), or in a
+            data-parallel run (the finished batches are in ``store`` for ``--resume``).
     """
     if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size < 1:
         raise OptionError(f"batch_size={batch_size!r}: must be a positive int (images per forward call)")
+    r = ranks or Ranks()
     n = len(images)
+    starts = list(range(0, n, batch_size))
+    kept = store.load() if store is not None else {}
+    # batches an earlier run kept: every process reads the ones it can see; each is sent on by the first
+    # process holding it (a folder shared by the processes, or one per machine)
+    holders = r.gather(sorted(kept))
+    have = {s for h in holders for s in h}
+    own = {s: b for s, b in kept.items() if next(k for k, h in enumerate(holders) if s in h) == r.rank}
+    todo = [s for s in starts if s not in have]
+    mine = [todo[i] for i in r.shard(len(todo))]
+    size = sum(min(n, s + batch_size) - s for s in mine)
+    done = sum(min(n, s + batch_size) - s for s in have) if r.main else 0
+    total = done + size
+    local: dict[int, dict[str, Any]] = {}
+    interrupted = False
+    t_wall = time.perf_counter()
+    try:
+        for k, start in enumerate(mine):
+            b = _batch(
+                model, images, preprocess, encode, settings, start, min(n, start + batch_size), towers=towers,
+                warmup=warmup and k == 0, after_dense=after_dense, after_setting=after_setting,
+            )
+            # the batch is complete: keep it (a Ctrl-C leaves the results of whole batches)
+            local[start] = b
+            if store is not None:
+                store.save(b)
+            done += b["stop"] - start
+            if progress:
+                progress(done, total)
+    except KeyboardInterrupt as exc:
+        if isinstance(exc, EvalInterrupted) or r.distributed or not (local or have):
+            if not r.distributed:
+                raise EvalInterrupted(None, f"0/{n} images") from None
+            where = f"; the finished batches are in {store.path} for --resume" if store is not None and (local or have) else ""
+            raise EvalInterrupted(None, f"{len(local)}/{len(mine)} batches of process {r.rank}{where}") from None
+        interrupted = True
+    wall = time.perf_counter() - t_wall
+    mine_info = {
+        "rank": r.rank, "batches": sorted(local), "images": sum(b["stop"] - b["start"] for b in local.values()),
+        "wall_s": wall, "dense_s_median": _median([b["dense_seconds"] for b in local.values()]),
+        "seconds_median": [_median([b["runs"][j]["seconds"] for b in local.values()]) for j in range(len(settings))],
+    }
+    every: dict[int, dict[str, Any]] = {}
+    per_rank = []
+    for part, info in r.gather(({**own, **local}, mine_info)):
+        every.update(part)
+        per_rank.append(info)
+    return _assemble(every, starts, n, batch_size, settings, interrupted, per_rank, resumed=sorted(have))
+
+
+def _median(xs: list[float]) -> float | None:
+    import statistics
+
+    return statistics.median(xs) if xs else None
+
+
+def _assemble(every: dict[int, dict[str, Any]], starts, n, batch_size, settings, interrupted, per_rank, resumed) -> ImagePass:
+    """The :class:`ImagePass` of the finished batches in image order (after a Ctrl-C: the batches before the first
+    unfinished one, so the images are a prefix of the set)."""
     dense, dense_t = [], 0.0
     runs = [SettingRun() for _ in settings]
     tokens = resolution = None
     done = 0
-    interrupted = False
-    try:
-        for start in range(0, n, batch_size):
-            x = preprocess([_image_of(images[i]) for i in range(start, min(n, start + batch_size))])
-            resolution = int(x.shape[-1])
-            if warmup and start == 0:
-                encode(x[:1])
-                for m, o in settings:
-                    with patched(model, m, towers=towers, **o):
-                        encode(x[:1])
-            # everything of this batch is collected first and kept only once the batch is complete,
-            # so a Ctrl-C leaves the results of whole batches
-            t0 = time.perf_counter()
-            dense_b = encode(x)
-            dt = time.perf_counter() - t0
-            dense_extra = after_dense(x, start) if after_dense is not None else None
-            per_run = []
-            for m, o in settings:
-                with patched(model, m, towers=towers, **o), record_stats(model) as rec:
-                    tw = patch_info(model)["towers"]
-                    t0 = time.perf_counter()
-                    out = encode(x)
-                    t_run = time.perf_counter() - t0
-                extra = after_setting(m, o, x, start, dense_extra) if after_setting is not None else None
-                per_run.append((tw, out, t_run, rec.forwards[0] if rec.forwards else {}, extra))
-            # the batch is complete: keep it
-            dense.append(dense_b)
-            dense_t += dt
-            for r, (tw, out, t_run, lay, extra) in zip(runs, per_run):
-                r.towers = tw
-                r.outputs.append(out)
-                r.seconds += t_run
-                if after_setting is not None:
-                    r.extras.append(extra)
-                tokens = next((lr.queries for lr in lay.values()), tokens)
-                count_sampled_at(lay, r.sampled_at)
-                r.modes.update(lr.mode for lr in lay.values())
-            done += x.shape[0]
-            if progress:
-                progress(done, n)
-    except KeyboardInterrupt as exc:
-        if isinstance(exc, EvalInterrupted) or done == 0:
-            raise EvalInterrupted(None, f"0/{n} images") from None
-        interrupted = True
+    for start in starts:
+        b = every.get(start)
+        if b is None:
+            break
+        dense.append(b["dense"])
+        dense_t += b["dense_seconds"]
+        resolution = b["resolution"]
+        tokens = b["tokens"] if b["tokens"] is not None else tokens
+        for run, br in zip(runs, b["runs"]):
+            run.towers = br["towers"]
+            run.outputs.append(br["output"])
+            run.seconds += br["seconds"]
+            if br["extra"] is not None:
+                run.extras.append(br["extra"])
+            for li, c in br["sampled_at"].items():
+                run.sampled_at[li] = run.sampled_at.get(li, 0) + c
+            run.modes.update(br["modes"])
+        done = b["stop"]
     return ImagePass(
-        n=done, n_planned=n, batch_size=batch_size, interrupted=interrupted, resolution=resolution, tokens=tokens,
-        dense=dense, dense_seconds=dense_t, runs=runs,
+        n=done, n_planned=n, batch_size=batch_size, interrupted=interrupted or done < n, resolution=resolution, tokens=tokens,
+        dense=dense, dense_seconds=dense_t, runs=runs, ranks=per_rank, resumed_batches=len(resumed),
     )
 
 
@@ -226,8 +310,10 @@ def run_labels(run: SettingRun) -> dict[str, Any]:
 
 
 def finish(result: dict[str, Any], ip: ImagePass) -> dict[str, Any]:
-    """Return ``result``, or, when the pass was interrupted, mark it (``"interrupted": True``,
+    """Return ``result`` with how the pass ran (``"world_size"``, ``"ranks"``: :attr:`ImagePass.ranks`,
+    ``"resumed_batches"``), or, when the pass was interrupted, mark it (``"interrupted": True``,
     ``"n_images_planned"``) and raise :class:`EvalInterrupted` carrying it."""
+    result.update(world_size=len(ip.ranks) or 1, ranks=ip.ranks, resumed_batches=ip.resumed_batches)
     if ip.interrupted:
         result.update(interrupted=True, n_images_planned=ip.n_planned)
         raise EvalInterrupted(result, f"{ip.n}/{ip.n_planned} images")

@@ -22,6 +22,8 @@ from ..errors import DataError
 from ..patchers.api import patch, record_stats, unpatch
 from ..patchers.registry import get_method, validate_options
 from . import ruler_tasks
+from .devices import input_device
+from .distributed import Ranks
 from .recall import attention_recall, summarize_layers
 from .report import EvalInterrupted
 
@@ -70,7 +72,7 @@ def generate_greedy(model, tokenizer, input_ids: list[int], max_new_tokens: int)
         ``(text, prefill_seconds)``: the decoded new tokens (special tokens skipped) and the
         wall time of the prefill forward call.
     """
-    x = torch.tensor([input_ids], device=model.device)
+    x = torch.tensor([input_ids], device=input_device(model))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     with PrefillTimer(model) as timer:
         out = model.generate(
@@ -100,6 +102,8 @@ def run_ruler(
     progress: Callable[[str], None] | None = None,
     on_sample: Callable[[dict[str, Any]], None] | None = None,
     on_cell: Callable[[dict[str, Any]], None] | None = None,
+    ranks: Ranks | None = None,
+    resume: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Run the RULER-style tasks on ``model``, dense and patched with ``method``.
 
@@ -121,6 +125,12 @@ def run_ruler(
         on_sample: called with each per-sample result dict.
         on_cell: called after each finished (task, length) cell with the result so far (same
             layout as the return value), e.g. to save partial results of a long run.
+        ranks: this process's place in a data-parallel run (:mod:`attnpatch.evals.distributed`): each process
+            answers its contiguous share of every cell's samples, and every process gets all of them in order,
+            so the cells equal a one-process run's (prefill times aside); each cell then has ``"ranks"``, per
+            process the samples it answered and its median prefill times.
+        resume: the result of an earlier run of the same configuration that stopped (its JSON, read back with
+            :func:`attnpatch.evals.resume.resume_cells`): its finished cells are kept and not run again.
 
     Returns:
         ``{"method", "options", "cells": [...], "settings": {...}}``; each cell has ``task``,
@@ -129,7 +139,7 @@ def run_ruler(
         ``prefill_dense_s``, ``prefill_patched_s`` (medians, seconds), ``prefill_speedup``,
         ``patched_modes`` (the record modes of the patched prefills' layers, e.g. ``["dense:short"]`` where
         every layer ran the model's own attention; see :func:`attnpatch.record_stats`)
-        and ``samples`` (per-sample details).
+        and ``samples`` (per-sample details); ``world_size``: the processes of the run.
 
     Raises:
         DataError: unknown task, a length too short for a task, or a tokenizer that encodes text
@@ -149,15 +159,17 @@ def run_ruler(
         recall=recall, recall_samples=recall_samples,
     )
     setting = [] if baseline_only else [(method, options)]
-    dense_cells: list[dict[str, Any]] = []
-    run_cells: list[list[dict[str, Any]]] = [[] for _ in setting]
+    done = list((resume or {}).get("cells") or [])
+    dense_cells: list[dict[str, Any]] = list(done)
+    run_cells: list[list[dict[str, Any]]] = [list(done) for _ in setting]
+    r = ranks or Ranks()
 
     def result() -> dict[str, Any]:
-        return _result(method, options, dense_cells if baseline_only else run_cells[0], run_settings)
+        return {**_result(method, options, dense_cells if baseline_only else run_cells[0], run_settings), "world_size": r.world_size}
 
     return _run_all(
         model, tokenizer, plan, setting, dense_cells, run_cells, result, recall=recall, recall_samples=recall_samples,
-        progress=progress, on_sample=on_sample, on_cell=on_cell,
+        progress=progress, on_sample=on_sample, on_cell=on_cell, ranks=r,
     )
 
 
@@ -178,6 +190,8 @@ def run_ruler_settings(
     progress: Callable[[str], None] | None = None,
     on_sample: Callable[[dict[str, Any]], None] | None = None,
     on_cell: Callable[[dict[str, Any]], None] | None = None,
+    ranks: Ranks | None = None,
+    resume: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Run the RULER-style tasks dense and under several patched settings, on the same prompts in one run.
 
@@ -198,9 +212,13 @@ def run_ruler_settings(
         progress: called with a short line after each sample.
         on_sample: called with each sample's dense row (``"runs"``: one dict per setting).
         on_cell: called after each finished (task, length) cell with the result so far.
+        ranks: a data-parallel run, as for :func:`run_ruler`; ``calibrate`` runs on rank 0 alone and its settings
+            are sent to the others.
+        resume: an earlier result of this configuration that stopped: its finished cells are kept, and its
+            settings are run (no new ``calibrate``).
 
     Returns:
-        ``{"settings": {run configuration}, "dense": {"cells": [...]}, "runs": [{"method",
+        ``{"settings": {run configuration}, "world_size", "dense": {"cells": [...]}, "runs": [{"method",
         "options", "cells": [...]}, ...]}``; the dense cells have :func:`run_ruler`'s baseline
         columns, each run's cells :func:`run_ruler`'s patched cells (dense columns included,
         from the one dense generation per sample).
@@ -215,37 +233,41 @@ def run_ruler_settings(
         model, tokenizer, tasks=tasks, lengths=lengths, num_samples=num_samples, seed=seed, depths=depths, haystack=haystack,
         recall=recall, recall_samples=recall_samples,
     )
+    r = ranks or Ranks()
     try:
-        if calibrate is not None and plan and plan[0][2]:
-            settings = calibrate(ruler_tasks.build_input_ids(tokenizer, plan[0][2][0]))
+        if resume is not None:
+            settings = [(x["method"], x["options"]) for x in resume.get("runs") or []]
+        elif calibrate is not None and plan and plan[0][2]:
+            # calibrated on one process (it may time forward calls), the same settings everywhere
+            settings = r.broadcast(calibrate(ruler_tasks.build_input_ids(tokenizer, plan[0][2][0])) if r.main else None)
     except KeyboardInterrupt as exc:
         if isinstance(exc, EvalInterrupted):
             raise
         raise EvalInterrupted(None, f"0/{len(plan)} cells") from None
     settings = _check_settings(model, settings)
-    dense_cells: list[dict[str, Any]] = []
-    run_cells: list[list[dict[str, Any]]] = [[] for _ in settings]
+    dense_cells: list[dict[str, Any]] = list(((resume or {}).get("dense") or {}).get("cells") or [])
+    run_cells: list[list[dict[str, Any]]] = [list(x.get("cells") or []) for x in (resume or {}).get("runs") or []] or [[] for _ in settings]
 
     def result() -> dict[str, Any]:
         return {
-            "settings": run_settings, "dense": {"cells": list(dense_cells)},
+            "settings": run_settings, "world_size": r.world_size, "dense": {"cells": list(dense_cells)},
             "runs": [{"method": m, "options": o, "cells": list(c)} for (m, o), c in zip(settings, run_cells)],
         }
 
     return _run_all(
         model, tokenizer, plan, settings, dense_cells, run_cells, result, recall=recall, recall_samples=recall_samples,
-        progress=progress, on_sample=on_sample, on_cell=on_cell,
+        progress=progress, on_sample=on_sample, on_cell=on_cell, ranks=r,
     )
 
 
 def _run_all(model, tokenizer, plan, settings, dense_cells, run_cells, result, *, recall, recall_samples, progress, on_sample,
-             on_cell) -> dict[str, Any]:
+             on_cell, ranks) -> dict[str, Any]:
     """:func:`_run_cells` over the whole plan, then ``result()``; Ctrl-C raises :class:`EvalInterrupted` carrying
     ``result()`` over the finished cells (``None`` before the first)."""
     try:
         _run_cells(
             model, tokenizer, plan, settings, dense_cells, run_cells, recall=recall, recall_samples=recall_samples,
-            progress=progress, on_sample=on_sample, on_cell=(lambda: on_cell(result())) if on_cell else None,
+            progress=progress, on_sample=on_sample, on_cell=(lambda: on_cell(result())) if on_cell else None, ranks=ranks,
         )
     except KeyboardInterrupt as exc:
         if isinstance(exc, EvalInterrupted):
@@ -287,52 +309,79 @@ def _prepare(model, tokenizer, *, tasks, lengths, num_samples, seed, depths, hay
     return settings, plan
 
 
-def _run_cells(model, tokenizer, plan, settings, dense_cells, run_cells, *, recall, recall_samples, progress, on_sample, on_cell) -> None:
-    """Run the planned ``(task, length, samples)`` cells in order: per sample one dense generation, then
-    one per setting; each finished cell is appended to ``dense_cells`` and to each setting's list in ``run_cells``."""
-    for task, length, samples in plan:
-        rows = []
-        for i, s in enumerate(samples):
-            ids = ruler_tasks.build_input_ids(tokenizer, s)
-            text_d, t_d = generate_greedy(model, tokenizer, ids, s.max_new_tokens)
-            row: dict[str, Any] = {
-                "task": task, "length": length, "tokens": len(ids), "depth": s.depth, "answers": s.answers,
-                "dense_pred": text_d, "dense_score": ruler_tasks.score(task, text_d, s.answers), "prefill_dense_s": t_d,
-            }
-            runs = []
-            for method, options in settings:
-                patch(model, method, **options)
-                try:
-                    with record_stats(model) as rec:
-                        text_p, t_p = generate_greedy(model, tokenizer, ids, s.max_new_tokens)
-                    summ = summarize_layers(rec.forwards[0]) if rec.forwards else {}
-                    run: dict[str, Any] = dict(
-                        patched_pred=text_p,
-                        patched_score=ruler_tasks.score(task, text_p, s.answers),
-                        prefill_patched_s=t_p,
-                        sparsity=summ.get("sparsity"),
-                        modes=sorted({layer["mode"] for layer in summ.get("per_layer", [])}),
-                    )
-                    if recall and (recall_samples is None or i < recall_samples):
-                        r = attention_recall(model, torch.tensor([ids], device=model.device))
-                        run.update(recall_mean=r["recall_mean"], recall_worst5=r["recall_worst"], worst_heads=r["worst_heads"][:5])
-                finally:
-                    unpatch(model)
-                runs.append(run)
-            rows.append((row, runs))
+def _run_cells(model, tokenizer, plan, settings, dense_cells, run_cells, *, recall, recall_samples, progress, on_sample, on_cell,
+               ranks) -> None:
+    """Run the planned ``(task, length, samples)`` cells in order, from the first one not yet in ``dense_cells`` (a
+    resumed run): per sample one dense generation, then one per setting; each finished cell is appended to
+    ``dense_cells`` and to each setting's list in ``run_cells``.  In a data-parallel run each process answers
+    its share of a cell's samples and the cell is built from all of them, in order, on every process."""
+    for task, length, samples in plan[len(dense_cells):]:
+        mine = []
+        for i in ranks.shard(len(samples)):
+            row, runs = _sample(model, tokenizer, task, length, samples[i], i, settings, recall=recall, recall_samples=recall_samples)
+            mine.append((i, row, runs))
             if on_sample:
                 on_sample(row if not settings else {**row, **runs[0]} if len(settings) == 1 else {**row, "runs": runs})
             if progress:
-                msg = f"{task} L={length} sample {i + 1}/{len(samples)}: dense {row['dense_score']:.2f} ({t_d:.2f}s)"
+                msg = f"{task} L={length} sample {i + 1}/{len(samples)}: dense {row['dense_score']:.2f} ({row['prefill_dense_s']:.2f}s)"
                 for (method, _), run in zip(settings, runs):
                     name = "patched" if len(settings) == 1 else method
                     msg += f", {name} {run['patched_score']:.2f} ({run['prefill_patched_s']:.2f}s)"
                 progress(msg)
-        dense_cells.append(_aggregate(task, length, [r for r, _ in rows], True))
+        parts = ranks.gather(mine)
+        rows = [(row, runs) for _, row, runs in sorted((x for part in parts for x in part), key=lambda x: x[0])]
+        per_rank = [
+            {"rank": k, "samples": [i for i, _, _ in part],
+             "prefill_dense_s": _median([row["prefill_dense_s"] for _, row, _ in part]),
+             "prefill_patched_s": [_median([runs[j]["prefill_patched_s"] for _, _, runs in part]) for j in range(len(settings))]}
+            for k, part in enumerate(parts)
+        ] if ranks.distributed else None
+        dense_cells.append(_with_ranks(_aggregate(task, length, [r for r, _ in rows], True), per_rank))
         for k, cells in enumerate(run_cells):
-            cells.append(_aggregate(task, length, [{**r, **runs[k]} for r, runs in rows], False))
+            cells.append(_with_ranks(_aggregate(task, length, [{**r, **runs[k]} for r, runs in rows], False), per_rank))
         if on_cell:
             on_cell()
+
+
+def _sample(model, tokenizer, task, length, s, i, settings, *, recall, recall_samples) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """One sample: the dense generation's row and one dict per patched setting."""
+    ids = ruler_tasks.build_input_ids(tokenizer, s)
+    text_d, t_d = generate_greedy(model, tokenizer, ids, s.max_new_tokens)
+    row: dict[str, Any] = {
+        "task": task, "length": length, "tokens": len(ids), "depth": s.depth, "answers": s.answers,
+        "dense_pred": text_d, "dense_score": ruler_tasks.score(task, text_d, s.answers), "prefill_dense_s": t_d,
+    }
+    runs = []
+    for method, options in settings:
+        patch(model, method, **options)
+        try:
+            with record_stats(model) as rec:
+                text_p, t_p = generate_greedy(model, tokenizer, ids, s.max_new_tokens)
+            summ = summarize_layers(rec.forwards[0]) if rec.forwards else {}
+            run: dict[str, Any] = dict(
+                patched_pred=text_p,
+                patched_score=ruler_tasks.score(task, text_p, s.answers),
+                prefill_patched_s=t_p,
+                sparsity=summ.get("sparsity"),
+                modes=sorted({layer["mode"] for layer in summ.get("per_layer", [])}),
+            )
+            if recall and (recall_samples is None or i < recall_samples):
+                r = attention_recall(model, torch.tensor([ids], device=input_device(model)))
+                run.update(recall_mean=r["recall_mean"], recall_worst5=r["recall_worst"], worst_heads=r["worst_heads"][:5])
+        finally:
+            unpatch(model)
+        runs.append(run)
+    return row, runs
+
+
+def _median(xs):
+    return statistics.median(xs) if xs else None
+
+
+def _with_ranks(cell: dict[str, Any], per_rank) -> dict[str, Any]:
+    if per_rank is not None:
+        cell["ranks"] = per_rank
+    return cell
 
 
 def _result(method: str, options: dict[str, Any], cells: list[dict[str, Any]], settings: dict[str, Any]) -> dict[str, Any]:

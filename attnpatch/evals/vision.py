@@ -31,7 +31,10 @@ from ..patchers.api import is_patched, patched, record_stats, token_sizes
 from ..patchers.registry import get_method
 from .image_pass import ImagePass, finish, resolve_settings, run_image_pass, run_labels, throughput
 from .image_pass import count_sampled_at  # noqa: F401  (defined here before; importable from here still)
+from .devices import input_device
+from .distributed import Ranks
 from .report import EvalInterrupted
+from .resume import BatchStore
 
 __all__ = ["TASKS", "encode", "patch_size", "token_count", "run_feature_eval"]
 
@@ -83,7 +86,7 @@ def encode(
     Raises:
         UnsupportedModelError: a model of neither kind, or ``layers`` on a model whose blocks are not found.
     """
-    x = pixel_values.to(next(model.parameters()).device, next(model.parameters()).dtype)
+    x = pixel_values.to(input_device(model), next(model.parameters()).dtype)
     hooks, got = [], {}
     if layers:
         blocks, norm = _blocks_and_norm(model)
@@ -200,6 +203,8 @@ def run_feature_eval(
     return_features: bool = False,
     feature_layers: Sequence[int] = (),
     progress: Callable[[int, int], None] | None = None,
+    ranks: Ranks | None = None,
+    store: BatchStore | None = None,
 ) -> dict[str, Any]:
     """Dense vs patched frozen-feature metrics and throughput, on the same images in one run.
 
@@ -223,16 +228,21 @@ def run_feature_eval(
         feature_layers: also collect the CLS token of these blocks' outputs (final norm applied)
             for ``return_features`` (metrics are computed on the final CLS token).
         progress: called as ``progress(images_done, images_total)``.
+        ranks: this process's place in a data-parallel run (:mod:`attnpatch.evals.distributed`): it encodes its
+            share of the batches, every process gets all features, and the metrics (computed on every process
+            from the gathered features) equal a one-process run's.
+        store: where finished batches are kept and read back from (``--resume``, :class:`~attnpatch.evals.resume.BatchStore`).
 
     Returns:
         ``{"n_images", "resolution" (pixels), "tokens", "batch_size", "dense": {metrics,
-        "seconds", "images_per_s"}, "runs": [{"method", "options", metrics, "seconds",
+        "knn_predictions" (per image, with k-NN), "seconds", "images_per_s"}, "runs": [{"method", "options", metrics, "seconds",
         "images_per_s", "speedup", "cls_cosine", "cls_cosine_min", "patch_cosine",
         "knn_agreement", "layer_error_teacher" (list per layer), "layer_error_free",
         "approximated_layers", "mean_layer_error_teacher", "mean_layer_error_free" (means over
         the approximated layers; a method that merges tokens, ToMe, has no layer errors: ``[]`` and
-        ``None``, since its layers see other tokens than dense's), "sampled_at" (layer -> images)}]}``.
-        Times are seconds of model forward calls (landmark selection included).
+        ``None``, since its layers see other tokens than dense's), "sampled_at" (layer -> images)}],
+        "world_size", "ranks" (per process: the batches it encoded, its median forward times), "resumed_batches"}``.
+        Times are seconds of model forward calls (landmark selection included), summed over the processes.
 
     Raises:
         OptionError: unknown task; UnknownMethodError / OptionError for a bad setting.
@@ -276,7 +286,7 @@ def run_feature_eval(
 
     ip = run_image_pass(
         model, images, preprocess, enc, settings, batch_size=batch_size, warmup=warmup, progress=progress,
-        after_dense=dense_outputs, after_setting=layer_errors,
+        after_dense=dense_outputs, after_setting=layer_errors, ranks=ranks, store=store,
     )
     labels = np.asarray(images.labels)[:ip.n]
     args = (ip, tasks, settings, given, labels, fl)
@@ -311,6 +321,8 @@ def _feature_result(
     dcls = torch.cat([b[0] for b in ip.dense])
     dense_metrics = _metrics(dcls.numpy(), labels, tasks, knn_k, folds, seed) if compute_metrics else {}
     dense_pred = dense_metrics.pop("_knn_pred", None)
+    if dense_pred is not None:
+        dense_metrics["knn_predictions"] = np.asarray(dense_pred).tolist()
     result: dict[str, Any] = {
         "n_images": n,
         "resolution": ip.resolution,
@@ -324,6 +336,8 @@ def _feature_result(
         pcls = torch.cat([b[0] for b in r.outputs])
         met = _metrics(pcls.numpy(), labels, tasks, knn_k, folds, seed) if compute_metrics else {}
         pred = met.pop("_knn_pred", None)
+        if pred is not None:
+            met["knn_predictions"] = np.asarray(pred).tolist()
         row: dict[str, Any] = {"method": m, "options": o, "shown_options": g, **met, **throughput(r.seconds, n, ip.dense_seconds)}
         if "fidelity" in tasks:
             cc = _cos(pcls, dcls)

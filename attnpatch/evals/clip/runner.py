@@ -30,11 +30,12 @@ __all__ = ["run_zeroshot_eval", "run_retrieval_eval"]
 Log = Callable[[str], None]
 
 
-def _image_pass(bundle, images, settings, towers, batch_size: int, warmup: bool, progress) -> ImagePass:
-    """Dense and patched image embeddings of every image, interleaved batch by batch, with forward times."""
+def _image_pass(bundle, images, settings, towers, batch_size: int, warmup: bool, progress, ranks=None, store=None) -> ImagePass:
+    """Dense and patched image embeddings of every image, interleaved batch by batch, with forward times
+    (in a data-parallel run each process encodes its share; every process gets all)."""
     ip = run_image_pass(
         bundle.model, images, bundle.preprocess, bundle.encode_image, settings,
-        batch_size=batch_size, towers=towers, warmup=warmup, progress=progress,
+        batch_size=batch_size, towers=towers, warmup=warmup, progress=progress, ranks=ranks, store=store,
     )
     if ip.tokens is None:
         ip.tokens = bundle.vision_tokens()
@@ -88,6 +89,8 @@ def run_zeroshot_eval(
     ks: Sequence[int] = (1, 5),
     warmup: bool = True,
     progress: Callable[[int, int], None] | None = None,
+    ranks=None,
+    store=None,
     log: Log = _stderr,
 ) -> dict[str, Any]:
     """Zero-shot classification, dense vs patched image tower, on the same images in one run.
@@ -104,6 +107,7 @@ def run_zeroshot_eval(
         ks: top-k cut-offs.
         warmup: one untimed forward per setting before timing.
         progress: ``progress(images_done, images_total)``.
+        ranks, store: a data-parallel run and the kept batches of ``--resume``, as :func:`attnpatch.evals.vision.run_feature_eval`.
         log: one line per step.
 
     Returns:
@@ -134,7 +138,7 @@ def run_zeroshot_eval(
     text, text_s, per_text = _text_or_interrupt(_text_pass, bundle, prompts, settings, towers, text_batch_size)
     clf = zeroshot_classifier(text, len(names))
     log(f"text embeddings in {text_s:.1f} s")
-    ip = _image_pass(bundle, images, settings, towers, batch_size, warmup, progress)
+    ip = _image_pass(bundle, images, settings, towers, batch_size, warmup, progress, ranks, store)
     n, dense_emb = ip.n, torch.cat(ip.dense)
     dense = zeroshot_accuracy(dense_emb, clf, labels[:n], ks)
     c = len(names)
@@ -166,6 +170,8 @@ def run_retrieval_eval(
     ks: Sequence[int] = (1, 5, 10),
     warmup: bool = True,
     progress: Callable[[int, int], None] | None = None,
+    ranks=None,
+    store=None,
     log: Log = _stderr,
 ) -> dict[str, Any]:
     """Image<->text retrieval recall@k, dense vs patched image tower, on the same images in one run.
@@ -179,6 +185,7 @@ def run_retrieval_eval(
         ks: recall cut-offs.
         warmup: one untimed forward per setting before timing.
         progress: ``progress(images_done, images_total)``.
+        ranks, store: a data-parallel run and the kept batches of ``--resume``, as :func:`attnpatch.evals.vision.run_feature_eval`.
         log: one line per step.
 
     Returns:
@@ -202,7 +209,7 @@ def run_retrieval_eval(
     log(f"text embeddings of {len(texts)} captions ...")
     text, text_s, per_text = _text_or_interrupt(_text_pass, bundle, texts, settings, towers, text_batch_size)
     log(f"text embeddings in {text_s:.1f} s")
-    ip = _image_pass(bundle, captions, settings, towers, batch_size, warmup, progress)
+    ip = _image_pass(bundle, captions, settings, towers, batch_size, warmup, progress, ranks, store)
     n, dense_emb = ip.n, torch.cat(ip.dense)
     if n < len(captions):  # interrupted: the captions of the finished images only
         keep = torch.from_numpy(t2i < n)
