@@ -257,3 +257,13 @@ def test_vit_eval_with_weights_offloaded_to_disk_equals_the_plain_run(tiny_vit_d
 def test_bad_big_model_options_fail_before_loading(tiny_lm_dir, tmp_path, capsys, extra, message):
     assert main([*RULER, "--model", str(tiny_lm_dir / "missing"), "--json", str(tmp_path / "x.json"), *extra]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_compare_ruler_resume_key_names_the_tasks_the_run_records():
+    """`--tasks all` is recorded as every task's name: the key a resumed `compare --eval ruler` checks must say the same."""
+    from attnpatch.cli import build_parser
+    from attnpatch.cli.compare import _ruler_key
+    from attnpatch.evals.ruler_tasks import TASKS
+
+    args = build_parser().parse_args(["compare", "--eval", "ruler", "--method", "a_shape", "--tasks", "all", "--lengths", "400"])
+    assert _ruler_key(args, [("a_shape", {})], None)["result"]["settings"]["tasks"] == list(TASKS)

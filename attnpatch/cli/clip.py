@@ -15,6 +15,9 @@ from .common import (
     _Repeatable,
     _report,
     _world_note,
+    open_store,
+    other_process_exit,
+    rank_log,
     scale_out_args,
 )
 
@@ -24,12 +27,9 @@ def _cmd_eval_clip(args) -> int:
 
     import torch
 
-    from ..clip_models import load_clip
     from ..evals import clip as clip_eval
     from ..evals.distributed import ranks as current_ranks
     from ..evals.report import CLIP_RETRIEVAL_COLUMNS, ZEROSHOT_COLUMNS, EvalInterrupted, clip_rows, machine_info
-    from ..evals.resume import BatchStore, same_path
-    from ..fetch import _stderr
     from ..patchers.registry import get_method, validate_options
 
     t0 = time.perf_counter()
@@ -45,28 +45,9 @@ def _cmd_eval_clip(args) -> int:
         settings.append((method, opts))
     if ranks.main:
         _check_outputs(("--json", _json_path(args)), ("--markdown", args.markdown))
-    templates = None
-    if zeroshot and args.templates != "auto":
-        templates = clip_eval.resolve_templates(args.templates)  # fail early on a bad name
-    with ranks.main_first():  # a dataset cache or a checkpoint download happens once
-        if zeroshot:
-            from ..evals.images import load_image_set
-
-            data = load_image_set(args.data, split=args.split or "train", limit=args.limit)
-            classnames, names_source = clip_eval.resolve_classnames(args.classnames, data)
-            if templates is None:
-                templates = clip_eval.resolve_templates("openai" if names_source == "imagenet1k" else "photo")
-        else:
-            data = clip_eval.load_caption_set(args.data, split=args.split, caption_column=args.caption_column, limit=args.limit)
-        bundle = load_clip(args.model, device=ranks.device(_device(args.device)), resolution=args.resolution, resolution_flag="--resolution",
-                           log=_stderr if ranks.main else (lambda line: None))
+    data, bundle, classnames, names_source, templates = load_clip_inputs(args, ranks, zeroshot)
     towers = args.towers
-    key = dict(
-        eval=args.eval, model=same_path(args.model), data=same_path(args.data) or "default", split=args.split, n_images=len(data),
-        resolution=args.resolution, batch_size=args.batch_size, towers=towers,
-        settings=[(m, validate_options(get_method(m), dict(o))) for m, o in settings],  # the same run however it is written
-    )
-    store = BatchStore(_json_path(args) + ".parts", key, ranks=ranks, resume=args.resume, log=_stderr)
+    store = open_store(args, ranks, len(data), settings, split=args.split, towers=towers)
     stop = None
     with _image_progress(args.eval, len(data), quiet=not ranks.main) as progress:
         common = dict(settings=settings, towers=towers, batch_size=args.batch_size, text_batch_size=args.text_batch_size, progress=progress,
@@ -78,10 +59,8 @@ def _cmd_eval_clip(args) -> int:
                 result = clip_eval.run_retrieval_eval(bundle, data, ks=tuple(args.ks), **common)
         except EvalInterrupted as exc:
             stop, result = exc, exc.partial
-    if not ranks.main:  # rank 0 reports; the others wait for it to finish with the kept batches
-        if stop is None:
-            store.remove()
-        return 130 if stop is not None else 0
+    if not ranks.main:
+        return other_process_exit(store, stop)
     if stop is not None and result is None:
         return _interrupted(args, stop, None, None)
     result.update(
@@ -108,6 +87,32 @@ def _cmd_eval_clip(args) -> int:
     if stop is None:
         store.remove()
     return status
+
+
+def load_clip_inputs(args, ranks, zeroshot: bool):
+    """The data, the CLIP bundle and, for zero-shot, the class names, their source and the templates of ``args``
+    (``eval zeroshot|clip-retrieval`` and ``compare``); process 0 loads first (a dataset cache or a checkpoint download
+    happens once). Returns ``(data, bundle, classnames, names_source, templates)``, the last three ``None`` for retrieval."""
+    from ..clip_models import load_clip
+    from ..evals import clip as clip_eval
+
+    classnames = names_source = templates = None
+    if zeroshot and args.templates != "auto":
+        templates = clip_eval.resolve_templates(args.templates)  # fail early on a bad name
+    with ranks.main_first():
+        if zeroshot:
+            from ..evals.images import load_image_set
+
+            data = load_image_set(args.data, split=args.split or "train", limit=args.limit, log=rank_log(ranks))
+            classnames, names_source = clip_eval.resolve_classnames(args.classnames, data)
+            if templates is None:
+                templates = clip_eval.resolve_templates("openai" if names_source == "imagenet1k" else "photo")
+        else:
+            data = clip_eval.load_caption_set(args.data, split=args.split, caption_column=args.caption_column, limit=args.limit,
+                                          log=rank_log(ranks))
+        bundle = load_clip(args.model, device=ranks.device(_device(args.device)), resolution=args.resolution,
+                           resolution_flag="--resolution", log=rank_log(ranks))
+    return data, bundle, classnames, names_source, templates
 
 
 def clip_common(q) -> None:

@@ -274,14 +274,48 @@ def scale_out_args(q, *, device: bool = True, big: bool = True) -> None:
     if device:
         q.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: auto = cuda if available; "
                        "under a multi-process launch cuda:<local rank>)")
-    q.add_argument("--dtype", choices=list(_DTYPES), default="float32", help="weights and activations (default: %(default)s)")
+    q.add_argument("--dtype", choices=DTYPES, default="float32", help="weights and activations (default: %(default)s)")
     q.add_argument("--device-map", choices=["auto", "balanced", "sequential"],
                    help="spread a model that does not fit one device over the GPUs, CPU memory and disk (accelerate's "
                    "big-model loading; each attention module runs where its weights are); not with several processes")
     q.add_argument("--max-memory", metavar="DEVICE=SIZE,...", help="with --device-map: memory per device, e.g. 0=20GiB,1=20GiB,cpu=64GiB")
 
 
-_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def rank_log(ranks):
+    """The one-line log of this process: stderr on process 0, nothing on the others (process 0 says it)."""
+    from ..fetch import _stderr
+
+    return _stderr if ranks.main else (lambda line: None)
+
+
+def open_store(args, ranks, n_images: int, settings, **extra):
+    """The kept batches of an image eval (``<json>.parts``, ``--resume``); its run identity is the eval, model, data,
+    image count, resolution, batch size, the settings after validation (written otherwise, the same run) and ``extra``.
+
+    Raises:
+        AttnpatchError: ``--resume`` of a folder another run wrote (the differing field named).
+    """
+    from ..evals.resume import BatchStore, same_path
+    from ..fetch import _stderr
+    from ..patchers.registry import get_method, validate_options
+
+    key = dict(
+        eval=args.eval, model=same_path(args.model), data=same_path(args.data) or "default", n_images=n_images,
+        resolution=args.resolution, batch_size=args.batch_size,
+        settings=[(m, validate_options(get_method(m), dict(o))) for m, o in settings], **extra,
+    )
+    return BatchStore(_json_path(args) + ".parts", key, ranks=ranks, resume=args.resume, log=_stderr)
+
+
+def other_process_exit(store, stop) -> int:
+    """The exit of a process other than 0 after an image eval: process 0 reports; when the run finished, wait for it to
+    be done with the kept batches (:meth:`~attnpatch.evals.resume.BatchStore.remove`)."""
+    if stop is None:
+        store.remove()
+    return 130 if stop is not None else 0
 
 
 def _max_memory(text: str | None) -> dict | None:
@@ -332,7 +366,7 @@ def load_kwargs(args, ranks) -> dict[str, Any]:
         )
         exc.quiet = not ranks.main  # every process finds it: process 0 says it
         raise exc
-    out: dict[str, Any] = {"dtype": getattr(torch, _DTYPES[args.dtype])}
+    out: dict[str, Any] = {"dtype": getattr(torch, args.dtype)}
     if args.device_map:
         out.update(device_map=args.device_map, max_memory=_max_memory(args.max_memory))
     else:

@@ -11,7 +11,6 @@ from .common import (
     DEFAULT_MODEL,
     DEFAULT_VISION_MODEL,
     _check_outputs,
-    _device,
     _fraction,
     _image_progress,
     _interrupted,
@@ -22,8 +21,12 @@ from .common import (
     _unique_settings,
     _world_note,
     load_kwargs,
+    open_store,
+    other_process_exit,
+    rank_log,
     scale_out_args,
 )
+from .ruler import ruler_settings, ruler_task_names
 from ..errors import AttnpatchError
 
 EVAL_NAMES = ["fidelity", "knn", "linear-probe", "retrieval", "zeroshot", "clip-retrieval", "ruler"]
@@ -51,64 +54,41 @@ def _ruler_progress(total: int):
         yield progress
 
 
-def _store(args, ranks, n: int, settings, match, family: str):
-    """The kept batches of an image compare (``<json>.parts``, ``--resume``)."""
-    from ..evals.resume import BatchStore, same_path
-
-    from ..patchers.registry import get_method, validate_options
-
-    key = dict(eval=args.eval, model=same_path(args.model), data=same_path(args.data) or "default", n_images=n, resolution=args.resolution,
-               batch_size=args.batch_size, settings=[(m, validate_options(get_method(m), dict(o))) for m, o in settings], match=[m.text() for m in match or []], family=family,
-               dtype=getattr(args, "dtype", None), backend=getattr(args, "backend", None), towers=getattr(args, "towers", None))
-    return BatchStore(args.json + ".parts", key, ranks=ranks, resume=args.resume, log=_stderr)
-
-
 def _run(args, family: str, settings, match, save, ranks, earlier):
     """Load the model and inputs of ``args.eval`` and run the compare; returns ``(result, title, store)``."""
     from ..evals import compare as cmp
 
     common = dict(settings=settings, match=match, steps=args.steps, log=_stderr, ranks=ranks)
     quiet = not ranks.main
+    # the run identity of the kept batches (--resume) beside open_store's own fields
+    same = dict(match=[m.text() for m in match or []], family=family, dtype=args.dtype, backend=args.backend)
     if family == "vision":
         from .vision import _load_images_and_model
 
-        images, model, preprocess = _load_images_and_model(args, ranks)
-        store = _store(args, ranks, len(images), settings, match, family)
+        stores = []  # opened before the model loads: a --resume of another run fails at once
+        images, model, preprocess = _load_images_and_model(
+            args, ranks, before_model=lambda images: stores.append(open_store(args, ranks, len(images), settings, **same)))
+        store = stores[0]
         lei = args.layer_error_images if args.layer_error_images is not None else (32 if args.eval == "fidelity" else 0)
         title = f"compare {args.eval} — {args.model} ({args.backend}) — {images.name}, {len(images)} images"
         with _image_progress(f"compare {args.eval}", len(images), quiet=quiet) as progress:
             return cmp.compare_vision(model, images, preprocess, eval=args.eval, batch_size=args.batch_size or 16,
                                       layer_error_images=lei, knn_k=args.k, progress=progress, store=store, **common), title, store
     if family == "clip":
-        from ..clip_models import load_clip
-        from ..evals import clip as clip_eval
+        from .clip import load_clip_inputs
 
-        extra = {}
-        with ranks.main_first():  # a dataset cache or a checkpoint download happens once
-            if args.eval == "zeroshot":
-                from ..evals.images import load_image_set
-
-                templates = None if args.templates == "auto" else clip_eval.resolve_templates(args.templates)
-                data = load_image_set(args.data, split=args.split or "train", limit=args.limit)
-                classnames, source = clip_eval.resolve_classnames(args.classnames, data)
-                extra = dict(classnames=classnames, templates=templates or clip_eval.resolve_templates("openai" if source == "imagenet1k" else "photo"))
-            else:
-                data = clip_eval.load_caption_set(args.data, split=args.split, caption_column=args.caption_column, limit=args.limit)
-            bundle = load_clip(args.model, device=ranks.device(_device(args.device)), resolution=args.resolution, resolution_flag="--resolution",
-                           log=_stderr if ranks.main else (lambda line: None))
-        store = _store(args, ranks, len(data), settings, match, family)
+        data, bundle, classnames, _, templates = load_clip_inputs(args, ranks, args.eval == "zeroshot")
+        extra = dict(classnames=classnames, templates=templates) if args.eval == "zeroshot" else {}
+        store = open_store(args, ranks, len(data), settings, **same)
         title = f"compare {args.eval} — {args.model} — {getattr(data, 'name', args.data)}, {len(data)} images"
         with _image_progress(f"compare {args.eval}", len(data), quiet=quiet) as progress:
             return cmp.compare_clip(bundle, data, eval=args.eval, batch_size=args.batch_size or 32, progress=progress, store=store,
                                     **extra, **common), title, store
     from ..checkpoints import load_causal_lm
-    from ..evals import ruler_tasks
 
-    tasks = args.tasks or ["niah_single"]
-    if tasks == ["all"]:
-        tasks = list(ruler_tasks.TASKS)
+    tasks = ruler_task_names(args)
     with ranks.main_first():  # a catalogue model is prepared once
-        model, tok = load_causal_lm(args.model, **load_kwargs(args, ranks))
+        model, tok = load_causal_lm(args.model, log=rank_log(ranks), **load_kwargs(args, ranks))
     title = f"compare ruler — {args.model} — {', '.join(tasks)} at {', '.join(map(str, args.lengths))} tokens, {args.samples} samples per cell"
     with (_ruler_progress(len(tasks) * len(args.lengths) * args.samples) if ranks.main else contextlib.nullcontext()) as progress:
         return cmp.compare_ruler(
@@ -120,13 +100,9 @@ def _run(args, family: str, settings, match, save, ranks, earlier):
 
 def _ruler_key(args, settings, match) -> dict:
     """The fields of a compare ruler JSON a ``--resume`` must find equal."""
-    tasks = args.tasks or ["niah_single"]
     return {
         "model": args.model, "eval": "ruler", "match": [{"key": m.key, "value": m.value} for m in match or []] or None,
-        "given": [[m, o] for m, o in settings], "dtype": args.dtype,
-        "result": {"settings": {"tasks": tasks, "lengths": args.lengths, "num_samples": args.samples, "seed": args.seed,
-                                "depths": args.depths, "haystack": args.haystack, "recall": not args.no_recall,
-                                "recall_samples": args.recall_samples}},
+        "given": [[m, o] for m, o in settings], "dtype": args.dtype, "result": {"settings": ruler_settings(args)},
     }
 
 
@@ -164,10 +140,8 @@ def _cmd_compare(args) -> int:
     if ranks.main:
         _check_outputs(("--json", args.json), ("--markdown", args.markdown), ("--plot", args.plot))
         if args.resume and family == "ruler":
-            tasks = args.tasks or ["niah_single"]
-            earlier = resume_cells(args.json, _ruler_key(args, settings, match), [(t, n) for t in tasks for n in args.lengths])
-            _stderr(f"--resume: {args.json} does not exist; starting from the beginning" if earlier is None else
-                    f"--resume: the finished cells of {args.json} are read back")
+            plan = [(t, n) for t in ruler_task_names(args) for n in args.lengths]
+            earlier = resume_cells(args.json, _ruler_key(args, settings, match), plan, log=_stderr)
     earlier = ranks.broadcast(earlier)
     machine = machine_info()
 
@@ -182,9 +156,7 @@ def _cmd_compare(args) -> int:
     except EvalInterrupted as exc:
         stop, result, title = exc, exc.partial, f"compare {args.eval} — {args.model}"
     if not ranks.main:
-        if stop is None and store is not None:
-            store.remove()
-        return 130 if stop is not None else 0
+        return other_process_exit(store, stop) if store is not None else (130 if stop is not None else 0)
     if stop is not None and result is None:
         return _interrupted(args, stop, None, None)
     result.update(model=args.model, machine=machine, complete=stop is None, given=[[m, o] for m, o in settings], dtype=args.dtype,

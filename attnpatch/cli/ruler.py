@@ -30,7 +30,6 @@ def _cmd_eval_ruler(args) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from ..checkpoints import load_causal_lm
-    from ..evals import ruler_tasks
     from ..evals.distributed import ranks as current_ranks
     from ..evals.report import RULER_COLUMNS, EvalInterrupted, machine_info, print_table, rows_to_markdown, write_json, write_text
     from ..evals.resume import resume_cells
@@ -45,27 +44,15 @@ def _cmd_eval_ruler(args) -> int:
         torch.set_num_threads(args.threads)
     # fail before loading the model; a method without options (``dense``) validates to {}
     options = validate_options(get_method(args.method), _parse_options(args.option))
-    tasks = args.tasks or ["niah_single"]
-    if tasks == ["all"]:
-        tasks = list(ruler_tasks.TASKS)
+    tasks = ruler_task_names(args)
     path = args.json or f"ruler_{_slug(args.model)}_{_slug(args.method)}.json"
     kwargs = load_kwargs(args, ranks)
-    key = {
-        "model": args.model, "method": args.method, "options": options, "dtype": args.dtype,
-        "settings": {"tasks": tasks, "lengths": args.lengths, "num_samples": args.samples, "seed": args.seed,
-                     "depths": args.depths, "haystack": args.haystack, "recall": not args.no_recall,
-                     "recall_samples": args.recall_samples},
-    }
+    key = {"model": args.model, "method": args.method, "options": options, "dtype": args.dtype, "settings": ruler_settings(args)}
     earlier = None
     if ranks.main:
         _check_outputs(("--json", path), ("--markdown", args.markdown))  # before the long work, not after it
         if args.resume:
-            plan = [(t, n) for t in tasks for n in args.lengths]
-            earlier = resume_cells(path, key, plan)
-            if earlier is None:
-                _stderr(f"--resume: {path} does not exist; starting from the beginning")
-            else:
-                _stderr(f"--resume: {len(earlier.get('cells') or [])} finished cell(s) read back from {path}")
+            earlier = resume_cells(path, key, [(t, n) for t in tasks for n in args.lengths], log=_stderr)
     earlier = ranks.broadcast(earlier)
     with ranks.main_first():  # a catalogue model is prepared once
         model, tok = load_causal_lm(args.model, log=_stderr if ranks.main else (lambda line: None), **kwargs)
@@ -126,6 +113,21 @@ def _cmd_eval_ruler(args) -> int:
                    + (f"\n{note}\n" if note else ""))
         print(f"wrote {args.markdown}")
     return 0
+
+
+def ruler_task_names(args) -> list[str]:
+    """``--tasks`` of ``eval ruler`` and ``compare --eval ruler``: ``niah_single`` when not given, every task for ``all``."""
+    from ..evals import ruler_tasks
+
+    tasks = args.tasks or ["niah_single"]
+    return list(ruler_tasks.TASKS) if tasks == ["all"] else tasks
+
+
+def ruler_settings(args) -> dict[str, Any]:
+    """The run configuration a RULER result records under ``"settings"`` (as :func:`attnpatch.evals.ruler.run_ruler`
+    writes it, less ``torch_threads``): what a ``--resume`` must find equal."""
+    return {"tasks": ruler_task_names(args), "lengths": args.lengths, "num_samples": args.samples, "seed": args.seed,
+            "depths": args.depths, "haystack": args.haystack, "recall": not args.no_recall, "recall_samples": args.recall_samples}
 
 
 def _rank_lines(cells: list[dict[str, Any]]) -> list[str]:

@@ -14,6 +14,9 @@ from .common import (
     _report,
     _world_note,
     load_kwargs,
+    open_store,
+    other_process_exit,
+    rank_log,
     scale_out_args,
 )
 
@@ -27,22 +30,17 @@ def _load_images_and_model(args, ranks=None, before_model=None):
     from ..evals.distributed import Ranks
     from ..evals.images import fit_resolution, load_image_set, make_preprocess
     from ..evals.vision import patch_size
-    from ..fetch import _stderr
 
     ranks = ranks or Ranks()
     kwargs = load_kwargs(args, ranks) if hasattr(args, "dtype") else {}
     with ranks.main_first():  # a dataset cache is prepared once
-        images = load_image_set(args.data, limit=args.limit, log=_stderr if ranks.main else _quiet)
+        images = load_image_set(args.data, limit=args.limit, log=rank_log(ranks))
     if before_model is not None:
         before_model(images)
     with ranks.main_first():  # a catalogue model is prepared once
-        model, processor = load_vision_model(args.model, backend=args.backend, log=_stderr if ranks.main else _quiet, **kwargs)
-    resolution = fit_resolution(args.resolution, patch_size(model), log=_stderr, what="--resolution")
+        model, processor = load_vision_model(args.model, backend=args.backend, log=rank_log(ranks), **kwargs)
+    resolution = fit_resolution(args.resolution, patch_size(model), log=rank_log(ranks), what="--resolution")
     return images, model, make_preprocess(processor, resolution)
-
-
-def _quiet(line: str) -> None:
-    """The log of processes other than 0 in a data-parallel run: process 0 says it."""
 
 
 def _cmd_eval_vision(args) -> int:
@@ -52,9 +50,7 @@ def _cmd_eval_vision(args) -> int:
 
     from ..evals.distributed import ranks as current_ranks
     from ..evals.report import VISION_COLUMNS, EvalInterrupted, machine_info, vision_rows
-    from ..evals.resume import BatchStore, same_path
     from ..evals.vision import run_feature_eval
-    from ..fetch import _stderr
     from ..patchers.registry import get_method, validate_options
 
     t0 = time.perf_counter()
@@ -71,17 +67,9 @@ def _cmd_eval_vision(args) -> int:
         settings.append((method, opts))
     if ranks.main:
         _check_outputs(("--json", _json_path(args)), ("--markdown", args.markdown))
-    stores = []
-
-    def open_store(images):  # before the model loads: a --resume of another run fails at once
-        key = dict(
-            eval=args.eval, model=same_path(args.model), backend=args.backend, data=same_path(args.data) or "default", n_images=len(images),
-            resolution=args.resolution, dtype=args.dtype, batch_size=args.batch_size, layer_error_images=args.layer_error_images,
-            settings=[(m, validate_options(get_method(m), dict(o))) for m, o in settings],  # the same run however it is written
-        )
-        stores.append(BatchStore(_json_path(args) + ".parts", key, ranks=ranks, resume=args.resume, log=_stderr))
-
-    images, model, preprocess = _load_images_and_model(args, ranks, before_model=open_store)
+    stores = []  # opened before the model loads: a --resume of another run fails at once
+    images, model, preprocess = _load_images_and_model(args, ranks, before_model=lambda images: stores.append(open_store(
+        args, ranks, len(images), settings, backend=args.backend, dtype=args.dtype, layer_error_images=args.layer_error_images)))
     store = stores[0]
     stop = None
     with _image_progress(args.eval, len(images), quiet=not ranks.main) as progress:
@@ -92,10 +80,8 @@ def _cmd_eval_vision(args) -> int:
             )
         except EvalInterrupted as exc:
             stop, result = exc, exc.partial
-    if not ranks.main:  # rank 0 reports; the others wait for it to finish with the kept batches
-        if stop is None:
-            store.remove()
-        return 130 if stop is not None else 0
+    if not ranks.main:
+        return other_process_exit(store, stop)
     if stop is not None and result is None:
         return _interrupted(args, stop, None, None)
     result.update(model=args.model, backend=args.backend, data=args.data or "default", eval=args.eval, machine=machine_info(),

@@ -183,7 +183,8 @@ def _view(old: Any, key: Any) -> Any:
     return old
 
 
-def resume_cells(path: str | os.PathLike, key: dict[str, Any], plan: list[tuple[str, int]]) -> dict[str, Any] | None:
+def resume_cells(path: str | os.PathLike, key: dict[str, Any], plan: list[tuple[str, int]],
+                 log: Callable[[str], None] | None = None) -> dict[str, Any] | None:
     """The earlier result at ``path`` of the RULER run ``key``, for ``--resume``; ``None`` when there is no file.
 
     Args:
@@ -191,6 +192,7 @@ def resume_cells(path: str | os.PathLike, key: dict[str, Any], plan: list[tuple[
         key: the fields of the result that must equal the earlier run's (model, method, options, settings ...); a
             dict-valued field is compared on the keys it has (recursively).
         plan: this run's ``(task, length)`` cells in order; the earlier cells must be its first ones.
+        log: gets one line: how many cells were read back, or that there was no file (the run starts from the beginning).
 
     Raises:
         AttnpatchError: the file is not a result JSON, comes from another run (the differing field named), or
@@ -198,6 +200,8 @@ def resume_cells(path: str | os.PathLike, key: dict[str, Any], plan: list[tuple[
     """
     p = Path(path)
     if not p.exists():
+        if log:
+            log(f"--resume: {p} does not exist; starting from the beginning")
         return None
     try:
         old = json.loads(p.read_text())
@@ -214,4 +218,6 @@ def resume_cells(path: str | os.PathLike, key: dict[str, Any], plan: list[tuple[
     got = [(c.get("task"), c.get("length")) for c in cells or []]
     if got != [tuple(x) for x in plan[: len(got)]]:
         raise AttnpatchError(f"--resume: the finished cells of {p} ({got}) are not the first cells of this run")
+    if log:
+        log(f"--resume: {len(got)} finished cell(s) read back from {p}")
     return old
