@@ -15,7 +15,7 @@ from .errors import (
     UnknownMethodError,
     UnsupportedModelError,
 )
-from .evals.sink_diagnostic import sink_diagnostic
+from .evals.vision.sinks import sink_diagnostic
 from .patchers import (
     is_patched, list_methods, model_geometry, patch, patch_info, patched, record_stats, time_attention, token_sizes, unpatch,
     write_config,

@@ -42,15 +42,15 @@ import torch
 
 from .clip_convert import hf_clip_tokenizer_from_open_clip, open_clip_to_hf
 from .errors import ModelNotFoundError, OptionError, UnsupportedModelError
-from .fetch import _stderr
+from .log import log_stderr
 from .hub import cached_hub_file as _cached_hub_file
 from .hub import host_reachable as _host_reachable
 from .hub import hub_offline as _offline
 from .hub import hub_reachable as _hub_reachable
+from .log import Log
 
 __all__ = ["ClipBundle", "load_clip", "open_clip_to_hf", "hf_clip_tokenizer_from_open_clip", "RANDOM_TAG"]
 
-Log = Callable[[str], None]
 
 RANDOM_TAG = "random"
 RANDOM_SEED = 0
@@ -266,7 +266,7 @@ def _open_clip_weights(arch: str, tag: str) -> tuple[str, dict]:
 
 
 def _wrap_open_clip_transform(tf, resolution: int, cfg: dict):
-    from .evals.preprocess import Preprocess
+    from .evals.vision.preprocess import Preprocess
 
     def fn(images):
         return torch.stack([tf(im) for im in images])
@@ -311,7 +311,7 @@ def _load_open_clip(spec: str, pretrained: str | None, cfg: dict, *, device, dty
 def _load_hf(source: str | Path, *, device, dtype, resolution, log: Log, name: str, local_files_only: bool):
     from transformers import AutoModel, AutoProcessor
 
-    from .evals.preprocess import make_preprocess
+    from .evals.vision.preprocess import make_preprocess
 
     try:
         processor = AutoProcessor.from_pretrained(source, local_files_only=local_files_only)
@@ -358,7 +358,7 @@ def _load_hf(source: str | Path, *, device, dtype, resolution, log: Log, name: s
 
 def load_clip(
     name: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
-    resolution: int | None = None, log: Log = _stderr, resolution_flag: str = "resolution",
+    resolution: int | None = None, log: Log = log_stderr, resolution_flag: str = "resolution",
 ) -> ClipBundle:
     """Load a CLIP-style dual encoder, its image preprocessing and its tokenizer.
 
@@ -395,8 +395,8 @@ def load_clip(
 
     if resolution is not None and (isinstance(resolution, bool) or not isinstance(resolution, int) or resolution < 1):
         raise OptionError(f"resolution={resolution!r}: must be a positive int (square side in pixels) or None")
-    from .checkpoints import _config_kind, _wrong_kind, check_model_files
-    from .evals.preprocess import fit_resolution
+    from .checkpoints import config_kind, wrong_kind_error, check_model_files
+    from .evals.vision.preprocess import fit_resolution
 
     dtype = torch.float32 if dtype is None else dtype
     raw = os.fspath(name)
@@ -405,9 +405,9 @@ def load_clip(
     if path.is_dir() and ((path / "open_clip_config.json").is_file() or (path / "config.json").is_file()):
         check_model_files(path)  # a truncated weights file or a broken JSON fails here, named
         if not (path / "open_clip_config.json").is_file():
-            got, arch = _config_kind(path)
+            got, arch = config_kind(path)
             if got is not None and got != "clip":
-                raise _wrong_kind(str(path.resolve()), got, arch, "clip")
+                raise wrong_kind_error(str(path.resolve()), got, arch, "clip")
     resolution = fit_resolution(resolution, _patch_size_hint(raw, path), log=log, what=resolution_flag)
     common = dict(device=device, dtype=dtype, resolution=resolution, log=log, name=raw)
     if path.is_dir():

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Callable
 
 from .errors import ModelNotFoundError
+from .log import log_stderr
 from .hub import host_reachable, hub_reachable  # noqa: F401 - their old home; see attnpatch.hub
 
 
@@ -35,10 +36,6 @@ def cache_dir() -> Path:
     return path
 
 
-def _stderr(msg: str) -> None:
-    print(f"[attnpatch] {msg}", file=sys.stderr, flush=True)
-
-
 def installed_package_dir(module: str) -> Path | None:
     """Folder of an importable top-level package, found with ``importlib.util.find_spec`` without importing it."""
     spec = importlib.util.find_spec(module)
@@ -47,7 +44,7 @@ def installed_package_dir(module: str) -> Path | None:
     return Path(list(spec.submodule_search_locations)[0])
 
 
-def fetch_package_dir(requirement: str, module: str, log: Callable[[str], None] = _stderr) -> Path:
+def fetch_package_dir(requirement: str, module: str, log: Callable[[str], None] = log_stderr) -> Path:
     """Return a folder holding the files of top-level package ``module`` from ``requirement``.
 
     Looks first for an installed copy (``importlib.util.find_spec``, nothing imported), then in

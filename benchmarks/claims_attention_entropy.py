@@ -47,8 +47,9 @@ def main(argv=None) -> int:
 
     from attnpatch import patched, record_stats
     from attnpatch.checkpoints import load_vision_model
-    from attnpatch.evals.images import load_image_set, make_preprocess
-    from attnpatch.evals.vision import encode
+    from attnpatch.evals.vision.images import load_image_set
+    from attnpatch.evals.vision.preprocess import make_preprocess
+    from attnpatch.evals.vision.runner import encode
 
     model, processor = load_vision_model(args.model)
     model.eval()

@@ -2,12 +2,19 @@
 
     python benchmarks/make_benchmarks.py run                 # all sections (about an hour on 2 CPU cores)
     python benchmarks/make_benchmarks.py run --only fna vit   # some sections
-    python benchmarks/make_benchmarks.py render              # BENCHMARKS.md from benchmarks/results/*.json
+    python benchmarks/make_benchmarks.py render              # BENCHMARKS.md's generated blocks from benchmarks/results/
+    python benchmarks/make_benchmarks.py render --check      # exit 1 (and print a diff) when BENCHMARKS.md is stale
+    python benchmarks/make_benchmarks.py render --output X   # write X instead of BENCHMARKS.md
 
 ``run`` writes one JSON per section (and the PNG plots) under ``benchmarks/results/<device>/``;
-``render`` turns whatever sections exist into BENCHMARKS.md, with the machine description and
+``render`` turns whatever sections exist, per results folder, into tables with the machine description and
 date each section was measured on.  ``--device cuda`` runs the same sections on a GPU
 (longer lengths: ``--long``) into ``benchmarks/results/cuda/``.
+
+BENCHMARKS.md is mostly hand-written (dated entries, measurements moved out of the README and the docstrings).
+``render`` rewrites only the text between ``<!-- generated:NAME -->`` and ``<!-- /generated:NAME -->``: ``toc``
+(the table of contents), ``intro``, and one block per results folder (``cpu``, ``cuda``, ...); everything else
+is kept byte for byte.  A result file's optional ``"note"`` is printed under its section's machine line.
 
 Sections:
   fna      bench attention, non-causal, random q/k/v, DINOv2-S geometry (6 heads x 64), N = 256 .. 16384
@@ -22,6 +29,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -51,7 +59,7 @@ def _say(msg: str) -> None:
 
 
 def _save(out: Path, name: str, result: dict) -> None:
-    from attnpatch.evals.report import machine_info, write_json
+    from attnpatch.evals.run.report import machine_info, write_json
 
     result["machine"] = machine_info()
     result["date"] = dt.datetime.now().isoformat(timespec="minutes")
@@ -99,8 +107,9 @@ def run_anchor(out: Path, device: str, long: bool) -> None:
 def run_vit(out: Path, device: str, long: bool) -> None:
     from attnpatch.checkpoints import load_vision_model
     from attnpatch.evals.bench import bench_vision_model
-    from attnpatch.evals.images import load_image_set, make_preprocess
-    from attnpatch.evals.vision import run_feature_eval
+    from attnpatch.evals.vision.images import load_image_set
+    from attnpatch.evals.vision.preprocess import make_preprocess
+    from attnpatch.evals.vision.runner import run_feature_eval
 
     model, proc = load_vision_model("dinov2-small")
     images = load_image_set(None)
@@ -154,91 +163,187 @@ def _machine_line(res: dict) -> str:
     return f"*Measured {res['date']} on {dev}; torch {m['torch']}, transformers {m['transformers']}, Python {m['python']}.*"
 
 
-def render(folder_names: list[str]) -> str:
-    from attnpatch.evals.report import (
+def _head(title: str, r: dict) -> list[str]:
+    """A section's heading and machine line."""
+    return [f"### {title}", "", _machine_line(r), ""]
+
+
+def _note(r: dict) -> list[str]:
+    """The result file's ``note``, where it has one: what was different on the day it was measured (e.g. what the
+    defaults were then), printed under the section's description."""
+    return [r["note"], ""] if r.get("note") else []
+
+
+def render_folder(name: str, folder: Path) -> str:
+    """The tables of one results folder (``benchmarks/results/<name>/``): one section per result file that ``run``
+    writes (``fna``, ``anchor_smollm2``, ``anchor_qwen``, ``vit``, ``llm``, ``qwen``), in that order, whatever the
+    device; other files in the folder are read by the hand-written sections.  Empty when the folder has none."""
+    from attnpatch.evals.run.report import (
         BENCH_ATTENTION_COLUMNS, BENCH_LM_COLUMNS, BENCH_VISION_COLUMNS, rows_to_markdown,
     )
+    data = _load(folder)
+    out: list[str] = []
+    if "fna" in data:
+        r = data["fna"]
+        out += [*_head("FNA attention vs SDPA (non-causal, one layer)", r),
+                "Random q/k/v, batch 1, 6 heads x 64 (DINOv2-S), s = 64 landmarks by FPS.  `time` / `vs SDPA`: Nyström plus "
+                f"the FPS amortised over the {r['config']['reuse_layers']} layers that reuse one sampling (DINOv2-S, "
+                "sample layer 6 of 12); `vs SDPA (1 FPS/layer)`: a whole FPS in every layer; `Nyström only`: landmarks given.  "
+                "`peak extra mem`: what the call allocates above its inputs; `N×N scores`: one score matrix.", "",
+                *_note(r), rows_to_markdown(r["rows"], BENCH_ATTENTION_COLUMNS), "",
+                "Scaling exponents (least-squares slope of log time vs log N): "
+                + ", ".join(f"{k} {v:.2f}" for k, v in r["exponents"].items() if v is not None) + ".", "",
+                f"![time](benchmarks/results/{name}/fna_time.png) ![speed-up](benchmarks/results/{name}/fna_speedup.png)", ""]
+    for key, what in (("anchor_smollm2", "SmolLM2-135M (9 heads, 3 KV heads, head dim 64)"),
+                      ("anchor_qwen", "Qwen2.5-Coder-0.5B (14 heads, 2 KV heads, head dim 64)")):
+        if key in data:
+            r = data[key]
+            rows = [{**x, "method": ANCHOR_LABELS.get(x["method"], x["method"])} for x in r["rows"]]
+            out += [*_head(f"AnchorAttention vs causal SDPA (one layer), {what}", r),
+                    f"q/k/v captured at layer {r['config']['layer']} on natural prose (`attnpatch bench capture`); "
+                    "the first N tokens of the capture are exactly the N-token prefill.  `defaults` = the method's "
+                    "defaults on the day of the run; `stride 8` = the same with pool_stride 8; `stride 8, no guard` = "
+                    "pool_stride 8, dense_last 64, no recall guard (the defaults before the guard); `paper` = theta 12, one "
+                    "pool per 128-query block, no dense tail, no guard; `theta 8, stride 8, guard 0.75, bf16 selection` = "
+                    "theta 8, pool_stride 8, dense_last 64, min_recall 0.75, select_dtype bfloat16 (the fastest measured "
+                    "setting with mean recall >= 0.95 at 16k and 32k on the Qwen layer).  Every setting runs the attention "
+                    "over kept stripes in the compiled CPU kernel (`kernel=auto`).  "
+                    "`selection` is the stripe selection alone; sparsity and recall (exact softmax mass on the kept keys, "
+                    "mean over heads and queries) are measured on the same inputs.  AnchorAttention's peak extra memory is "
+                    "its stripe mask (one bool per head, query block and key: H·N²/128 bytes) plus work buffers bounded "
+                    "by a fixed chunk size (about 100 MiB), so at small N it exceeds one N×N score matrix and at 32k it "
+                    "is about 1/100 of one.", "",
+                    *_note(r), rows_to_markdown(rows, BENCH_ATTENTION_COLUMNS), "",
+                    f"![time](benchmarks/results/{name}/{key}_time.png) ![speed-up](benchmarks/results/{name}/{key}_speedup.png)", ""]
+    if "vit" in data:
+        r = data["vit"]
+        out += [*_head("DINOv2-S end to end (images/s), dense vs FNA", r),
+                f"Batch {r['config']['batch']}, `unpatched` is the model as loaded; `dense` routes the model's own attention "
+                "through the patch (the cost of the machinery); `fna (s=5000)` has s >= N at every size, so it approximates "
+                "nothing (overhead guard).  `attention share`: fraction of the forward spent in the patched attention calls.", "",
+                *_note(r), rows_to_markdown(r["rows"], BENCH_VISION_COLUMNS), ""]
+        fid = r.get("fidelity", {})
+        if fid:
+            out += ["Mean final-CLS cosine to dense (fidelity eval, embedded 21-image set):", "",
+                    "| resolution | " + " | ".join(next(iter(fid.values())).keys()) + " |",
+                    "|---|" + "---|" * len(next(iter(fid.values()))),
+                    *[f"| {res} | " + " | ".join(f"{v['cls_cosine']:.3f}" for v in d.values()) + " |" for res, d in fid.items()], ""]
+    for key, what in (("llm", "SmolLM2-135M"), ("qwen", "Qwen2.5-Coder-0.5B")):
+        if key in data:
+            r = data[key]
+            rows = [{**x, "setting": ANCHOR_LABELS.get(x["setting"], x["setting"])} for x in r["rows"]]
+            names = {x["setting"] for x in rows}
+            notes = ["One forward over the prompt (natural prose), last position's logits only."]
+            if "dense" in names:
+                notes.append("`dense` routes the model's own attention through the patch.")
+            if any("theta=inf" in x for x in names):
+                notes.append("`theta=inf` keeps every key (overhead guard).")
+            if key == "qwen":
+                notes.append("Unpatched vs two AnchorAttention settings only (one 32k prefill takes about 7 minutes here); "
+                             "no sparsity pass.")
+            out += [*_head(f"{what} prefill latency, dense vs AnchorAttention", r), "  ".join(notes), "",
+                    *_note(r), rows_to_markdown(rows, BENCH_LM_COLUMNS), ""]
+    if not out:
+        return ""
+    return "\n".join([f"## Device: {name}", "", *out])
 
-    out = [
-        "# Benchmarks",
-        "",
-        "Generated by `python benchmarks/make_benchmarks.py render` from the JSON that "
-        "`python benchmarks/make_benchmarks.py run` writes; every ratio is measured side by side in one run "
-        "(each length or resolution times the exact baseline and every method back to back on the same inputs, "
-        "warm-up excluded, median of the repeats).  The same tables come from the CLI: `attnpatch bench attention`, "
-        "`attnpatch bench model`.",
-        "",
-    ]
+
+def render_intro(folder_names: list[str]) -> str:
+    """The intro: where the generated tables come from; ``folder_names`` are the results folders with tables."""
+    out = ["Generated parts (between `<!-- generated:NAME -->` markers) come from `python benchmarks/make_benchmarks.py "
+           "render`, which reads the JSON that `python benchmarks/make_benchmarks.py run` writes under "
+           "`benchmarks/results/<device>/`; every ratio in them is measured side by side in one run (each length or "
+           "resolution times the exact baseline and every method back to back on the same inputs, warm-up excluded, "
+           "median of the repeats).  The same tables come from the CLI: `attnpatch bench attention`, `attnpatch bench "
+           "model`.  Everything outside the markers is hand-written (dated entries, each naming its command and result "
+           "files) and `render` keeps it verbatim.", ""]
     if "cuda" not in folder_names:
-        out += ["No GPU numbers yet: no GPU machine was available when these were measured.  On one, "
+        out += ["No generated GPU tables yet (`benchmarks/results/cuda/` is empty; the one GPU run so far is the "
+                "hand-written [On a GPU](#on-a-gpu-nvidia-h200-2026-11-30) entry).  On a GPU machine, "
                 "`python benchmarks/make_benchmarks.py run --device cuda --long` writes `benchmarks/results/cuda/` "
-                "(FNA up to N = 65536; the captured AnchorAttention inputs up to 32k) and `render` adds its tables here.", ""]
-    for name in folder_names:
-        data = _load(RESULTS / name)
-        if not data:
-            continue
-        out += [f"## Device: {name}", ""]
-        if "fna" in data:
-            r = data["fna"]
-            out += ["### FNA attention vs SDPA (non-causal, one layer)", "", _machine_line(r), "",
-                    "Random q/k/v, batch 1, 6 heads x 64 (DINOv2-S), s = 64 landmarks by FPS.  `time` / `vs SDPA`: Nyström plus "
-                    f"the FPS amortised over the {r['config']['reuse_layers']} layers that reuse one sampling (DINOv2-S, "
-                    "sample layer 6 of 12); `vs SDPA (1 FPS/layer)`: a whole FPS in every layer; `Nyström only`: landmarks given.  "
-                    "`peak extra mem`: what the call allocates above its inputs; `N×N scores`: one score matrix.", "",
-                    rows_to_markdown(r["rows"], BENCH_ATTENTION_COLUMNS), "",
-                    "Scaling exponents (least-squares slope of log time vs log N): "
-                    + ", ".join(f"{k} {v:.2f}" for k, v in r["exponents"].items() if v is not None) + ".", "",
-                    f"![time](benchmarks/results/{name}/fna_time.png) ![speed-up](benchmarks/results/{name}/fna_speedup.png)", ""]
-        for key, what in (("anchor_smollm2", "SmolLM2-135M (9 heads, 3 KV heads, head dim 64)"),
-                          ("anchor_qwen", "Qwen2.5-Coder-0.5B (14 heads, 2 KV heads, head dim 64)")):
-            if key in data:
-                r = data[key]
-                rows = [{**x, "method": ANCHOR_LABELS.get(x["method"], x["method"])} for x in r["rows"]]
-                out += [f"### AnchorAttention vs causal SDPA (one layer), {what}", "", _machine_line(r), "",
-                        f"q/k/v captured at layer {r['config']['layer']} on natural prose (`attnpatch bench capture`); "
-                        "the first N tokens of the capture are exactly the N-token prefill.  `defaults` = theta 12, "
-                        "pool_stride 2, dense_last 256, recall guard min_recall 0.9; `stride 8` = the defaults with pool_stride 8; `stride 8, no guard` = pool_stride 8, "
-                        "dense_last 64, no recall guard (the defaults before the guard); `paper` = theta 12, one pool per 128-query block, no dense "
-                        "tail, no guard; `theta 8, stride 8, guard 0.75, bf16 selection` = theta 8, pool_stride 8, dense_last 64, "
-                        "min_recall 0.75, select_dtype bfloat16 (the fastest measured setting with mean recall >= 0.95 at 16k "
-                        "and 32k on the Qwen layer).  Every setting runs the attention over kept stripes in the compiled CPU "
-                        "kernel (`kernel=auto`).  "
-                        "`selection` is the stripe selection alone; sparsity and recall (exact softmax mass on the kept keys, "
-                        "mean over heads and queries) are measured on the same inputs.  AnchorAttention's peak extra memory is "
-                        "its stripe mask (one bool per head, query block and key: H·N²/128 bytes) plus work buffers bounded "
-                        "by a fixed chunk size (about 100 MiB), so at small N it exceeds one N×N score matrix and at 32k it "
-                        "is about 1/100 of one.", "",
-                        rows_to_markdown(rows, BENCH_ATTENTION_COLUMNS), "",
-                        f"![time](benchmarks/results/{name}/{key}_time.png) ![speed-up](benchmarks/results/{name}/{key}_speedup.png)", ""]
-        if "vit" in data:
-            r = data["vit"]
-            out += ["### DINOv2-S end to end (images/s), dense vs FNA", "", _machine_line(r), "",
-                    f"Batch {r['config']['batch']}, `unpatched` is the model as loaded; `dense` routes the model's own attention "
-                    "through the patch (the cost of the machinery); `fna (s=5000)` has s >= N at every size, so it approximates "
-                    "nothing (overhead guard).  `attention share`: fraction of the forward spent in the patched attention calls.", "",
-                    rows_to_markdown(r["rows"], BENCH_VISION_COLUMNS), ""]
-            fid = r.get("fidelity", {})
-            if fid:
-                out += ["Mean final-CLS cosine to dense (fidelity eval, embedded 21-image set):", "",
-                        "| resolution | " + " | ".join(next(iter(fid.values())).keys()) + " |",
-                        "|---|" + "---|" * len(next(iter(fid.values()))),
-                        *[f"| {res} | " + " | ".join(f"{v['cls_cosine']:.3f}" for v in d.values()) + " |" for res, d in fid.items()], ""]
-        for key, what in (("llm", "SmolLM2-135M"), ("qwen", "Qwen2.5-Coder-0.5B")):
-            if key in data:
-                r = data[key]
-                rows = [{**x, "setting": ANCHOR_LABELS.get(x["setting"], x["setting"])} for x in r["rows"]]
-                names = {x["setting"] for x in rows}
-                notes = ["One forward over the prompt (natural prose), last position's logits only."]
-                if "dense" in names:
-                    notes.append("`dense` routes the model's own attention through the patch.")
-                if any("theta=inf" in x for x in names):
-                    notes.append("`theta=inf` keeps every key (overhead guard).")
-                if key == "qwen":
-                    notes.append("Unpatched vs two AnchorAttention settings only (one 32k prefill takes about 7 minutes here); "
-                                 "no sparsity pass.")
-                out += [f"### {what} prefill latency, dense vs AnchorAttention", "", _machine_line(r), "", "  ".join(notes), "",
-                        rows_to_markdown(rows, BENCH_LM_COLUMNS), ""]
-    return "\n".join(out) + "\n"
+                "(FNA up to N = 65536; the captured AnchorAttention inputs up to 32k) and `render` adds its tables "
+                "to the `generated:cuda` block.", ""]
+    return "\n".join(out)
+
+
+# --------------------------------------------------------------------------- the document: generated blocks + hand-written rest
+
+BENCHMARKS = ROOT.parent / "BENCHMARKS.md"
+BLOCK = re.compile(r"<!-- generated:(?P<name>[\w./-]+) -->\n(?P<body>.*?)<!-- /generated:(?P=name) -->", re.S)
+FENCE = re.compile(r"^(```|~~~)")
+DEFAULT_TEMPLATE = ("# Benchmarks\n\n<!-- generated:toc -->\n<!-- /generated:toc -->\n\n"
+                    "<!-- generated:intro -->\n<!-- /generated:intro -->\n")
+
+
+def slug(heading: str, seen: dict[str, int]) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation other than '-' and '_' removed, spaces to '-';
+    the second heading with the same slug gets '-1', the third '-2'."""
+    text = re.sub(r"`|\*\*|<[^>]+>", "", heading).strip().lower()
+    base = re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+    n = seen.get(base, 0)
+    seen[base] = n + 1
+    return base if n == 0 else f"{base}-{n}"
+
+
+def headings(markdown: str) -> list[tuple[int, str]]:
+    """(level, text) of every ATX heading outside fenced code blocks."""
+    out, fenced = [], False
+    for line in markdown.splitlines():
+        if FENCE.match(line):
+            fenced = not fenced
+        elif not fenced and (m := re.match(r"^(#{1,6}) (.+?)\s*#*\s*$", line)):
+            out.append((len(m.group(1)), m.group(2)))
+    return out
+
+
+def render_toc(markdown: str, levels: tuple[int, ...] = (2, 3)) -> str:
+    """A table of contents of the ``##`` and ``###`` headings (nested), with GitHub's anchors."""
+    seen: dict[str, int] = {}
+    lines = ["**Contents**", ""]
+    for level, text in headings(markdown):
+        anchor = slug(text, seen)
+        if level in levels:
+            label = re.sub(r"([][])", r"\\\1", text)
+            lines.append("  " * (level - levels[0]) + f"- [{label}](#{anchor})")
+    return "\n".join(lines) + "\n"
+
+
+def folders_of(results: Path) -> list[str]:
+    """Every results folder but the captured q/k/v cache, in name order."""
+    return [d.name for d in sorted(results.iterdir()) if d.is_dir() and d.name != "qkv"] if results.is_dir() else []
+
+
+def render(template: str, results: Path = RESULTS) -> str:
+    """``template`` (the committed BENCHMARKS.md) with every ``<!-- generated:NAME -->`` block rendered anew from
+    ``results``; the text outside the blocks is kept as it is.
+
+    Blocks: ``toc`` (the table of contents of the whole document), ``intro``, and one per results folder (``cpu``,
+    ``cuda``, ...; empty for a folder without the files ``run`` writes).  A folder with tables but no block in the
+    template gets one at the end of the document (move it where it belongs: render keeps it there from then on).
+    """
+    folders = {n: render_folder(n, results / n) for n in folders_of(results)}
+    blocks = {"intro": render_intro([n for n, body in folders.items() if body]), **folders}
+    placed: set[str] = set()
+
+    def fill(m: re.Match) -> str:
+        name = m["name"]
+        if name == "toc":
+            return m.group(0)
+        placed.add(name)
+        return _block(name, blocks.get(name, ""))
+
+    doc = BLOCK.sub(fill, template)
+    for name, body in folders.items():
+        if name not in placed and body:
+            _say(f"results folder {name!r} had no block in BENCHMARKS.md: appended at the end")
+            doc = doc.rstrip("\n") + "\n\n" + _block(name, body) + "\n"
+    # the table of contents last, from the finished document (the toc block itself holds no headings)
+    return BLOCK.sub(lambda m: _block("toc", render_toc(doc)) if m["name"] == "toc" else m.group(0), doc)
+
+
+def _block(name: str, body: str) -> str:
+    body = body.strip("\n")
+    return f"<!-- generated:{name} -->\n" + (f"{body}\n\n" if body else "") + f"<!-- /generated:{name} -->"
 
 
 def main() -> int:
@@ -249,7 +354,10 @@ def main() -> int:
     r.add_argument("--device", default="cpu")
     r.add_argument("--long", action="store_true", help="longer FNA lengths (GPU)")
     r.add_argument("--threads", type=int)
-    sub.add_parser("render")
+    pr = sub.add_parser("render", help="rewrite the generated blocks of BENCHMARKS.md from benchmarks/results/")
+    pr.add_argument("--output", type=Path, help="write here instead of BENCHMARKS.md (the template is still BENCHMARKS.md)")
+    pr.add_argument("--check", action="store_true",
+                    help="write nothing; exit 1 with a diff when BENCHMARKS.md is not what render would write")
     a = p.parse_args()
     if a.cmd == "run":
         if a.threads:
@@ -259,9 +367,21 @@ def main() -> int:
         for s in a.only:
             _say(f"section {s}")
             globals()[f"run_{s}"](out, a.device, a.long)
-    folders = [d.name for d in sorted(RESULTS.iterdir()) if d.is_dir() and d.name != "qkv"] if RESULTS.is_dir() else []
-    (ROOT.parent / "BENCHMARKS.md").write_text(render(folders))
-    _say("wrote BENCHMARKS.md")
+    target = BENCHMARKS
+    current = target.read_text() if target.is_file() else DEFAULT_TEMPLATE
+    text = render(current)
+    if getattr(a, "check", False):
+        if text == current:
+            _say("BENCHMARKS.md is up to date")
+            return 0
+        import difflib
+
+        sys.stdout.writelines(difflib.unified_diff(current.splitlines(True), text.splitlines(True), "BENCHMARKS.md", "rendered"))
+        _say("BENCHMARKS.md differs from what render writes (diff above): run `python benchmarks/make_benchmarks.py render`")
+        return 1
+    out_path = getattr(a, "output", None) or target
+    out_path.write_text(text)
+    _say(f"wrote {out_path}")
     return 0
 
 

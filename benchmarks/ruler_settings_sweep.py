@@ -20,9 +20,10 @@ import torch
 
 from attnpatch import patch, record_stats, unpatch
 from attnpatch.checkpoints import load_causal_lm
-from attnpatch.evals import ruler_tasks
+from attnpatch.evals.ruler import tasks as ruler_tasks
 from attnpatch.evals.recall import summarize_layers
-from attnpatch.evals.ruler import generate_greedy
+from attnpatch.evals.ruler.runner import generate_greedy
+from attnpatch.evals.ruler.text import build_input_ids
 
 
 def main(argv=None) -> int:
@@ -47,7 +48,7 @@ def main(argv=None) -> int:
             cell = {name: [] for name, _ in settings}
             dense_scores = []
             for i, s in enumerate(samples):
-                ids = ruler_tasks.build_input_ids(tok, s)
+                ids = build_input_ids(tok, s)
                 text_d, _ = generate_greedy(model, tok, ids, s.max_new_tokens)
                 sd = ruler_tasks.score(task, text_d, s.answers)
                 dense_scores.append(sd)

@@ -103,19 +103,19 @@ def load_timm_dir(folder: str):
     from safetensors.torch import load_file
     from transformers import AutoImageProcessor
 
-    from attnpatch.checkpoints import _timm_pos_embed_plain_bicubic
+    from attnpatch.checkpoints import timm_pos_embed_plain_bicubic
 
     sd = {k: v.float() for k, v in load_file(f"{folder}/timm_model.safetensors").items()}
     grid = int(round((sd["pos_embed"].shape[1] - 1) ** 0.5))
     model = timm.create_model("vit_small_patch14_dinov2", pretrained=False, num_classes=0, dynamic_img_size=True, img_size=grid * 14)
     model.load_state_dict(sd, strict=True)
-    model._pos_embed = types.MethodType(_timm_pos_embed_plain_bicubic, model)
+    model._pos_embed = types.MethodType(timm_pos_embed_plain_bicubic, model)
     return model.eval(), AutoImageProcessor.from_pretrained(folder)
 
 
 def cmd_features(args) -> int:
-    from attnpatch.evals.images import make_preprocess
-    from attnpatch.evals.vision import run_feature_eval
+    from attnpatch.evals.vision.preprocess import make_preprocess
+    from attnpatch.evals.vision.runner import run_feature_eval
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -134,7 +134,7 @@ def cmd_features(args) -> int:
             "images": len(images), "labels": args.labels, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
     print(json.dumps(meta), flush=True)
     if args.sinks:
-        from attnpatch.evals.sink_diagnostic import sink_diagnostic
+        from attnpatch.evals.vision.sinks import sink_diagnostic
 
         for r in args.resolutions:
             x = make_preprocess(proc, r)([images[i][0] for i in range(min(8, len(images)))])
@@ -179,7 +179,7 @@ def cmd_features(args) -> int:
 
 
 def cmd_metrics(args) -> int:
-    from attnpatch.evals import frozen
+    from attnpatch.evals.vision import metrics as frozen
 
     dirs = [Path(d) for d in args.dirs]
     resolutions = sorted({int(p.stem[3:]) for p in dirs[0].glob("res*.npz")})

@@ -3,6 +3,12 @@ import os
 import pytest
 import torch
 
+# Without a CUDA device, Triton kernels (attnpatch.attention.landmarks_triton) run on CPU tensors under Triton's
+# interpreter.  Triton reads the variable when a kernel is decorated (when attnpatch imports the module), so it is set
+# here, before any attnpatch import; on a CUDA machine the kernels compile for the GPU.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # FNA's min_tokens="auto" runs exact attention below the device's break-even token count (600 on CPU), which every
 # tiny test model is under: the suite approximates at every size (subprocesses inherit it); the tests of min_tokens
 # itself set their own value
@@ -10,26 +16,7 @@ os.environ["ATTNPATCH_FNA_BREAK_EVEN"] = "0"
 
 torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
 
-
-def tiny_causal_lm(kind: str, seed: int = 0, layers: int = 2, vocab: int = 128):
-    """A randomly initialised Llama / Qwen2 / Qwen3 of a few hundred thousand parameters."""
-    from transformers import (
-        LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
-    )
-
-    cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[kind]
-    cfg = cls[0](
-        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, attn_implementation="sdpa",
-    )
-    torch.manual_seed(seed)
-    model = cls[1](cfg).eval()
-    # sharpen attention so that thresholds select something (random init gives near-uniform attention)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.q_proj.weight.mul_(6.0)
-            layer.self_attn.k_proj.weight.mul_(6.0)
-    return model
+from tiny_models import tiny_causal_lm, tiny_dinov2  # noqa: E402  (tests import tiny_causal_lm from here too)
 
 
 @pytest.fixture(params=["llama", "qwen2", "qwen3"])
@@ -40,14 +27,10 @@ def causal_lm(request):
 @pytest.fixture(scope="module")
 def tiny_vit_dir(tmp_path_factory):
     """A tiny random DINOv2 (4 layers, 26 tokens at 70 px) saved with its image processor, as a model folder."""
-    from transformers import Dinov2Config, Dinov2Model
-
     from attnpatch.checkpoints import dinov2_image_processor
 
     d = tmp_path_factory.mktemp("tiny-dinov2")
-    torch.manual_seed(0)
-    cfg = Dinov2Config(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, intermediate_size=128, image_size=70, patch_size=14)
-    Dinov2Model(cfg).eval().save_pretrained(d)
+    tiny_dinov2().save_pretrained(d)
     dinov2_image_processor().save_pretrained(d)
     return d
 

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from attnpatch import OptionError, patch, patched, record_stats, unpatch
 from attnpatch.attention.streaming import a_shape_attention, a_shape_kept_pairs, a_shape_pattern
-from attnpatch.attention.vertical_slash import column_diagonal_attention
+from attnpatch.attention.column_diagonal import column_diagonal_attention
 from attnpatch.patchers.methods.a_shape import AShapeConfig
 from conftest import tiny_causal_lm
 

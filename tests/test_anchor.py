@@ -63,6 +63,28 @@ def _need_compiled():
         pytest.skip(reason)
 
 
+def _kernel_calls(monkeypatch) -> list[tuple[str, tuple]]:
+    """Record every call of the compiled kernel as ``(function, its last two arguments)``: the tile sizes the callers
+    read from ``tiles`` at call time, so a test that patches ``tiles`` sees that its values reached the kernel."""
+    import attnpatch.attention.cpu_kernel as ck
+
+    real, calls = ck.stripe_kernel(), []
+    assert real is not None, ck.kernel_status()
+
+    class Recording:
+        def __getattr__(self, name):
+            fn = getattr(real, name)
+
+            def call(*args):
+                calls.append((name, args[-2:]))
+                return fn(*args)
+
+            return call
+
+    monkeypatch.setitem(ck._state, "module", Recording())  # what stripe_kernel() hands the callers
+    return calls
+
+
 @pytest.mark.parametrize("kernel", ["torch", "compiled"])
 @pytest.mark.parametrize("b,h,hkv,lq,lk,d,kw,pad,dense_heads", CASES)
 def test_fast_matches_reference(b, h, hkv, lq, lk, d, kw, pad, dense_heads, kernel):
@@ -187,17 +209,17 @@ def test_right_padding_matches_reference_and_sequence_alone():
 def test_both_attend_paths_agree(lq, lk, hkv, dtype):
     """The CPU two-part path (diagonal + gathered keys merged by log-sum-exp) and the one-call masked path
     (used on other devices and with inner padding) give the same output."""
-    from attnpatch.attention.anchor.attend import _sparse_attend
-    from attnpatch.attention.anchor.select import _geometry, _select
+    from attnpatch.attention.anchor.attend import sparse_attend
+    from attnpatch.attention.anchor.select import call_geometry, select_kept
 
     q, k, v, _ = _inputs(2, 4, hkv, lq, lk, 8, seed=11)
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     cfg = AnchorConfig(theta=1.0, block_size=8, init_block=4, local_window=8, min_len=0, dense_last=0, pool_stride=None)
-    geo = _geometry(q, k, cfg, lk - lq, None)
-    keep = _select(q, k, cfg, 8**-0.5, geo)
+    geo = call_geometry(q, k, cfg, lk - lq, None)
+    keep = select_kept(q, k, cfg, 8**-0.5, geo)
     assert 0.1 < keep.float().mean() < 0.9  # a real mix of kept and skipped stripes
-    merged = _sparse_attend(q, k, v, keep, geo, cfg, 8**-0.5, merge=True)
-    masked = _sparse_attend(q, k, v, keep, geo, cfg, 8**-0.5, merge=False)
+    merged = sparse_attend(q, k, v, keep, geo, cfg, 8**-0.5, merge=True)
+    masked = sparse_attend(q, k, v, keep, geo, cfg, 8**-0.5, merge=False)
     tol = {torch.float32: 1e-5, torch.float64: 1e-10, torch.bfloat16: 2e-2}[dtype]
     assert merged.dtype == dtype and merged.shape == (2, 4, lq, 8)
     assert (merged.double() - masked.double()).abs().max() < tol
@@ -207,15 +229,15 @@ def test_both_attend_paths_agree(lq, lk, hkv, dtype):
 def test_recall_guard_makes_low_recall_heads_dense_like_the_reference(pad):
     """min_recall: heads whose kept keys carry too little exact mass on the probe blocks attend densely;
     the fast path and the explicit reference agree on which heads and on the outputs."""
-    from attnpatch.attention.anchor.guard import _probe_recall
-    from attnpatch.attention.anchor.select import _geometry, _select
+    from attnpatch.attention.anchor.guard import probe_recall
+    from attnpatch.attention.anchor.select import call_geometry, select_kept
 
     b, h, hkv, n, d = 2, 6, 2, 64, 8
     q, k, v, kv = _inputs(b, h, hkv, n, n, d, pad=pad, seed=21)
     base = dict(theta=0.7, block_size=8, init_block=4, local_window=8, min_len=0, dense_last=4, pool_stride=None, recall_probes=3,
                 guard="global")
-    geo = _geometry(q[:1], k[:1], AnchorConfig(**base), 0, None)
-    rec = _probe_recall(q[:1], k[:1], _select(q[:1], k[:1], AnchorConfig(**base), d**-0.5, geo), geo, AnchorConfig(**base), d**-0.5, n - 4)[0]
+    geo = call_geometry(q[:1], k[:1], AnchorConfig(**base), 0, None)
+    rec = probe_recall(q[:1], k[:1], select_kept(q[:1], k[:1], AnchorConfig(**base), d**-0.5, geo), geo, AnchorConfig(**base), d**-0.5, n - 4)[0]
     vals = sorted(float(x) for x in rec)
     gaps = [(vals[i + 1] - vals[i], (vals[i + 1] + vals[i]) / 2) for i in range(len(vals) - 1) if 0 < i < len(vals) - 2 or len(vals) <= 3]
     gap, thr = max(gaps)
@@ -247,13 +269,24 @@ def test_chunking_and_bucketing_do_not_change_the_result(monkeypatch, pad):
     cfg = AnchorConfig(
         theta=1.0, block_size=8, init_block=4, local_window=8, min_len=0, dense_last=5, pool_stride=2, kernel="torch"
     )
+    products, matmul = [], torch.matmul
+
+    def counting(*a, **kw):  # the selection's score products, one per (chunk of blocks, key tile)
+        products.append(1)
+        return matmul(*a, **kw)
+
+    monkeypatch.setattr(torch, "matmul", counting)
     keep = select_stripes(q, k, cfg, scale=8**-0.5, key_valid=kv)
+    whole = len(products)
     out = anchor_attention(q, k, v, cfg, scale=8**-0.5, key_valid=kv)[0]
     monkeypatch.setattr(tiles, "SELECT_CHUNK_ELEMENTS", 1)
     monkeypatch.setattr(tiles, "SELECT_ROWS", 1)
     monkeypatch.setattr(tiles, "SELECT_MIN_TILE", 5)  # key tiles of 5 keys: tiles end inside blocks
     monkeypatch.setattr(tiles, "CHUNK_ELEMENTS", 2)
+    products.clear()
     keep_small = select_stripes(q, k, cfg, scale=8**-0.5, key_valid=kv)
+    # 9 blocks of 8 queries, one per chunk, each against its causal keys in tiles of 5: sum of ceil(8 j / 5), j = 1..9
+    assert (whole, len(products)) == (1, sum(-(-8 * j // 5) for j in range(1, 10)))
     out_small = anchor_attention(q, k, v, cfg, scale=8**-0.5, key_valid=kv)[0]
     ref, _ = anchor_attention_reference(q, k, v, cfg, scale=8**-0.5, key_valid=kv)
     rows = _valid_rows(kv, 2, 72, 72)[:, None, :, None]
@@ -282,15 +315,17 @@ def test_compiled_kernel_matches_torch_path(monkeypatch, b, h, hkv, lq, lk, d, b
     _need_compiled()
     monkeypatch.setattr(tiles, "KV_TILE", kv_tile)
     monkeypatch.setattr(tiles, "Q_TILE", q_tile)
+    calls = _kernel_calls(monkeypatch)
     q, k, v, _ = _inputs(b, h, hkv, lq, lk, d, seed=5)
     k = k.transpose(2, 3).contiguous().transpose(2, 3)  # non-contiguous keys, as models hand them over
     kw = dict(theta=theta, block_size=bq, init_block=4, local_window=bq, min_len=0, dense_last=0, pool_stride=None)
-    geo = select._geometry(q, k, AnchorConfig(**kw), lk - lq, None)
-    keep = select._select(q, k, AnchorConfig(**kw), d**-0.5, geo)
-    compiled = attend._sparse_attend(q, k, v, keep, geo, AnchorConfig(**kw, kernel="compiled"), d**-0.5)
-    torch_path = attend._sparse_attend(q, k, v, keep, geo, AnchorConfig(**kw, kernel="torch"), d**-0.5)
+    geo = select.call_geometry(q, k, AnchorConfig(**kw), lk - lq, None)
+    keep = select.select_kept(q, k, AnchorConfig(**kw), d**-0.5, geo)
+    compiled = attend.sparse_attend(q, k, v, keep, geo, AnchorConfig(**kw, kernel="compiled"), d**-0.5)
+    torch_path = attend.sparse_attend(q, k, v, keep, geo, AnchorConfig(**kw, kernel="torch"), d**-0.5)
     assert compiled.shape == (b, h, lq, d) and compiled.dtype == torch.float32
     assert (compiled - torch_path).abs().max() < 1e-5
+    assert [t for name, t in calls if name == "stripe_attention"] == [(kv_tile, q_tile)]  # the patched tiles ran
 
 
 @pytest.mark.parametrize(
@@ -310,6 +345,7 @@ def test_compiled_selection_matches_torch_selection(monkeypatch, b, h, hkv, lq, 
     _need_compiled()
     monkeypatch.setattr(tiles, "SELECT_KERNEL_ROWS", rows)
     monkeypatch.setattr(tiles, "SELECT_KERNEL_TILE", tile)
+    calls = _kernel_calls(monkeypatch)
     q, k, _, kv = _inputs(b, h, hkv, lq, lk, d, pad=pad, seed=9)
     k = k.transpose(2, 3).contiguous().transpose(2, 3)  # non-contiguous keys, as models hand them over
     kw = dict(theta=1.0, block_size=bq, init_block=4, local_window=bq, min_len=0, dense_last=0, pool_stride=stride)
@@ -317,6 +353,7 @@ def test_compiled_selection_matches_torch_selection(monkeypatch, b, h, hkv, lq, 
     torch_path = select_stripes(q, k, AnchorConfig(**kw, kernel="torch"), scale=d**-0.5, q_offset=lk - lq, key_valid=kv)
     assert 0.05 < torch_path.float().mean() < 0.95  # the threshold matters
     assert torch.equal(compiled, torch_path)
+    assert calls == [("stripe_select", (rows, tile))]  # the patched chunk and tile sizes ran
 
 
 def test_compiled_kernel_refuses_what_it_does_not_take():
@@ -409,12 +446,14 @@ def test_compiled_probe_matches_torch_probe(monkeypatch, b, h, hkv, lq, lk, d, b
     _need_compiled()
     monkeypatch.setattr(tiles, "KV_TILE", kv_tile)
     monkeypatch.setattr(tiles, "Q_TILE", q_tile)
+    calls = _kernel_calls(monkeypatch)
     q, k, _, _ = _inputs(b, h, hkv, lq, lk, d, seed=9)
     kw = dict(theta=1.0, block_size=bq, init_block=4, local_window=bq, min_len=0, dense_last=3, pool_stride=None,
               recall_probes=probes)
-    geo = select._geometry(q, k, AnchorConfig(**kw), lk - lq, None)
-    keep = select._select(q, k, AnchorConfig(**kw), d**-0.5, geo)
-    rec_c = guard._probe_recall(q, k, keep, geo, AnchorConfig(**kw, kernel="compiled"), d**-0.5, lq - 3)
-    rec_t = guard._probe_recall(q, k, keep, geo, AnchorConfig(**kw, kernel="torch"), d**-0.5, lq - 3)
+    geo = select.call_geometry(q, k, AnchorConfig(**kw), lk - lq, None)
+    keep = select.select_kept(q, k, AnchorConfig(**kw), d**-0.5, geo)
+    rec_c = guard.probe_recall(q, k, keep, geo, AnchorConfig(**kw, kernel="compiled"), d**-0.5, lq - 3)
+    rec_t = guard.probe_recall(q, k, keep, geo, AnchorConfig(**kw, kernel="torch"), d**-0.5, lq - 3)
     assert 0.3 < float(rec_t.mean()) < 0.99  # kept stripes carry part of the mass, not all
     assert (rec_c - rec_t).abs().max() < 1e-5
+    assert [t for name, t in calls if name == "kept_mass"] == [(kv_tile, q_tile)]  # the patched tiles ran

@@ -9,7 +9,7 @@ import torch
 
 from attnpatch import OptionError, patch, patched, record_stats, unpatch
 from attnpatch.attention.anchorformer import anchor_bipartite_attention
-from attnpatch.attention.nystrom import select_landmarks
+from attnpatch.attention.landmarks import select_landmarks
 from attnpatch.patchers.methods.anchorformer import AnchorFormerConfig, anchorformer_forward
 from attnpatch.patchers.state import ForwardState, LayerContext
 
@@ -212,19 +212,15 @@ def test_options_are_checked():
 
 
 def _dinov2_registers():
-    from transformers import Dinov2WithRegistersConfig, Dinov2WithRegistersModel
+    from tiny_models import tiny_dinov2
 
-    torch.manual_seed(0)
-    cfg = Dinov2WithRegistersConfig(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, intermediate_size=128,
-                                    image_size=70, patch_size=14, num_register_tokens=4)
-    return Dinov2WithRegistersModel(cfg).eval()  # 25 patches + CLS + 4 registers = 30 tokens
+    return tiny_dinov2(4, num_hidden_layers=3)  # 25 patches + CLS + 4 registers = 30 tokens
 
 
 def _timm_cls():
-    from timm.models.vision_transformer import VisionTransformer
+    from tiny_models import tiny_timm_vit
 
-    torch.manual_seed(0)
-    return VisionTransformer(img_size=48, patch_size=8, embed_dim=64, depth=2, num_heads=4, num_classes=0).eval()  # 37 tokens
+    return tiny_timm_vit()  # 37 tokens
 
 
 @pytest.mark.parametrize("arch", ["dinov2_registers", "timm_cls"])

@@ -41,21 +41,15 @@ def llm_dir(tiny_lm_dir):
 @pytest.fixture(scope="module")
 def clip_dirs(tmp_path_factory):
     """A tiny CLIP as a transformers folder (CLIPModel, no processor needed for these tests) and as an open_clip folder."""
-    import open_clip
-    from transformers import CLIPConfig, CLIPModel
+    from tiny_models import open_clip_cfg, tiny_hf_clip, tiny_open_clip
 
     hf = tmp_path_factory.mktemp("tiny-clip-hf")
-    torch.manual_seed(0)
-    CLIPModel(CLIPConfig(
-        text_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2),
-        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32, patch_size=8),
-        projection_dim=16,
-    )).save_pretrained(hf)
+    tiny_hf_clip(text=dict(num_hidden_layers=1, num_attention_heads=2, vocab_size=49408, max_position_embeddings=77),
+                 vision=dict(num_hidden_layers=1, num_attention_heads=2)).save_pretrained(hf)
     oc = tmp_path_factory.mktemp("tiny-clip-open_clip")
-    vision = dict(image_size=64, patch_size=8, width=64, head_width=16, layers=2)
-    text = dict(context_length=77, vocab_size=49408, width=32, heads=4, layers=1)
-    model = open_clip.model.CLIP(embed_dim=32, vision_cfg=vision, text_cfg=text, quick_gelu=True).eval()
-    (oc / "open_clip_config.json").write_text(json.dumps({"model_cfg": {"embed_dim": 32, "vision_cfg": vision, "text_cfg": text, "quick_gelu": True}, "preprocess_cfg": {}}))
+    vision, text = dict(layers=2), dict(layers=1)
+    model = tiny_open_clip(seed=None, vision=vision, text=text)
+    (oc / "open_clip_config.json").write_text(json.dumps({"model_cfg": open_clip_cfg(vision, text), "preprocess_cfg": {}}))
     torch.save(model.state_dict(), oc / "open_clip_pytorch_model.bin")
     return hf, oc
 
@@ -142,7 +136,8 @@ def test_causal_lm_with_an_empty_tokenizer_is_refused(tmp_path, capsys):
 
 def test_empty_tokenizer_cannot_loop_the_length_search():
     """Defence in depth in the task builder: a tokenizer that encodes text to nothing is refused at once."""
-    from attnpatch.evals import ruler_tasks as rt
+    from attnpatch.evals.ruler import tasks as rt
+    from attnpatch.evals.ruler import text
 
     class Empty:
         chat_template = None
@@ -156,7 +151,7 @@ def test_empty_tokenizer_cannot_loop_the_length_search():
     with pytest.raises(DataError, match="encodes text to no tokens"):
         rt.make_samples("niah_single", Empty(), 300, 1)
     with pytest.raises(DataError, match="adding filler does not add tokens"):
-        rt._fit(lambda n: 5, 1, None, 100, "task 'x'")
+        text.fit_length(lambda n: 5, 1, None, 100, "task 'x'")
 
 
 def test_ruler_checks_every_cell_before_the_first_generation(llm_dir, tmp_path, capsys):
@@ -187,7 +182,7 @@ def test_truncated_jpeg_is_refused_before_the_run_naming_the_file(tiny_vit_dir, 
 
 def test_undecodable_image_at_load_time_names_the_file(tmp_path):
     """Damage that the up-front check cannot see (here: the file changes after loading) is reported when decoded."""
-    from attnpatch.evals.images import load_image_set
+    from attnpatch.evals.vision.images import load_image_set
 
     data = _folder(tmp_path / "set")
     s = load_image_set(data, log=lambda m: None)
@@ -199,7 +194,7 @@ def test_undecodable_image_at_load_time_names_the_file(tmp_path):
 
 
 def test_empty_and_non_image_files_are_named(tmp_path):
-    from attnpatch.evals.images import load_image_set
+    from attnpatch.evals.vision.images import load_image_set
 
     data = _folder(tmp_path / "set")
     (data / "train" / "img02.jpg").write_bytes(b"")
@@ -209,7 +204,7 @@ def test_empty_and_non_image_files_are_named(tmp_path):
 
 
 def test_broken_metadata_line_is_named(tmp_path):
-    from attnpatch.evals.images import load_image_set
+    from attnpatch.evals.vision.images import load_image_set
 
     data = _folder(tmp_path / "set")
     with open(data / "train" / "metadata.jsonl", "a") as f:
@@ -220,7 +215,7 @@ def test_broken_metadata_line_is_named(tmp_path):
 
 @pytest.mark.parametrize("mode", ["I;16", "I;16B", "I"])
 def test_16_bit_grayscale_is_scaled_not_clipped(mode, tmp_path):
-    from attnpatch.evals.images import load_image_set
+    from attnpatch.evals.vision.images import load_image_set
 
     data = _folder(tmp_path / "set")
     wide = np.linspace(0, 65535, 80 * 96).reshape(80, 96).astype(np.uint16)
@@ -241,9 +236,9 @@ def test_16_bit_grayscale_is_scaled_not_clipped(mode, tmp_path):
     assert s[0][0].mode == "RGB" and rgb.shape == (80, 96, 3)
     assert np.array_equal(rgb[..., 0], want) and np.array_equal(rgb[..., 1], want) and np.array_equal(rgb[..., 2], want)
     assert (rgb == 255).mean() < 0.01  # PIL's convert("RGB") made 99.6 % of these pixels 255
-    from attnpatch.evals.images import _to_rgb
+    from attnpatch.evals.vision.image_io import to_rgb
 
-    assert np.array_equal(np.asarray(_to_rgb(img))[..., 0], want)  # every 16-bit mode, straight from memory
+    assert np.array_equal(np.asarray(to_rgb(img))[..., 0], want)  # every 16-bit mode, straight from memory
 
 
 # --------------------------------------------------------------------------- --resolution
@@ -299,7 +294,7 @@ def _argv(cmd: str, llm_dir, tiny_vit_dir, images, clip_dirs) -> list[str]:
 def test_output_path_that_is_a_directory_is_refused_up_front(cmd, flag, llm_dir, tiny_vit_dir, images, clip_dirs, tmp_path, capsys, monkeypatch):
     import attnpatch.checkpoints as ck
     import attnpatch.clip_models as cm
-    import attnpatch.evals.images as im
+    import attnpatch.evals.vision.images as im
 
     def boom(*a, **k):
         raise AssertionError("loaded something before checking the output path")
@@ -391,7 +386,7 @@ def _interrupt_at(monkeypatch, cls, index: int):
 
 
 def test_ctrl_c_in_ruler_writes_the_finished_cells_and_exits_130(llm_dir, tmp_path, capsys, monkeypatch):
-    import attnpatch.evals.ruler as ruler
+    import attnpatch.evals.ruler.runner as ruler
 
     calls = {"n": 0}
     orig = ruler.generate_greedy
@@ -420,7 +415,7 @@ def test_ctrl_c_in_ruler_writes_the_finished_cells_and_exits_130(llm_dir, tmp_pa
 
 
 def test_ctrl_c_in_a_vision_eval_writes_the_finished_images(tiny_vit_dir, images, tmp_path, capsys, monkeypatch):
-    from attnpatch.evals.images import ImageSet
+    from attnpatch.evals.vision.images import ImageSet
 
     _interrupt_at(monkeypatch, ImageSet, 10)  # batches of 5: two finished
     out, md = tmp_path / "r.json", tmp_path / "r.md"
@@ -446,7 +441,7 @@ def test_ctrl_c_in_a_vision_eval_writes_the_finished_images(tiny_vit_dir, images
 
 
 def test_ctrl_c_before_anything_is_finished_writes_nothing(tiny_vit_dir, images, tmp_path, capsys, monkeypatch):
-    from attnpatch.evals.images import ImageSet
+    from attnpatch.evals.vision.images import ImageSet
 
     _interrupt_at(monkeypatch, ImageSet, 0)
     out = tmp_path / "r.json"
@@ -473,7 +468,7 @@ def test_ctrl_c_while_loading_exits_130_quietly(tiny_vit_dir, images, tmp_path, 
 @pytest.mark.parametrize("evalname", ["zeroshot", "clip-retrieval"])
 def test_ctrl_c_in_a_clip_eval_writes_the_finished_images(evalname, clip_dirs, tmp_path, capsys, monkeypatch):
     from attnpatch.evals.clip import CaptionSet
-    from attnpatch.evals.images import ImageSet
+    from attnpatch.evals.vision.images import ImageSet
 
     data = _folder(tmp_path / "set")
     meta = data / "train" / "metadata.jsonl"
@@ -528,7 +523,7 @@ def test_zeroshot_shows_the_exact_attention_label(clip_dirs, images, tmp_path, c
 
 
 def test_print_table_prints_markup_literally(capsys):
-    from attnpatch.evals.report import Column, print_table
+    from attnpatch.evals.run.report import Column, print_table
 
     print_table([{"setting": "[bold]x[/bold] [red]", "v": 1}], [Column("setting", "setting"), Column("v", "[v]", "int")], title="t [dim]u[/dim]")
     out = capsys.readouterr().out
@@ -539,7 +534,7 @@ def test_json_writes_are_atomic(tmp_path, monkeypatch):
     """A write interrupted half way (Ctrl-C while writing) leaves the earlier file whole and no temporary file."""
     import pathlib
 
-    from attnpatch.evals import report
+    from attnpatch.evals.run import report
 
     p = tmp_path / "r.json"
     report.write_json(p, {"a": 1})

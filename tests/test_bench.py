@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from attnpatch import OptionError, patch, patched, time_attention, unpatch
-from attnpatch.attention.nystrom import farthest_point_sampling, nystrom_attention
+from attnpatch.attention.landmarks import farthest_point_sampling
+from attnpatch.attention.nystrom import nystrom_attention
 from attnpatch.cli import main
 from attnpatch.evals.bench import (
     bench_attention, bench_causal_lm, capture_qkv, load_qkv, peak_extra_bytes, scaling_exponent,
@@ -109,17 +110,73 @@ def test_time_attention_measures_each_forward():
     assert len(rec.attention_seconds) == 2 and all(t > 0 for t in rec.attention_seconds)
 
 
-def test_bench_causal_lm_rows(monkeypatch):
-    from attnpatch.evals import bench
+class _StepClock:
+    """``time.perf_counter`` that moves ``step`` seconds per reading: a timed call reads it at its start and its end,
+    so lasts exactly ``step``."""
 
-    monkeypatch.setattr(bench, "prefill_ids", lambda tok, n: torch.randint(0, 128, (1, n), generator=torch.Generator().manual_seed(n)))
+    def __init__(self, step: float):
+        self.step, self.now = step, 0.0
+
+    def perf_counter(self) -> float:
+        self.now += self.step
+        return self.now
+
+
+def test_bench_causal_lm_rows(monkeypatch):
+    """The rows' numbers from a fake timer: prefills of 2.0 s (unpatched), 2.5 s (dense) and 0.8 s (anchor), each of
+    whose 2 layer attention calls lasts 0.125 s; the sparsity against the float64 reference's kept keys."""
+    from attnpatch import record_stats
+    from attnpatch.attention.anchor import AnchorConfig, anchor_attention_reference
+    from attnpatch.evals import bench
+    from attnpatch.evals.bench import models as bench_models
+    from attnpatch.patchers import runtime
+
+    prompts = []
+
+    def fake_prefill(tok, n):
+        prompts.append(n)
+        return torch.randint(0, 128, (1, n), generator=torch.Generator().manual_seed(n))
+
+    seconds = iter([2.0, 2.5, 0.8])  # unpatched, dense, anchor_attention: one timed prefill each
+
+    def fake_time_call(fn, *, repeats, warmup, device):
+        assert (repeats, warmup) == (1, 0)
+        fn()
+        return [next(seconds)]
+
+    # bench_causal_lm reads prefill_ids from the package at call time, time_call from its own module's globals, and the
+    # attention timer reads the runtime module's `time`
+    monkeypatch.setattr(bench, "prefill_ids", fake_prefill)
+    monkeypatch.setattr(bench_models, "time_call", fake_time_call)
+    monkeypatch.setattr(runtime, "time", _StepClock(0.125))
     model = tiny_causal_lm("llama")
-    res = bench_causal_lm(model, None, [("anchor_attention", {"theta": 1.0, "min_len": 0, "block_size": 16, "init_block": 8, "local_window": 16, "dense_last": 16, "min_recall": 0})],
-                          lengths=[160], repeats=1)
-    assert [r["setting"] for r in res["rows"]] == ["unpatched", "dense", "anchor_attention (theta=1.0, min_len=0, block_size=16, init_block=8, local_window=16, dense_last=16, min_recall=0)"]
-    dense, anchor = res["rows"][1], res["rows"][2]
-    assert 0 < dense["attention_share"] < 1 and dense["sparsity"] is None
-    assert 0 < anchor["sparsity"] < 1 and anchor["speedup"] > 0
+    opts = {"theta": 1.0, "min_len": 0, "block_size": 16, "init_block": 8, "local_window": 16, "dense_last": 16, "min_recall": 0}
+    res = bench_causal_lm(model, None, [("anchor_attention", opts)], lengths=[160], repeats=1)
+    assert prompts == [160] and next(seconds, None) is None  # both fakes were used
+    label = "anchor_attention (theta=1.0, min_len=0, block_size=16, init_block=8, local_window=16, dense_last=16, min_recall=0)"
+    assert [r["setting"] for r in res["rows"]] == ["unpatched", "dense", label]
+    unpatched, dense, anchor = res["rows"]
+    assert unpatched == {"length": 160, "setting": "unpatched", "seconds": 2.0, "tokens_per_s": 80.0, "speedup": 1.0}
+    # attention: 2 layers x 0.125 s = 0.25 s of each patched prefill
+    assert {k: dense[k] for k in ("seconds", "tokens_per_s", "sparsity")} == {"seconds": 2.5, "tokens_per_s": 64.0, "sparsity": None}
+    assert dense["speedup"] == pytest.approx(0.8) and dense["attention_share"] == pytest.approx(0.1)
+    assert {k: anchor[k] for k in ("seconds", "tokens_per_s")} == {"seconds": 0.8, "tokens_per_s": 200.0}
+    assert anchor["speedup"] == pytest.approx(2.5) and anchor["attention_share"] == pytest.approx(0.3125)
+    # sparsity: the share of the 2 layers x 4 heads x (160 x 161 / 2) causal pairs that the float64 reference drops, on
+    # each layer's q, k as the patched model computes them (layer 1's input is layer 0's approximated output)
+    qkv = {}
+
+    def probe(ctx, q, k, v):
+        qkv[ctx.layer] = (q.clone(), k.clone(), v.clone(), ctx.scale)
+
+    with torch.no_grad(), patched(model, "anchor_attention", **opts), record_stats(model, probe=probe):
+        model(fake_prefill(None, 160), use_cache=False, logits_to_keep=1)
+    cfg = AnchorConfig(**opts)
+    kept = sum(int(anchor_attention_reference(q, k, v, cfg, scale=scale)[1].sum()) for q, k, v, scale in qkv.values())
+    assert sorted(qkv) == [0, 1]
+    want = 1 - kept / (2 * 4 * 160 * 161 // 2)
+    assert 0.05 < want < 0.95  # the setting drops some keys and keeps others
+    assert anchor["sparsity"] == pytest.approx(want, abs=1e-4)  # equal here; a few pairs of float32 selection leeway
 
 
 def test_capture_and_bench_on_captured_inputs(tmp_path):
@@ -127,7 +184,9 @@ def test_capture_and_bench_on_captured_inputs(tmp_path):
     ids = torch.randint(0, 128, (1, 128), generator=torch.Generator().manual_seed(0))
     got = capture_qkv(model, ids, [1, 2])
     assert sorted(got) == [1, 2] and got[1]["q"].shape == (1, 4, 128, 16) and got[1]["k"].shape == (1, 2, 128, 16)
-    assert not hasattr(model, "_attnpatch_handle") or model._attnpatch_handle is None  # unpatched again
+    from attnpatch import is_patched
+
+    assert not is_patched(model) and model.config._attn_implementation == "sdpa"  # unpatched again, its own attention back
     path = tmp_path / "qkv.pt"
     torch.save(got, path)
     entry, layer = load_qkv(path, 2)
@@ -203,7 +262,14 @@ def test_load_qkv_refuses_foreign_files(tmp_path):
 def test_bench_cli_capture_then_causal_bench(tiny_dir, tmp_path, monkeypatch):  # noqa: F811
     from attnpatch.evals import bench
 
-    monkeypatch.setattr(bench, "prefill_ids", lambda tok, n: torch.randint(0, 100, (1, n), generator=torch.Generator().manual_seed(1)))
+    asked = []
+
+    def fake_prefill(tok, n):
+        asked.append(n)
+        return torch.randint(0, 100, (1, n), generator=torch.Generator().manual_seed(1))
+
+    # both commands read prefill_ids from the package at call time (bench capture: the CLI; bench model: bench_causal_lm)
+    monkeypatch.setattr(bench, "prefill_ids", fake_prefill)
     qkv = tmp_path / "q.pt"
     assert main(["bench", "capture", "--model", str(tiny_dir), "--length", "256", "--layers", "1", "-O", str(qkv)]) == 0
     assert main(["bench", "attention", "--mode", "causal", "--qkv", str(qkv), "--lengths", "128", "256", "--repeats", "1",
@@ -215,6 +281,7 @@ def test_bench_cli_capture_then_causal_bench(tiny_dir, tmp_path, monkeypatch):  
                  "--method", "anchor_attention:theta=2,min_len=0,block_size=32,init_block=16,local_window=32,dense_last=32,min_recall=0,pool_stride=16", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert [r["setting"] for r in rows][:2] == ["unpatched", "dense"] and rows[2]["sparsity"] > 0
+    assert asked == [256, 200]  # the fake prompts, one per command
 
 
 def test_bench_cli_vision_model(tiny_vit_dir, tiny_images, tmp_path):  # noqa: F811  (tiny_images)

@@ -30,7 +30,7 @@ def test_eval_ruler_end_to_end(tiny_dir, tmp_path, capsys):
     res = json.loads(out.read_text())
     assert res["method"] == "anchor_attention" and res["options"]["theta"] == 2.0
     assert [(c["task"], c["length"], c["n"]) for c in res["cells"]] == [("niah_single", 900, 2), ("variable_tracking", 900, 2)]
-    from attnpatch.evals.ruler_tasks import score
+    from attnpatch.evals.ruler.tasks import score
 
     for c in res["cells"]:
         assert 0.98 * 900 <= c["tokens"] <= 900
@@ -64,7 +64,7 @@ def test_eval_ruler_says_when_the_defaults_ran_the_models_own_attention(tiny_dir
 
 
 def test_eval_ruler_dense_baseline(tiny_dir, tmp_path, monkeypatch):
-    import attnpatch.evals.ruler as ruler
+    import attnpatch.evals.ruler.runner as ruler
 
     orig = ruler.generate_greedy
 
@@ -118,6 +118,12 @@ def test_python_dash_m_runs_the_command(module):
     import subprocess
     import sys
 
+    from attnpatch.patchers.method_table import methods_markdown
+    from attnpatch.patchers.registry import METHODS
+
     proc = subprocess.run([sys.executable, "-m", module, "methods", "--markdown"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "| `anchor_attention` |" in proc.stdout or "`anchor_attention`" in proc.stdout
+    assert proc.stdout == methods_markdown()  # the registry's table, whole
+    rows = proc.stdout.splitlines()
+    assert rows[0] == "| method | model kinds | what it does | exact? | options (default) |"
+    assert [r.split(" | ")[0] for r in rows[2:]] == [f"| `{name}`" for name in sorted(METHODS)]  # one row per method

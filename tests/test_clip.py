@@ -30,15 +30,11 @@ TUXPAINT = SHARED / "tuxpaint-captions"
 IMAGENET = SHARED / "imagenet-1k-samples"
 QUIET = dict(log=lambda m: None)
 
-TINY_VISION = dict(image_size=64, patch_size=8, width=64, head_width=16, layers=4)  # 65 tokens, 4 heads
-TINY_TEXT = dict(context_length=77, vocab_size=49408, width=32, heads=4, layers=2)
-
-
 def _tiny_open_clip(seed: int = 0, **vision_extra):
-    torch.manual_seed(seed)
-    return open_clip.model.CLIP(
-        embed_dim=32, vision_cfg={**TINY_VISION, **vision_extra}, text_cfg=dict(TINY_TEXT), quick_gelu=True,
-    ).eval()
+    """:func:`tiny_models.tiny_open_clip`: 65 image tokens, 4 heads."""
+    from tiny_models import tiny_open_clip
+
+    return tiny_open_clip(seed=seed, vision=vision_extra)
 
 
 @pytest.fixture(scope="module")
@@ -226,12 +222,30 @@ def test_open_clip_and_hf_agree_on_the_same_weights(tiny_pair):
     assert torch.equal(enc["input_ids"][ids != 0], ids[ids != 0])  # same BPE ids (padding differs: 0 vs <|endoftext|>)
     torch.testing.assert_close(_hf_txt(hf, enc), _oc_txt(oc, ids), rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(_hf_img(hf, X64), _oc_img(oc, X64), rtol=1e-4, atol=1e-5)
-    for method, opts in [("fna", {"s": 9}), ("fna", {"s": 9, "sample_layer": 0}), ("sink_mask", {"mask_layers": 2}),
-                         ("fna+sink_mask", {"s": 12, "sample_layer": 1})]:
-        with patched(hf, method, **opts), patched(oc, method, **opts):
+    ref = _oc_img(oc, X64)
+    no_sink = torch.zeros(3, 65, dtype=torch.bool)
+    one_sink = no_sink.clone()
+    one_sink[2, 48] = True  # the only key of the three images above 1.15 x the uniform share in layer 2 (1.176; next 1.139)
+    # (method, options, the images whose embedding changes, the sinks masked in layers 2 and 3 or None)
+    cases = [
+        ("fna", {"s": 9}, {0, 1, 2}, None),
+        ("fna", {"s": 9, "sample_layer": 0}, {0, 1, 2}, None),
+        # random weights: no key gets 10 x the uniform share nor a 5 x median norm, so nothing is masked: the model's own attention
+        ("sink_mask", {"mask_layers": 2}, set(), no_sink),
+        ("sink_mask", {"mask_layers": 2, "detect": "attention", "mass_ratio": 1.15}, {2}, one_sink),
+        ("fna+sink_mask", {"s": 12, "sample_layer": 1}, {0, 1, 2}, None),
+    ]
+    for method, opts, changed, sinks in cases:
+        with patched(hf, method, **opts), patched(oc, method, **opts), record_stats(hf) as rec_hf, record_stats(oc) as rec_oc:
             a, b = _hf_img(hf, X64), _oc_img(oc, X64)
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
-        assert not torch.allclose(a, _oc_img(oc, X64), atol=1e-6) or method == "sink_mask"
+        for i in range(3):
+            moved = float((a[i] - ref[i]).abs().max())
+            assert (moved > 1e-3) if i in changed else (moved < 1e-5), (method, opts, i, moved)
+        if sinks is not None:
+            for rec in (rec_hf, rec_oc):
+                assert [r.mode for r in rec.forwards[0].values()] == ["dense", "dense", "sink_mask", "sink_mask"]
+                assert all(torch.equal(rec.forwards[0][li].sinks, sinks) for li in (2, 3)), (method, opts)
 
 
 BATCH_CASES = [("fna", {"s": 6}), ("fna", {"s": 6, "sample_layer": 0, "strategy": "kmeans"}),
@@ -259,12 +273,9 @@ def test_batch_independence(which, method, opts, vitb32, tiny_pair):
 
 
 def test_siglip_vision_tower_has_no_cls_prefix():
-    from transformers import SiglipConfig, SiglipModel
+    from tiny_models import tiny_hf_clip
 
-    torch.manual_seed(0)
-    tc = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=100, max_position_embeddings=16)
-    vc = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, image_size=64, patch_size=8)
-    model = SiglipModel(SiglipConfig(text_config=tc, vision_config=vc)).eval()
+    model = tiny_hf_clip("siglip", vision=dict(num_hidden_layers=4, image_size=64))
     ids = torch.randint(0, 100, (2, 16))
     with torch.no_grad():
         ref, ref_t = model.get_image_features(pixel_values=X64).pooler_output, model.get_text_features(input_ids=ids).pooler_output
@@ -280,14 +291,14 @@ def test_siglip_vision_tower_has_no_cls_prefix():
 
 def test_single_tower_models_keep_their_towers():
     from conftest import tiny_causal_lm
-    from transformers import Dinov2Config, Dinov2Model
+    from tiny_models import tiny_dinov2
 
     lm = tiny_causal_lm("llama")
     with patched(lm, "anchor_attention", towers="text"):
         assert patch_info(lm)["towers"] == ["text"] and patch_info(lm)["kind"] == "causal_lm"
     with pytest.raises(OptionError, match="towers='vision'.*LlamaForCausalLM has the tower\\(s\\) 'text'"):
         patch(lm, "anchor_attention", towers="vision")
-    vit = Dinov2Model(Dinov2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, image_size=28, patch_size=14))
+    vit = tiny_dinov2(seed=None, hidden_size=32, num_hidden_layers=2, intermediate_size=64, image_size=28)
     with patched(vit, "fna", s=3):
         assert patch_info(vit)["towers"] == ["vision"] and vit._attnpatch_handle.prefix_tokens == 1
 
@@ -345,8 +356,10 @@ def tiny_dirs(tmp_path_factory, tiny_pair):
     hf_dir = tmp_path_factory.mktemp("tiny-clip-hf")
     hf.save_pretrained(hf_dir)
     proc.save_pretrained(hf_dir)
+    from tiny_models import open_clip_cfg
+
     oc_dir = tmp_path_factory.mktemp("tiny-clip-open_clip")
-    cfg = {"model_cfg": {"embed_dim": 32, "vision_cfg": TINY_VISION, "text_cfg": TINY_TEXT, "quick_gelu": True}, "preprocess_cfg": {}}
+    cfg = {"model_cfg": open_clip_cfg(), "preprocess_cfg": {}}
     (oc_dir / "open_clip_config.json").write_text(json.dumps(cfg))
     torch.save(oc.state_dict(), oc_dir / "open_clip_pytorch_model.bin")
     return hf_dir, oc_dir
@@ -523,7 +536,7 @@ def test_zeroshot_eval_imagenet_samples_end_to_end(tiny_dirs, tmp_path):
 
 @pytest.mark.skipif(not IMAGENET.is_dir(), reason="shared/data/imagenet-1k-samples is absent")
 def test_imagenet_samples_are_recognised_as_imagenet1k():
-    from attnpatch.evals.images import load_image_set
+    from attnpatch.evals.vision.images import load_image_set
 
     s = load_image_set(IMAGENET, limit=5, **QUIET)
     names, source = ce.resolve_classnames("auto", s)

@@ -16,14 +16,11 @@ from attnpatch.evals import compare as cmp
 @pytest.fixture(scope="module")
 def vit_dir(tmp_path_factory):
     """Tiny random DINOv2 (hidden 32, 2 layers, 2 heads, 56 px, patch 14: N = 17 tokens), saved with its processor."""
-    from transformers import Dinov2Config, Dinov2Model
-
     from attnpatch.checkpoints import dinov2_image_processor
+    from tiny_models import NARROW_DINOV2, tiny_dinov2
 
     d = tmp_path_factory.mktemp("cmp-dinov2")
-    torch.manual_seed(0)
-    cfg = Dinov2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, image_size=56, patch_size=14)
-    Dinov2Model(cfg).eval().save_pretrained(d)
+    tiny_dinov2(**NARROW_DINOV2, num_hidden_layers=2, image_size=56).save_pretrained(d)
     dinov2_image_processor().save_pretrained(d)
     return d
 
@@ -48,7 +45,8 @@ def images_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def vit(vit_dir, images_dir):
     from attnpatch.checkpoints import load_vision_model
-    from attnpatch.evals.images import load_image_set, make_preprocess
+    from attnpatch.evals.vision.images import load_image_set
+    from attnpatch.evals.vision.preprocess import make_preprocess
 
     model, processor = load_vision_model(str(vit_dir))
     return model, load_image_set(str(images_dir)), make_preprocess(processor, 56)
@@ -143,7 +141,7 @@ def test_vision_compare_flops_match(vit):
 def test_ruler_compare_sparsity_match_dense_once(lm_dir, monkeypatch):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    import attnpatch.evals.ruler as ruler
+    import attnpatch.evals.ruler.runner as ruler
     from attnpatch.patchers.api import is_patched
 
     model = AutoModelForCausalLM.from_pretrained(lm_dir).eval()
@@ -182,7 +180,7 @@ def test_ruler_compare_sparsity_match_dense_once(lm_dir, monkeypatch):
 def test_run_ruler_single_api_unchanged(lm_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from attnpatch.evals.ruler import run_ruler
+    from attnpatch.evals.ruler.runner import run_ruler
 
     model = AutoModelForCausalLM.from_pretrained(lm_dir).eval()
     tok = AutoTokenizer.from_pretrained(lm_dir)
@@ -198,7 +196,7 @@ def test_run_ruler_single_api_unchanged(lm_dir):
 def test_run_ruler_says_where_the_patch_ran_the_models_own_attention(lm_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from attnpatch.evals.ruler import run_ruler
+    from attnpatch.evals.ruler.runner import run_ruler
 
     model = AutoModelForCausalLM.from_pretrained(lm_dir).eval()
     tok = AutoTokenizer.from_pretrained(lm_dir)
@@ -266,8 +264,8 @@ def test_cli_bad_input_one_line(argv, words, tmp_path, capsys, monkeypatch):
 
 
 def test_cli_ctrl_c_keeps_finished_part(lm_dir, vit_dir, images_dir, tmp_path, capsys, monkeypatch):
-    import attnpatch.evals.ruler as ruler
-    from attnpatch.evals.images import ImageSet
+    import attnpatch.evals.ruler.runner as ruler
+    from attnpatch.evals.vision.images import ImageSet
 
     calls = {"n": 0}
     orig = ruler.generate_greedy

@@ -2,7 +2,7 @@
 
 A multi-threaded ``torch.linalg.eigh`` of six 64 x 64 landmark kernels takes 1-2 ms on an idle
 machine and 60-1000 ms while another PyTorch process keeps the cores busy (its OpenMP team
-waits for descheduled threads); :func:`attnpatch.attention.nystrom.local_blas_threads` runs it
+waits for descheduled threads); :func:`attnpatch.attention.blas_threads.local_blas_threads` runs it
 on the calling thread alone, through MKL's thread-local setting, so other threads and the rest
 of the process keep their thread counts.
 """
@@ -14,15 +14,16 @@ import threading
 import pytest
 import torch
 
-from attnpatch.attention import nystrom as ny
-from attnpatch.attention.nystrom import landmark_pinv, local_blas_threads, nystrom_attention
+from attnpatch.attention import blas_threads as ny
+from attnpatch.attention.blas_threads import local_blas_threads
+from attnpatch.attention.nystrom import landmark_pinv, nystrom_attention
 
-needs_mkl = pytest.mark.skipif(not ny._mkl_local_setter(), reason="this PyTorch build has no MKL thread-local setter")
+needs_mkl = pytest.mark.skipif(not ny.mkl_local_setter(), reason="this PyTorch build has no MKL thread-local setter")
 
 
 def _local_value() -> int:
     """This thread's MKL local thread count (0 = the global setting), read without changing it."""
-    fn = ny._mkl_local_setter()
+    fn = ny.mkl_local_setter()
     prev = fn(0)
     fn(prev)
     return prev
@@ -92,12 +93,39 @@ def test_results_do_not_depend_on_the_thread_region():
 
 
 def test_switch_off_and_non_cpu_are_no_ops(monkeypatch):
+    real = ny.mkl_local_setter()  # this build's setter (False without MKL), looked up before the switch
+    calls = []
+
+    def setter(n):
+        calls.append(n)
+        return 5  # "the previous count"
+
+    # a resolved setter: a CPU region sets n and restores the previous count; a region on another device never calls it
+    monkeypatch.setattr(ny, "_MKL_LOCAL", setter)
+    with local_blas_threads(1, device="meta"):
+        assert calls == []
+    with local_blas_threads(3, device="cpu"):
+        assert calls == [3]
+    assert calls == [3, 5]
+    # the switch: the lookup answers False and a region calls no setter, so MKL's local count stays as it was
     monkeypatch.setattr(ny, "_MKL_LOCAL", None)
     monkeypatch.setenv("ATTNPATCH_LOCAL_BLAS_THREADS", "0")
-    assert ny._mkl_local_setter() is False
-    with local_blas_threads(1):
-        landmark_pinv(torch.eye(4)[None])
-    monkeypatch.setattr(ny, "_MKL_LOCAL", None)  # the next lookup runs again with the default
+    assert ny.mkl_local_setter() is False and ny._MKL_LOCAL is False
+    if real:
+        prev = real(2)  # a count of this thread's own, to see it untouched
+        try:
+            with local_blas_threads(1):
+                assert real(2) == 2  # reads (and keeps) the count: not set to 1
+                out = landmark_pinv(torch.eye(4)[None])
+            assert real(2) == 2
+        finally:
+            real(prev)
+    else:
+        with local_blas_threads(1):
+            out = landmark_pinv(torch.eye(4)[None])
+    torch.testing.assert_close(out, torch.eye(4)[None])  # the identity's pseudo-inverse, as without the region
+    assert calls == [3, 5]
+    # switched back on, the next lookup finds this build's setter again
+    monkeypatch.setattr(ny, "_MKL_LOCAL", None)
     monkeypatch.delenv("ATTNPATCH_LOCAL_BLAS_THREADS")
-    with local_blas_threads(1, device="meta"):  # not a CPU tensor: nothing to set
-        pass
+    assert bool(ny.mkl_local_setter()) == bool(real)

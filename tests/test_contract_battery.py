@@ -46,7 +46,8 @@ import torch
 from attnpatch import OptionError, UnsupportedModelError, is_patched, patch, patched, record_stats, unpatch
 from attnpatch.patchers.api import _tower_kinds, find_adapter
 from attnpatch.patchers.methods import discover
-from attnpatch.patchers.registry import METHODS, Method, get_method
+from attnpatch.patchers.contract import Method
+from attnpatch.patchers.registry import METHODS, get_method
 from throwaway_method import scaled_dense_source
 
 # --------------------------------------------------------------------------- settings (data, not logic)
@@ -84,20 +85,9 @@ def _images(size: int, seed: int, b: int = 2) -> torch.Tensor:
 
 
 def _causal_lm(family: str) -> Built:
-    from transformers import (
-        LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
-    )
+    from tiny_models import tiny_causal_lm
 
-    cfg_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-                          "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[family]
-    cfg = cfg_cls(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=16, max_position_embeddings=512, attn_implementation="sdpa")
-    torch.manual_seed(0)
-    model = model_cls(cfg).eval()
-    with torch.no_grad():  # sharpen attention so that thresholds select something
-        for layer in model.model.layers:
-            layer.self_attn.q_proj.weight.mul_(6.0)
-            layer.self_attn.k_proj.weight.mul_(6.0)
+    model = tiny_causal_lm(family, max_position_embeddings=512)  # q/k sharpened so that thresholds select something
     n, pad = 96, 24
     ids = torch.randint(0, 128, (2, n), generator=_gen(1))
     mask = torch.ones(2, n, dtype=torch.long)
@@ -114,14 +104,9 @@ def _causal_lm(family: str) -> Built:
 
 
 def _hf_vit(registers: bool) -> Built:
-    from transformers import Dinov2Config, Dinov2Model, Dinov2WithRegistersConfig, Dinov2WithRegistersModel
+    from tiny_models import tiny_dinov2
 
-    kw = dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, intermediate_size=128, image_size=42, patch_size=14)
-    torch.manual_seed(0)
-    if registers:
-        model = Dinov2WithRegistersModel(Dinov2WithRegistersConfig(num_register_tokens=4, **kw)).eval()
-    else:
-        model = Dinov2Model(Dinov2Config(**kw)).eval()
+    model = tiny_dinov2(4 if registers else 0, num_hidden_layers=3, image_size=42)
 
     def run(m, inp):
         return m(**inp).last_hidden_state
@@ -131,16 +116,9 @@ def _hf_vit(registers: bool) -> Built:
 
 
 def _hf_dual(family: str) -> Built:
-    from transformers import CLIPConfig, CLIPModel, SiglipConfig, SiglipModel
+    from tiny_models import tiny_hf_clip
 
-    tc = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=100,
-              max_position_embeddings=16)
-    vc = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4, image_size=32, patch_size=8)
-    torch.manual_seed(0)
-    if family == "clip":
-        model = CLIPModel(CLIPConfig(text_config=tc, vision_config=vc, projection_dim=16)).eval()
-    else:
-        model = SiglipModel(SiglipConfig(text_config=tc, vision_config=vc)).eval()
+    model = tiny_hf_clip(family)
 
     def run_vision(m, inp):
         return m.vision_model(**inp).last_hidden_state
@@ -159,11 +137,9 @@ def _hf_dual(family: str) -> Built:
 
 
 def _timm(**kw) -> Built:
-    from timm.models.vision_transformer import VisionTransformer
+    from tiny_models import tiny_timm_vit
 
-    torch.manual_seed(0)
-    model = VisionTransformer(img_size=32, patch_size=8, embed_dim=64, depth=3, num_heads=4, mlp_ratio=2.0,
-                              num_classes=0, **kw).eval()
+    model = tiny_timm_vit(img_size=32, depth=3, mlp_ratio=2.0, **kw)
 
     def run(m, inp):
         return m.forward_features(inp["x"])
@@ -173,13 +149,9 @@ def _timm(**kw) -> Built:
 
 
 def _open_clip() -> Built:
-    import open_clip
+    from tiny_models import tiny_open_clip
 
-    torch.manual_seed(0)
-    model = open_clip.model.CLIP(
-        embed_dim=32, vision_cfg=dict(image_size=32, patch_size=8, width=64, head_width=16, layers=3),
-        text_cfg=dict(context_length=16, vocab_size=100, width=32, heads=4, layers=2), quick_gelu=True,
-    ).eval()
+    model = tiny_open_clip(vision=dict(image_size=32, layers=3), text=dict(context_length=16, vocab_size=100))
 
     def run_vision(m, inp):
         return m.encode_image(inp["image"])
@@ -314,7 +286,7 @@ def _patch(b: Built, method: str, model: str, tower: str, **options: Any) -> Non
         # changes the token count between blocks (block_hook), a model whose blocks or read-out it cannot handle
         msg = str(err)
         declared = "does not implement" in msg or (
-            get_method(method).block_hook is not None and "merges tokens" in msg or "changes the token count" in msg
+            get_method(method).block_hook is not None and ("merges tokens" in msg or "changes the token count" in msg)
         )
         assert type(b.model).__name__ in msg and repr(method) in msg and declared, msg
         pytest.skip(f"refused at patch(), as declared: {msg}")
@@ -546,6 +518,37 @@ def test_every_approximate_method_declares_small_settings():
         if not method.exact and kind not in method.small_settings:
             missing.append(f"{mname} ({kind})")
     assert not missing, f"declare Method.small_settings for: {sorted(set(missing))}"
+
+
+@pytest.mark.parametrize("mname,words,skips", [
+    ("tome", "changes the token count between the attention and the MLP branch", True),  # a block hook: declared
+    ("tome", "merges tokens, but this model reads its output out with a pooled average", True),
+    ("fna", "does not implement this", True),  # a model feature the method lacks: declared
+    ("fna", "changes the token count between the attention and the MLP branch", False),  # fna has no block hook
+    ("fna", "merges tokens, but this model reads its output out with a pooled average", False),
+    ("fna", "is broken", False),
+])
+def test_only_a_declared_refusal_skips_a_case(monkeypatch, mname, words, skips):
+    """_patch skips a case on a refusal the method declared (a model feature it lacks; for a block-hook method, a
+    model whose blocks or read-out it cannot handle) and fails it on any other refusal."""
+    assert (get_method(mname).block_hook is not None) == (mname == "tome")
+    calls = []
+
+    def refuse(model, method, **options):
+        calls.append(method)
+        raise UnsupportedModelError(f"{type(model).__name__}: method {method!r} {words}")
+
+    monkeypatch.setattr(sys.modules[__name__], "patch", refuse)  # the global _patch reads
+    try:  # caught here: a skip escaping would report a wrongly skipped case as skipped, not failed
+        _patch(built("dinov2"), mname, "dinov2", "vision")
+        outcome = "patched"
+    except pytest.skip.Exception as err:
+        outcome = "skipped"
+        assert str(err).startswith("refused at patch(), as declared: Dinov2Model: method")
+    except AssertionError:
+        outcome = "failed"
+    assert calls == [mname]
+    assert outcome == ("skipped" if skips else "failed")
 
 
 # --------------------------------------------------------------------------- a new method is one new file

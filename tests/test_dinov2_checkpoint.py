@@ -62,14 +62,10 @@ def _nothing_fetched(cache: Path) -> bool:
 
 
 def _tiny_dinov2(image_size: int = 84):
-    from transformers import Dinov2Config, Dinov2Model
+    from tiny_models import tiny_dinov2
 
-    cfg = Dinov2Config(
-        hidden_size=48, num_hidden_layers=2, num_attention_heads=3, mlp_ratio=4, patch_size=14,
-        image_size=image_size, layerscale_value=0.5,
-    )
-    torch.manual_seed(0)
-    model = Dinov2Model(cfg).eval()
+    model = tiny_dinov2(hidden_size=48, num_hidden_layers=2, num_attention_heads=3, intermediate_size=None, mlp_ratio=4,
+                        image_size=image_size, layerscale_value=0.5)
     with torch.no_grad():  # non-trivial LayerScale, norms and position embeddings
         for p in model.parameters():
             if p.dim() == 1:
@@ -181,16 +177,14 @@ def test_mapping_rejects_other_graphs():
 def test_hf_to_timm_tiny(size):
     import types
 
-    from timm.models.vision_transformer import VisionTransformer
+    from tiny_models import tiny_timm_vit
 
     hf = _tiny_dinov2(image_size=84)
     cfg = hf.config
-    vit = VisionTransformer(
-        img_size=cfg.image_size, patch_size=14, embed_dim=48, depth=2, num_heads=3, init_values=1e-5,
-        num_classes=0, dynamic_img_size=True,
-    ).eval()
+    vit = tiny_timm_vit(seed=None, img_size=cfg.image_size, patch_size=14, embed_dim=48, num_heads=3, init_values=1e-5,
+                        dynamic_img_size=True)
     vit.load_state_dict(dinov2_hf_to_timm_state_dict(hf.state_dict(), cfg), strict=True)
-    vit._pos_embed = types.MethodType(checkpoints._timm_pos_embed_plain_bicubic, vit)
+    vit._pos_embed = types.MethodType(checkpoints.timm_pos_embed_plain_bicubic, vit)
     torch.manual_seed(1)
     x = torch.randn(2, 3, *size)
     with torch.no_grad():

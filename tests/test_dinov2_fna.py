@@ -12,7 +12,8 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def dino():
     from attnpatch.checkpoints import load_vision_model
-    from attnpatch.evals.images import load_image_set, make_preprocess
+    from attnpatch.evals.vision.images import load_image_set
+    from attnpatch.evals.vision.preprocess import make_preprocess
 
     model, proc = load_vision_model("dinov2-small")
     images = load_image_set(None)  # the embedded default set (registry packages; no ../shared needed)
@@ -20,7 +21,7 @@ def dino():
 
 
 def test_fna_s64_keeps_cls_cosine_on_real_weights_and_images(dino):
-    from attnpatch.evals.vision import run_feature_eval
+    from attnpatch.evals.vision.runner import run_feature_eval
 
     model, images, pre = dino
     res = run_feature_eval(
@@ -43,7 +44,7 @@ def test_fna_s64_keeps_cls_cosine_on_real_weights_and_images(dino):
 
 
 def test_dinov2_small_has_no_massive_tokens_and_a_cls_sink(dino):
-    from attnpatch.evals.sink_diagnostic import sink_diagnostic
+    from attnpatch.evals.vision.sinks import sink_diagnostic
 
     model, images, pre = dino
     rep = sink_diagnostic(model, pre([images[i][0] for i in range(6)]))
@@ -57,7 +58,7 @@ def test_dinov2_small_has_no_massive_tokens_and_a_cls_sink(dino):
 def test_hf_and_timm_backends_agree_under_fna(dino):
     from attnpatch import patched
     from attnpatch.checkpoints import load_vision_model
-    from attnpatch.evals.vision import encode
+    from attnpatch.evals.vision.runner import encode
 
     model, images, pre = dino
     tm, _ = load_vision_model("dinov2-small", backend="timm")

@@ -8,14 +8,9 @@ import pytest
 import torch
 
 from attnpatch import OptionError, UnsupportedModelError, patch, patched, record_stats, unpatch
-from attnpatch.attention.nystrom import (
-    exact_attention,
-    farthest_point_sampling,
-    farthest_point_sampling_reference,
-    landmark_pinv,
-    nystrom_attention,
-    select_landmarks,
-)
+from attnpatch.attention.exact import exact_attention
+from attnpatch.attention.landmarks import farthest_point_sampling, farthest_point_sampling_reference, select_landmarks
+from attnpatch.attention.nystrom import landmark_pinv, nystrom_attention
 from attnpatch.attention.sinks import attention_received, massive_tokens
 
 # --------------------------------------------------------------------------- math
@@ -146,20 +141,15 @@ def test_sink_detection():
 
 
 def _hf_dinov2(registers: int = 0, layers: int = 4, seed: int = 0):
-    from transformers import Dinov2Config, Dinov2Model, Dinov2WithRegistersConfig, Dinov2WithRegistersModel
+    from tiny_models import tiny_dinov2
 
-    torch.manual_seed(seed)
-    kw = dict(hidden_size=64, num_hidden_layers=layers, num_attention_heads=4, intermediate_size=128, image_size=70, patch_size=14)
-    if registers:
-        return Dinov2WithRegistersModel(Dinov2WithRegistersConfig(num_register_tokens=registers, **kw)).eval()
-    return Dinov2Model(Dinov2Config(**kw)).eval()
+    return tiny_dinov2(registers, seed=seed, num_hidden_layers=layers)
 
 
 def _timm_vit(registers: int = 0, seed: int = 0, fused: bool = True):
-    from timm.models.vision_transformer import VisionTransformer
+    from tiny_models import tiny_timm_vit
 
-    torch.manual_seed(seed)
-    m = VisionTransformer(img_size=70, patch_size=14, embed_dim=64, depth=4, num_heads=4, num_classes=0, reg_tokens=registers, init_values=1.0).eval()
+    m = tiny_timm_vit(seed=seed, img_size=70, patch_size=14, depth=4, reg_tokens=registers, init_values=1.0)
     for blk in m.blocks:
         blk.attn.fused_attn = fused
     return m

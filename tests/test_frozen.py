@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from attnpatch.errors import DataError, OptionError
-from attnpatch.evals.frozen import (
+from attnpatch.evals.vision.metrics import (
     image_retrieval,
     knn_classify,
     linear_probe,

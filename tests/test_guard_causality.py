@@ -19,8 +19,8 @@ from attnpatch.attention.anchor import (
     anchor_attention_reference,
     dense_causal_attention,
 )
-from attnpatch.attention.anchor.guard import _causal_guard, _causal_probe_blocks
-from attnpatch.attention.anchor.select import _geometry, _select
+from attnpatch.attention.anchor.guard import causal_guard, causal_probe_blocks
+from attnpatch.attention.anchor.select import call_geometry, select_kept
 from attnpatch.errors import OptionError
 
 BLOCK = 32
@@ -44,19 +44,9 @@ def _kernel(kernel: str) -> str:
 
 def _sharp_llama(seed: int = 0):
     """Tiny random Llama (2 layers, hidden 64, 4 heads, 2 KV heads, vocab 128) with q/k weights x20: sharp attention."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from tiny_models import tiny_causal_lm
 
-    cfg = LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, attn_implementation="sdpa",
-    )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.q_proj.weight.mul_(20.0)
-            layer.self_attn.k_proj.weight.mul_(20.0)
-    return model
+    return tiny_causal_lm("llama", seed, sharpen=20.0)
 
 
 @pytest.fixture(scope="module")
@@ -181,15 +171,15 @@ GUARD = 0.4  # min_recall at which the causal guard makes some 30-55 % of these 
 
 
 def _guarded_fraction(q, k, cfg, scale, q_offset=0):
-    geo = _geometry(q, k, cfg, q_offset, None)
-    low = _causal_guard(q, k, _select(q, k, cfg, scale, geo), geo, cfg, scale)
+    geo = call_geometry(q, k, cfg, q_offset, None)
+    low = causal_guard(q, k, select_kept(q, k, cfg, scale, geo), geo, cfg, scale)
     return 0.0 if low is None else float(low.float().mean())
 
 
 def test_global_guard_attention_depends_on_a_later_key():
     """The fault on the attention function: a key in the last block moves a head's probe recall across
     min_recall, and with it the outputs of the first blocks."""
-    from attnpatch.attention.anchor.guard import _probe_recall
+    from attnpatch.attention.anchor.guard import probe_recall
 
     q, k, v = _qkv(1, 6, 2, 96, 8, seed=21)
     scale = 8**-0.5
@@ -198,8 +188,8 @@ def test_global_guard_attention_depends_on_a_later_key():
     base = AnchorConfig(**ATT_KW, dense_last=0, recall_probes=3, guard="global")
     rec = []
     for kk in (k, k2):
-        geo = _geometry(q, kk, base, 0, None)
-        rec.append(_probe_recall(q, kk, _select(q, kk, base, scale, geo), geo, base, scale, 96)[0])
+        geo = call_geometry(q, kk, base, 0, None)
+        rec.append(probe_recall(q, kk, select_kept(q, kk, base, scale, geo), geo, base, scale, 96)[0])
     head = int((rec[0] - rec[1]).abs().argmax())
     assert abs(float(rec[0][head] - rec[1][head])) > 1e-3
     between = float(rec[0][head] + rec[1][head]) / 2
@@ -317,16 +307,16 @@ def test_causal_probe_blocks_do_not_depend_on_the_prompt_length():
     """Probes at f - 1 + (1, 2, 3, 4, 6, 8, 12, ...), f the first block that does not keep every causal key;
     a longer prompt only adds probes after the shorter one's."""
     cfg = AnchorConfig(block_size=128, init_block=128, local_window=128)
-    assert _causal_probe_blocks(cfg, 0, 128) == [2, 3, 4, 5, 7, 9, 13, 17, 25, 33, 49, 65, 97]
+    assert causal_probe_blocks(cfg, 0, 128) == [2, 3, 4, 5, 7, 9, 13, 17, 25, 33, 49, 65, 97]
     for nb in range(1, 128):
-        assert _causal_probe_blocks(cfg, 0, nb) == [p for p in _causal_probe_blocks(cfg, 0, 128) if p < nb]
-    assert _causal_probe_blocks(cfg, 1000, 20) == [0, 1, 2, 3, 5, 7, 11, 15]  # continued on a cache: f = 0
+        assert causal_probe_blocks(cfg, 0, nb) == [p for p in causal_probe_blocks(cfg, 0, 128) if p < nb]
+    assert causal_probe_blocks(cfg, 1000, 20) == [0, 1, 2, 3, 5, 7, 11, 15]  # continued on a cache: f = 0
     cfg = AnchorConfig(block_size=8, init_block=4, local_window=8)
-    assert _causal_probe_blocks(cfg, 0, 12) == [1, 2, 3, 4, 6, 8]
+    assert causal_probe_blocks(cfg, 0, 12) == [1, 2, 3, 4, 6, 8]
     # block f - 1 keeps every causal key, block f does not
     q, k, _ = _qkv(1, 2, 1, 96, 8, seed=3)
-    keep = _select(q, k, AnchorConfig(theta=-math.inf, block_size=8, init_block=4, local_window=8, min_len=0), 8**-0.5,
-                   _geometry(q, k, AnchorConfig(block_size=8, init_block=4, local_window=8), 0, None))
+    keep = select_kept(q, k, AnchorConfig(theta=-math.inf, block_size=8, init_block=4, local_window=8, min_len=0), 8**-0.5,
+                   call_geometry(q, k, AnchorConfig(block_size=8, init_block=4, local_window=8), 0, None))
     assert bool(keep[0, 0, 0, :8].all()) and not bool(keep[0, 0, 1, :16].all())
 
 
@@ -352,9 +342,9 @@ def test_dense_rows_are_exact_causal_attention(monkeypatch, lse, q_offset, r0, r
         monkeypatch.setattr(tiles, "CHUNK_ELEMENTS", 7 * (90 + q_offset))  # chunks of 7 rows
     q, k, v = _qkv(2, 6, 2, 90 + q_offset, 16, seed=8)
     q = q[:, :, q_offset:]
-    geo = _geometry(q, k, AnchorConfig(block_size=8, init_block=4, local_window=8), q_offset, None)
+    geo = call_geometry(q, k, AnchorConfig(block_size=8, init_block=4, local_window=8), q_offset, None)
     heads = torch.tensor([True, False, True, True, False, False])
-    out = attend._dense_rows(q, k, v, heads, 0.25, geo, r0, r1)
+    out = attend.dense_rows_attention(q, k, v, heads, 0.25, geo, r0, r1)
     ref = dense_causal_attention(q, k, v, scale=0.25, q_offset=q_offset)[:, :, r0:r1]
     assert float((out[:, heads] - ref[:, heads]).abs().max()) < 1e-5
     assert not bool(out[:, ~heads].any())

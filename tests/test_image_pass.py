@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from attnpatch.errors import OptionError
-from attnpatch.evals.image_pass import finish, run_image_pass, run_labels, throughput
-from attnpatch.evals.report import EvalInterrupted
+from attnpatch.evals.vision.image_pass import finish, run_image_pass, run_labels, throughput
+from attnpatch.evals.run.report import EvalInterrupted
 
 
 class Items:
@@ -74,7 +74,7 @@ def test_row_helpers():
     assert throughput(2.0, 10) == {"seconds": 2.0, "images_per_s": 5.0}
     assert throughput(2.0, 10, 4.0) == {"seconds": 2.0, "images_per_s": 5.0, "speedup": 2.0}
     assert throughput(0.0, 10, 4.0) == {"seconds": 0.0, "images_per_s": None, "speedup": None}
-    from attnpatch.evals.image_pass import SettingRun
+    from attnpatch.evals.vision.image_pass import SettingRun
 
     assert run_labels(SettingRun(sampled_at={3: 2, 1: 5}, modes={"fna"})) == {"sampled_at": {"1": 5, "3": 2}}
     assert run_labels(SettingRun(modes={"dense:s>=N"}))["note"] == "exact attention: s >= N tokens"

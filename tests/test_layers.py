@@ -1,5 +1,5 @@
 """Layering of the package: every module imports on its own, the static import graph has no cycle,
-and inside ``attnpatch.patchers`` imports only point down (state/options -> bench_hook -> registry ->
+and inside ``attnpatch.patchers`` imports only point down (state/options -> bench_hook -> contract -> config_file -> registry ->
 runtime -> methods / adapters -> api -> the package); the adapters never import the public API."""
 
 from __future__ import annotations
@@ -115,15 +115,19 @@ def _rank(name: str) -> int | None:
         return 0
     if rest == "bench_hook":
         return 1
-    if rest == "registry":
+    if rest == "contract":
         return 2
-    if rest in ("runtime", "adapter") or rest.startswith("methods"):
+    if rest == "config_file":
         return 3
-    if rest.startswith("adapters"):
+    if rest == "registry":
         return 4
-    if rest == "api":
+    if rest in ("runtime", "adapter", "class_swap", "features", "method_table") or rest.startswith("methods"):
         return 5
-    return 6  # the package itself
+    if rest.startswith("adapters"):
+        return 6
+    if rest == "api":
+        return 7
+    return 8  # the package itself
 
 
 @pytest.mark.parametrize("module_level", [True, False])

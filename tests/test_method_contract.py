@@ -1,5 +1,5 @@
 """The method and adapter contracts: the adapter list and protocol, capabilities instead of names,
-one declaration per option (and the README's method table generated from them), the exact limits,
+one declaration per option (and the method table of docs/methods.md generated from them), the exact limits,
 and a new method as one new file (discovered, patched, benchmarked with no other edit)."""
 
 from __future__ import annotations
@@ -22,7 +22,9 @@ from attnpatch.patchers.adapter import Adapter
 from attnpatch.patchers.adapters import ADAPTERS, HFAdapter
 from attnpatch.patchers.api import find_adapter, handle_of, prefix_tokens
 from attnpatch.patchers.methods import discover
-from attnpatch.patchers.registry import METHODS, ModelGeometry, get_method, methods_markdown, register_method, validate_options
+from attnpatch.patchers.contract import ModelGeometry
+from attnpatch.patchers.method_table import methods_markdown
+from attnpatch.patchers.registry import METHODS, get_method, register_method, validate_options
 
 from conftest import tiny_causal_lm
 from throwaway_method import scaled_dense_source
@@ -31,11 +33,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _dinov2(layers: int = 3):
-    from transformers import Dinov2Config, Dinov2Model
+    from tiny_models import tiny_dinov2
 
-    torch.manual_seed(0)
-    cfg = Dinov2Config(hidden_size=64, num_hidden_layers=layers, num_attention_heads=4, intermediate_size=128, image_size=70, patch_size=14)
-    return Dinov2Model(cfg).eval()
+    return tiny_dinov2(num_hidden_layers=layers)
 
 
 X = torch.randn(2, 3, 70, 70, generator=torch.Generator().manual_seed(1))  # 25 patches + CLS = 26 tokens
@@ -59,7 +59,8 @@ def test_adapter_lookup_geometry_and_prefix_tokens():
     lm = tiny_causal_lm("llama")
     assert find_adapter(lm) == (HFAdapter, "causal_lm")
     with patched(lm, "dense"):
-        geo = handle_of(lm).adapter.geometry(handle_of(lm))
+        h = handle_of(lm)
+        geo = h.adapter.geometry(h.model, h.towers, h.kind)
     assert geo == ModelGeometry(num_layers=2, heads=4, kv_heads=2, head_dim=16, kind="causal_lm")
     assert prefix_tokens(lm) == 0 and prefix_tokens(_dinov2()) == 1
 
@@ -168,7 +169,7 @@ def test_declared_ranges_are_checked_with_the_messages_of_before():
 
 
 def test_readme_method_table_is_generated_from_the_registry(capsys):
-    text = (REPO / "README.md").read_text()
+    text = (REPO / "docs" / "methods.md").read_text()
     begin, end = "<!-- methods:begin -->\n", "<!-- methods:end -->"
     assert begin in text and end in text
     section = text[text.index(begin) + len(begin): text.index(end)]
@@ -275,10 +276,9 @@ def test_methods_without_their_own_hook_are_benchmarked_by_the_default(name):
 
 def test_fna_seed_is_refused_beyond_what_a_generator_takes():
     """A seed past 2**63 - 1 used to pass patch() and fail at the first forward with 'Overflow when unpacking long long'."""
-    from transformers import Dinov2Config, Dinov2Model
+    from tiny_models import NARROW_DINOV2, tiny_dinov2
 
-    model = Dinov2Model(Dinov2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-                                     image_size=28, patch_size=14)).eval()
+    model = tiny_dinov2(seed=None, **NARROW_DINOV2, num_hidden_layers=2, image_size=28)
     with pytest.raises(OptionError, match=r"seed=1180591620717411303424: must be an integer in \[0, 9223372036854775807\]"):
         patch(model, "fna", strategy="random", seed=2**70)
     patch(model, "fna", strategy="random", seed=2**63 - 1, s=2, sample_layer=0)
@@ -305,3 +305,16 @@ def test_knob_gives_valid_options_that_grow_with_t(name):
                 if prev is not None:
                     assert opts[m.knob.tokens] >= prev
                 prev = opts[m.knob.tokens]
+
+
+def test_every_method_is_findable_from_the_attention_package():
+    """``attnpatch/attention/__init__.py`` maps each method to the module(s) of its math; every module it names exists."""
+    import importlib
+
+    import attnpatch.attention as attention
+
+    doc = attention.__doc__
+    shipped = [m.name for m in METHODS.values() if m.forward.__module__.startswith("attnpatch.patchers.methods.")]
+    assert shipped and [n for n in shipped if f"``{n}``" not in doc] == []
+    for mod in set(re.findall(r":mod:`\.(\w+)`", doc)):
+        importlib.import_module(f"attnpatch.attention.{mod}")

@@ -169,10 +169,9 @@ def test_autograd_through_an_approximate_causal_method_is_refused(method, opts):
 
 
 def test_autograd_through_vision_methods_is_refused_and_dense_keeps_gradients():
-    from transformers import Dinov2Config, Dinov2Model
+    from tiny_models import tiny_dinov2
 
-    torch.manual_seed(0)
-    vit = Dinov2Model(Dinov2Config(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, intermediate_size=128, image_size=112, patch_size=14)).eval()
+    vit = tiny_dinov2(image_size=112)
     x = torch.randn(2, 3, 112, 112)
     for method, opts in (("fna", dict(s=16, sample_layer=0)), ("sink_mask", {})):
         with patched(vit, method, **opts):
@@ -400,10 +399,9 @@ def test_dense_on_eager_passes_a_users_bool_4d_mask_as_the_model_does():
 
 @torch.no_grad()
 def test_a_sub_module_called_alone_gets_one_forward_state():
-    from transformers import Dinov2Config, Dinov2Model
+    from tiny_models import tiny_dinov2
 
-    torch.manual_seed(0)
-    vit = Dinov2Model(Dinov2Config(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, intermediate_size=128, image_size=112, patch_size=14)).eval()
+    vit = tiny_dinov2(image_size=112)
     x = torch.randn(2, 3, 112, 112)
     with patched(vit, "fna", s=8, sample_layer=0):
         full = vit(pixel_values=x).last_hidden_state

@@ -159,9 +159,9 @@ def test_errors_are_clear():
 
 
 def test_causal_only_method_refuses_vision_encoder():
-    from transformers import Dinov2Config, Dinov2Model
+    from tiny_models import NARROW_DINOV2, tiny_dinov2
 
-    vit = Dinov2Model(Dinov2Config(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, image_size=28, patch_size=14))
+    vit = tiny_dinov2(seed=None, **NARROW_DINOV2, num_hidden_layers=1, image_size=28)
     with pytest.raises(UnsupportedModelError, match="'anchor_attention' fits model kinds \\['causal_lm'\\].*'vision'.*causal-only"):
         patch(vit, "anchor_attention")
 
@@ -181,10 +181,9 @@ def test_list_methods_and_info():
 
 @torch.no_grad()
 def test_dense_method_on_vision_encoder_is_exact_and_restores():
-    from transformers import Dinov2Config, Dinov2Model
+    from tiny_models import NARROW_DINOV2, tiny_dinov2
 
-    torch.manual_seed(0)
-    vit = Dinov2Model(Dinov2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, image_size=56, patch_size=14)).eval()
+    vit = tiny_dinov2(**NARROW_DINOV2, num_hidden_layers=2, image_size=56)
     x = torch.randn(2, 3, 56, 56)
     ref = vit(pixel_values=x).last_hidden_state
     with patched(vit, "dense"):

@@ -19,7 +19,8 @@ import torch
 
 from attnpatch import list_methods, patched, record_stats
 from attnpatch.patchers.registry import get_method
-from attnpatch.attention.nystrom import exact_attention, landmark_pinv, nystrom_attention
+from attnpatch.attention.exact import exact_attention
+from attnpatch.attention.nystrom import landmark_pinv, nystrom_attention
 
 HALF = [torch.bfloat16, torch.float16]
 SHARPEN = 200.0
@@ -61,18 +62,15 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _dinov2(seed: int = 0):
-    from transformers import Dinov2Config, Dinov2Model
+    from tiny_models import tiny_dinov2
 
-    torch.manual_seed(seed)
-    cfg = Dinov2Config(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, intermediate_size=128, image_size=70, patch_size=14)
-    return Dinov2Model(cfg).eval()
+    return tiny_dinov2(seed=seed)
 
 
 def _vit_tiny(seed: int = 0):
-    import timm
+    from tiny_models import timm_vit_tiny
 
-    torch.manual_seed(seed)
-    return timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=64, num_classes=0).eval()
+    return timm_vit_tiny(seed=seed)
 
 
 def _sharpen_vision(model) -> None:
@@ -297,7 +295,7 @@ def test_renormalized_sink_masking_never_divides_by_a_mass_near_zero():
     <= 0 (-0.41 on dinov2-small, 448 px, layer 7); dividing by ``clamp(mass, 1e-6)`` multiplied such
     rows by up to 1e6.  The estimate is only used where it exceeds 0.1, so every output row stays
     of the size of V's rows."""
-    from attnpatch.attention import nystrom as ny
+    from attnpatch.attention import landmarks as ny
 
     g = torch.Generator().manual_seed(0)
     n, s, d = 96, 8, 16
@@ -311,7 +309,7 @@ def test_renormalized_sink_masking_never_divides_by_a_mass_near_zero():
         keep = torch.ones(1, n, dtype=torch.bool)
         keep[0, 5] = False
         lm = torch.cat([torch.tensor([0, 5]), torch.randperm(n - 2, generator=g)[: s - 2] + 2]).sort().values[None]
-        q_l, k_l = ny._gather_tokens(q, lm), ny._gather_tokens(k, lm)
+        q_l, k_l = ny.gather_tokens(q, lm), ny.gather_tokens(k, lm)
         z = landmark_pinv(torch.softmax(q_l * 0.25 @ k_l.transpose(-1, -2), -1))
         f = torch.softmax(q @ (k_l * 0.25).transpose(-1, -2), -1)
         bm = torch.softmax(q_l * 0.25 @ k.transpose(-1, -2), -1) * keep[:, None, None, :]
@@ -341,7 +339,8 @@ def test_dinov2_small_half_precision_stays_within_float32_error():
     (bfloat16; 0.99670 before); ``pinv=exact`` 0.294 in float32, 0.311 in float16 (raised
     LinAlgError before), 0.361 in bfloat16."""
     from attnpatch.checkpoints import load_vision_model
-    from attnpatch.evals.images import load_image_set, make_preprocess
+    from attnpatch.evals.vision.images import load_image_set
+    from attnpatch.evals.vision.preprocess import make_preprocess
 
     model, proc = load_vision_model("dinov2-small")
     images = load_image_set(None)
@@ -377,9 +376,10 @@ def test_dinov2_small_renormalized_sink_mask_where_the_mass_estimate_goes_negati
     mask_layers=5``: in layer 7 the Nyström estimate of a row's kept mass is -0.41 (the exact kept
     mass of every row is >= 0.03).  The old ``/ clamp(mass, 1e-6)`` put 1e5-1e6 x max|V| into that
     row; now every row stays of V's size and the final CLS token stays close to dense."""
-    from attnpatch.attention import nystrom as ny
+    from attnpatch.attention import landmarks as ny
     from attnpatch.checkpoints import load_vision_model
-    from attnpatch.evals.images import load_image_set, make_preprocess
+    from attnpatch.evals.vision.images import load_image_set
+    from attnpatch.evals.vision.preprocess import make_preprocess
     from attnpatch.patchers.methods import fna as vm
 
     model, proc = load_vision_model("dinov2-small")
@@ -392,7 +392,7 @@ def test_dinov2_small_renormalized_sink_mask_where_the_mass_estimate_goes_negati
         out = real(q, k, v, lm, key_keep=key_keep, renormalize=renormalize, **kw)
         if key_keep is not None and renormalize:
             sc = kw["scale"]
-            q_l, k_l = ny._gather_tokens(q, lm), ny._gather_tokens(k, lm)
+            q_l, k_l = ny.gather_tokens(q, lm), ny.gather_tokens(k, lm)
             z = landmark_pinv(torch.softmax(q_l * sc @ k_l.transpose(-1, -2), -1))
             f = torch.softmax(q @ (k_l * sc).transpose(-1, -2), -1)
             bm = torch.softmax(q_l * sc @ k.transpose(-1, -2), -1) * key_keep[:, None, None, :]

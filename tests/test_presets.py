@@ -11,24 +11,55 @@ import attnpatch
 from attnpatch.attention.anchor import AnchorConfig, anchor_attention, anchor_attention_reference
 from attnpatch.attention.anchor import config as anchor_config
 from attnpatch.errors import OptionError
-from attnpatch.patchers.registry import METHODS, Method, Preset, get_method, register_method, validate_options
+from attnpatch.patchers.contract import Method, Preset
+from attnpatch.patchers.registry import METHODS, get_method, register_method, validate_options
 from conftest import tiny_causal_lm
 
 
-def test_every_preset_expands_to_its_values_and_given_options_win():
-    seen = 0
-    for m in METHODS.values():
-        for name, p in m.presets.items():
-            full = validate_options(m, {"preset": name})
-            for k, v in p.options.items():
-                assert full[k] == m.options[k].coerce(v), (m.name, name, k)
-            assert "preset" not in full
-            # an option given beside the preset wins over the preset's value
-            k = next(iter(p.options))
-            other = validate_options(m, {})[k]
-            assert validate_options(m, {"preset": name, k: other})[k] == other
-            seen += 1
-    assert seen >= 3  # anchor_attention's presets at least
+#: What each registered preset changes from its method's defaults, written out by hand from the presets' descriptions
+#: (an option a preset lists at its default value is not a change).  A new preset needs its line here.
+PRESET_CHANGES = {
+    ("anchor_attention", "accurate"): {"pool_stride": 2, "min_len": 512},
+    ("anchor_attention", "fast"): {"theta": 8.0, "dense_last": 64, "min_recall": 0.75, "min_len": "auto-fast",
+                                   "select_dtype": "auto"},
+    ("anchor_attention", "paper"): {"pool_stride": None, "dense_last": 0, "min_recall": 0.0, "min_len": 512},
+    ("fna", "accurate"): {},  # "the defaults", by name
+    ("fna", "fast"): {"sample_layer": 0, "local_window": 1, "window_until": "auto", "min_tokens": 2048},
+    ("fna", "every-layer"): {"sample_layer": 0, "local_window": 1, "min_tokens": 2048},
+}
+#: Per method: an option and a value that neither a preset nor the defaults have, given beside each preset.
+BESIDE = {"anchor_attention": ("theta", 5.0), "fna": ("s", 24)}
+
+
+def test_every_preset_changes_what_it_says_and_given_options_win():
+    assert set(PRESET_CHANGES) == {(m.name, p) for m in METHODS.values() for p in m.presets}
+    for (mname, pname), changes in PRESET_CHANGES.items():
+        m = get_method(mname)
+        defaults, full = validate_options(m, {}), validate_options(m, {"preset": pname})
+        assert {k: v for k, v in full.items() if v != defaults[k]} == changes, (mname, pname)
+        assert set(changes) <= set(m.presets[pname].options) and "preset" not in full
+        # an option given beside the preset wins over the preset's value: the default given back, for each change
+        for k in changes:
+            assert validate_options(m, {"preset": pname, k: defaults[k]}) == {**full, k: defaults[k]}, (mname, pname, k)
+        k, v = BESIDE[mname]
+        assert full[k] != v and validate_options(m, {"preset": pname, k: v}) == {**full, k: v}
+
+
+@pytest.mark.parametrize("mname,pname", sorted(PRESET_CHANGES))
+def test_patching_with_a_preset_runs_the_presets_values(mname, pname):
+    from attnpatch.patchers.api import handle_of
+    from tiny_models import tiny_dinov2
+
+    m = get_method(mname)
+    model = tiny_causal_lm("llama") if mname == "anchor_attention" else tiny_dinov2()
+    defaults = validate_options(m, {})
+    want = {**defaults, **PRESET_CHANGES[(mname, pname)]}
+    with attnpatch.patched(model, mname, preset=pname):
+        assert attnpatch.patch_info(model)["options"] == want
+        config = handle_of(model).config  # the config the method's forward reads
+        assert set(PRESET_CHANGES[(mname, pname)]) <= set(vars(config))  # every change is a field of it
+        for k, v in want.items():
+            assert getattr(config, k, v) == v, (mname, pname, k)
 
 
 def test_anchor_presets_are_the_documented_settings():
@@ -159,6 +190,36 @@ def test_a_saved_config_patches_as_its_options_do(tmp_path):
     # an option given beside the config wins; the CLI form loads the same file
     assert validate_options(m, {"config": str(path), "theta": 5})["theta"] == 5.0
     assert validate_options(m, {"config": str(path), "theta": "5"})["dense_heads"] == ((0, 1),)
+
+
+def test_patch_reads_a_config_file_once(tmp_path, monkeypatch):
+    """``patch(config=PATH)`` reads the file once, for its options and its recorded geometry alike."""
+    from pathlib import Path
+
+    from attnpatch import write_config
+
+    llama = tiny_causal_lm("llama")
+    path = write_config(tmp_path / "once.json", "anchor_attention", {"dense_layers": (1,)}, attnpatch.model_geometry(llama))
+    reads = []
+    real = Path.read_text
+
+    def counting(self, *a, **k):
+        if Path(self) == path:
+            reads.append(1)
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(Path, "read_text", counting)
+    with attnpatch.patched(llama, "anchor_attention", config=str(path)):
+        pass
+    assert len(reads) == 1
+    # still checked against the model: a file recording another geometry is refused, read once too
+    big = tmp_path / "big.json"
+    big.write_text(json.dumps({"method": "anchor_attention", "options": {}, "geometry": {"num_layers": 30}}))
+    reads.clear()
+    path = big
+    with pytest.raises(OptionError, match="made for another model"):
+        attnpatch.patch(llama, "anchor_attention", config=str(big))
+    assert len(reads) == 1 and not attnpatch.is_patched(llama)
 
 
 def test_bad_configs_are_refused_in_one_line(tmp_path):

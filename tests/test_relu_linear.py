@@ -165,12 +165,9 @@ def test_input_errors():
 
 
 def _dinov2(layers=4):
-    from transformers import Dinov2Config, Dinov2Model
+    from tiny_models import tiny_dinov2
 
-    torch.manual_seed(0)
-    cfg = Dinov2Config(hidden_size=64, num_hidden_layers=layers, num_attention_heads=4, intermediate_size=128,
-                       image_size=70, patch_size=14)
-    return Dinov2Model(cfg).eval()
+    return tiny_dinov2(num_hidden_layers=layers)
 
 
 X = torch.randn(2, 3, 70, 70, generator=torch.Generator().manual_seed(1))  # 25 patches + CLS = 26 tokens

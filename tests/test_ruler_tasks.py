@@ -11,8 +11,10 @@ tokenizers = pytest.importorskip("tokenizers")
 transformers = pytest.importorskip("transformers")
 
 from attnpatch.errors import DataError  # noqa: E402
-from attnpatch.evals import haystack as hs  # noqa: E402
-from attnpatch.evals import ruler_tasks as rt  # noqa: E402
+from attnpatch.evals.ruler import haystack as hs  # noqa: E402
+from attnpatch.evals.ruler import tasks as rt  # noqa: E402
+from attnpatch.evals.ruler import aggregation, niah, tracing, words  # noqa: E402
+from attnpatch.evals.ruler import text as ruler_text  # noqa: E402
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|user|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
@@ -21,15 +23,15 @@ CHAT_TEMPLATE = (
 
 _TRAIN_TEXT = [
     hs.NOISE,
-    rt.NIAH_TEMPLATE,
-    rt.NIAH_SINGLE_TEMPLATE,
-    rt.NEEDLE,
-    rt.VT_TEMPLATE,
-    rt.CWE_TEMPLATE,
-    rt.FWE_TEMPLATE,
+    niah.NIAH_TEMPLATE,
+    niah.NIAH_SINGLE_TEMPLATE,
+    niah.NEEDLE,
+    tracing.VT_TEMPLATE,
+    aggregation.CWE_TEMPLATE,
+    aggregation.FWE_TEMPLATE,
     "One of the special magic numbers for fancy-chair is: 1234567. VAR ABCDE = 12345 VAR QRSTU = VAR ABCDE",
     "And the earth was without form, and void; and darkness was upon the face of the deep.",
-    " ".join(rt.WORDS),
+    " ".join(words.WORDS),
     "0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 . , ; : ? ! ( ) ...",
 ]
 
@@ -80,7 +82,7 @@ def fake_essay(monkeypatch):
     return sentences
 
 
-def _context(sample: rt.RulerSample) -> str:
+def _context(sample: ruler_text.RulerSample) -> str:
     """The haystack part of a NIAH / VT prompt (after the intro line, before the question)."""
     p = sample.prompt
     if sample.task == "variable_tracking":
@@ -108,7 +110,7 @@ def test_task_names_and_api():
     )
     for f in (rt.make_samples, rt.score):
         assert "DataError" in f.__doc__
-    for f in (rt.make_samples, rt.build_input_ids, rt.RulerSample):
+    for f in (rt.make_samples, ruler_text.build_input_ids, ruler_text.RulerSample):
         assert "tokens" in f.__doc__
     assert "2404.06654" in rt.make_samples.__doc__
 
@@ -121,7 +123,7 @@ def test_lengths_within_two_percent(task, chat, tok_plain, tok_chat):
     samples = rt.make_samples(task, tok, length, 3, seed=11)
     assert len(samples) == 3
     for s in samples:
-        ids = rt.build_input_ids(tok, s)
+        ids = ruler_text.build_input_ids(tok, s)
         assert len(ids) == s.length
         assert 0.98 * length <= s.length <= length, (task, s.length)
         assert s.task == task
@@ -131,12 +133,12 @@ def test_lengths_within_two_percent(task, chat, tok_plain, tok_chat):
 
 def test_build_input_ids_chat_and_plain(tok_plain, tok_chat):
     s = rt.make_samples("niah_single", tok_chat, 800, 1)[0]
-    text = tok_chat.decode(rt.build_input_ids(tok_chat, s))
+    text = tok_chat.decode(ruler_text.build_input_ids(tok_chat, s))
     assert text.startswith("<|user|>\nA special magic number is hidden within the following text.")
     assert "<|end|>\n<|assistant|>\nThe special magic number for " in text
     assert text.endswith("mentioned in the provided text is")
     p = rt.make_samples("niah_single", tok_plain, 800, 1)[0]
-    ptext = tok_plain.decode(rt.build_input_ids(tok_plain, p))
+    ptext = tok_plain.decode(ruler_text.build_input_ids(tok_plain, p))
     assert ptext == p.prompt + p.answer_prefix
     assert p.answer_prefix.startswith(" The special magic number for ")
     # same keys, values and depth whichever tokenizer sized the haystack
@@ -205,7 +207,7 @@ def test_essay_haystack_sentence_boundaries(tok_plain, fake_essay):
         # remove needles: what is left is whole essay sentences (the last may be cut short)
         rest = re.sub(r" ?One of the special magic numbers for [a-z]+-[a-z]+ is: \d{7}\.", "", ctx)
         parts = re.split(r"(?<=[.?])\s+", rest.strip())
-        assert all(p in sentences for p in parts[:-1])
+        assert len(parts) > 20 and all(p in sentences for p in parts[:-1])  # the fake essay's sentences: its patch took effect
         # needles sit between sentences: preceded by a sentence end (or the start) and a space
         for m in re.finditer(r"One of the special magic", ctx):
             before = ctx[: m.start()]
@@ -229,7 +231,7 @@ def test_variable_tracking_chain(tok_plain):
             return resolve(rhs[4:], seen + (name,)) if rhs.startswith("VAR ") else rhs
 
         holders = sorted(n for n in assigns if resolve(n) == value)
-        assert holders == sorted(s.answers) and len(s.answers) == rt.VT_NUM_HOPS + 1
+        assert holders == sorted(s.answers) and len(s.answers) == tracing.VT_NUM_HOPS + 1
         assert s.answer_prefix == (
             " Answer: According to the chain(s) of variable assignment in the text above, "
             f"5 variables are assgined the value {value}, they are: "

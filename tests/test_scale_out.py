@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from attnpatch.cli import main
-from attnpatch.evals.distributed import shard
+from attnpatch.evals.run.distributed import shard
 from conftest import write_image_folder
 
 # what may differ between two runs of the same eval: times, how the run was spread, the machine
@@ -120,7 +120,7 @@ def test_two_processes_give_the_one_process_json_of_ruler(tiny_lm_dir, tmp_path)
 
 
 def test_resume_an_image_eval_after_ctrl_c_gives_the_uninterrupted_json(tiny_vit_dir, images_dir, tmp_path, monkeypatch):
-    import attnpatch.evals.image_pass as ip
+    import attnpatch.evals.vision.image_pass as ip
 
     args = [*FIDELITY, "--model", str(tiny_vit_dir), "--data", str(images_dir), "--json", str(tmp_path / "r.json")]
     assert main([*args[:-1], str(tmp_path / "full.json")]) == 0
@@ -137,7 +137,7 @@ def test_resume_an_image_eval_after_ctrl_c_gives_the_uninterrupted_json(tiny_vit
 
 
 def test_resume_under_two_processes_of_a_one_process_run(tiny_vit_dir, images_dir, tmp_path, monkeypatch):
-    import attnpatch.evals.image_pass as ip
+    import attnpatch.evals.vision.image_pass as ip
 
     args = [*FIDELITY, "--model", str(tiny_vit_dir), "--data", str(images_dir), "--json", str(tmp_path / "r.json")]
     assert main([*args[:-1], str(tmp_path / "full.json")]) == 0
@@ -150,7 +150,7 @@ def test_resume_under_two_processes_of_a_one_process_run(tiny_vit_dir, images_di
 
 
 def test_resume_ruler_after_a_stop_gives_the_uninterrupted_json(tiny_lm_dir, tmp_path, monkeypatch):
-    import attnpatch.evals.ruler as ruler
+    import attnpatch.evals.ruler.runner as ruler
 
     args = [*RULER, "--model", str(tiny_lm_dir), "--no-recall", "--json", str(tmp_path / "r.json")]
     assert main([*args[:-1], str(tmp_path / "full.json")]) == 0
@@ -164,7 +164,7 @@ def test_resume_ruler_after_a_stop_gives_the_uninterrupted_json(tiny_lm_dir, tmp
 
 
 def test_resume_refuses_another_run_and_names_the_difference(tiny_lm_dir, tiny_vit_dir, images_dir, tmp_path, capsys, monkeypatch):
-    import attnpatch.evals.image_pass as ip
+    import attnpatch.evals.vision.image_pass as ip
 
     args = [*RULER, "--model", str(tiny_lm_dir), "--no-recall", "--json", str(tmp_path / "r.json")]
     assert main(args) == 0
@@ -263,7 +263,7 @@ def test_compare_ruler_resume_key_names_the_tasks_the_run_records():
     """`--tasks all` is recorded as every task's name: the key a resumed `compare --eval ruler` checks must say the same."""
     from attnpatch.cli import build_parser
     from attnpatch.cli.compare import _ruler_key
-    from attnpatch.evals.ruler_tasks import TASKS
+    from attnpatch.evals.ruler.tasks import TASKS
 
     args = build_parser().parse_args(["compare", "--eval", "ruler", "--method", "a_shape", "--tasks", "all", "--lengths", "400"])
     assert _ruler_key(args, [("a_shape", {})], None)["result"]["settings"]["tasks"] == list(TASKS)

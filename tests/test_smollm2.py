@@ -14,7 +14,7 @@ def smollm2():
 
 
 def test_niah_single_2k_patched_not_below_dense(smollm2):
-    from attnpatch.evals.ruler import run_ruler
+    from attnpatch.evals.ruler.runner import run_ruler
 
     model, tok = smollm2
     # the accuracy-first preset: sparse from 512 tokens (the defaults run dense below the CPU's break-even length)

@@ -130,8 +130,9 @@ def test_proportional_attention_is_softmax_with_log_size_bias():
 
 
 def _timm_vit(**kw):
-    torch.manual_seed(0)
-    return timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=64, num_classes=0, depth=3, **kw).eval()
+    from tiny_models import timm_vit_tiny
+
+    return timm_vit_tiny(depth=3, **kw)
 
 
 def _tome_timm_reference(model, x, r):
@@ -173,13 +174,9 @@ def test_timm_vit_equals_tomes_own_forward(r):
 
 
 def _hf_dinov2(registers=0):
-    from transformers import Dinov2Config, Dinov2Model, Dinov2WithRegistersConfig, Dinov2WithRegistersModel
+    from tiny_models import NARROW_DINOV2, tiny_dinov2
 
-    torch.manual_seed(0)
-    kw = dict(hidden_size=32, num_hidden_layers=3, num_attention_heads=2, intermediate_size=64, image_size=56, patch_size=14)
-    if registers:
-        return Dinov2WithRegistersModel(Dinov2WithRegistersConfig(num_register_tokens=registers, **kw)).eval()
-    return Dinov2Model(Dinov2Config(**kw)).eval()
+    return tiny_dinov2(registers, **NARROW_DINOV2, num_hidden_layers=3, image_size=56)
 
 
 def _open_clip_vit():
@@ -224,16 +221,10 @@ def test_every_adapter_merges_keeps_the_prefix_and_restores(name):
 
 
 def test_hf_clip_vision_tower_merges_and_text_tower_is_untouched():
-    from transformers import CLIPConfig, CLIPModel
+    from tiny_models import tiny_hf_clip
 
-    torch.manual_seed(0)
-    cfg = CLIPConfig(
-        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=64, patch_size=16),
-        text_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, vocab_size=100,
-                         bos_token_id=0, eos_token_id=1),
-        projection_dim=16,
-    )
-    model = CLIPModel(cfg).eval()
+    model = tiny_hf_clip(vision=dict(num_hidden_layers=2, num_attention_heads=2, image_size=64, patch_size=16),
+                         text=dict(num_attention_heads=2, max_position_embeddings=77, bos_token_id=0, eos_token_id=1))
     x = torch.randn(2, 3, 64, 64)
     ids = torch.randint(2, 100, (2, 7))
     with torch.no_grad():
@@ -247,7 +238,7 @@ def test_hf_clip_vision_tower_merges_and_text_tower_is_untouched():
 
 
 def test_weighted_patch_mean_uses_the_sizes():
-    from attnpatch.evals.vision import encode
+    from attnpatch.evals.vision.runner import encode
 
     model = _hf_dinov2()
     x = torch.randn(2, 3, 56, 56)
@@ -267,10 +258,10 @@ def test_weighted_patch_mean_uses_the_sizes():
 def test_refuses_pooled_readouts_and_unknown_blocks():
     with pytest.raises(UnsupportedModelError, match=r"global_pool='avg'.*class token"):
         patch(_timm_vit(global_pool="avg"), "tome")
-    from transformers import Dinov2Config, Dinov2ForImageClassification
+    from tiny_models import NARROW_DINOV2, dinov2_config
+    from transformers import Dinov2ForImageClassification
 
-    clf = Dinov2ForImageClassification(Dinov2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-                                                    image_size=56, patch_size=14))
+    clf = Dinov2ForImageClassification(dinov2_config(**NARROW_DINOV2, num_hidden_layers=2, image_size=56))
     with pytest.raises(UnsupportedModelError, match="Dinov2ForImageClassification is not one known"):
         patch(clf, "tome")
     assert not attnpatch.is_patched(clf)
@@ -286,9 +277,10 @@ def test_refuses_pooled_readouts_and_unknown_blocks():
 def test_options_and_kinds():
     with pytest.raises(OptionError, match="r"):
         patch(_timm_vit(), "tome", r=-1)
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from tiny_models import tiny_causal_lm
 
-    lm = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, vocab_size=50))
+    lm = tiny_causal_lm("llama", seed=None, layers=1, vocab=50, sharpen=1.0, hidden_size=32, intermediate_size=64,
+                        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=2048, attn_implementation=None)
     with pytest.raises(UnsupportedModelError, match="fits model kinds"):
         patch(lm, "tome")
 
@@ -340,7 +332,7 @@ def test_open_clip_every_token_readout_is_accepted():
 def test_fidelity_reports_no_layer_errors_for_merged_tokens():
     """Layer errors compare a layer's output with dense's on the same tokens; merged tokens have no such
     counterpart, so a tome row has none (not the log(size) term alone, not 0)."""
-    from attnpatch.evals.vision import run_feature_eval
+    from attnpatch.evals.vision.runner import run_feature_eval
     from PIL import Image
 
     class Images:

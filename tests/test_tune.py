@@ -139,7 +139,7 @@ def test_tune_causal_bad_targets_and_methods_fail_before_any_work():
 def test_tune_vision_cosine_is_the_cosine_of_the_chosen_setting(tiny_vit_dir):
     from transformers import Dinov2Model
 
-    from attnpatch.evals.vision import encode
+    from attnpatch.evals.vision.runner import encode
 
     model = Dinov2Model.from_pretrained(tiny_vit_dir).eval()
     torch.manual_seed(0)
@@ -170,7 +170,8 @@ def test_tune_vision_cosine_is_the_cosine_of_the_chosen_setting(tiny_vit_dir):
 
 
 def test_tune_space_of_the_methods_validates():
-    from attnpatch.patchers.registry import ModelGeometry, validate_options
+    from attnpatch.patchers.contract import ModelGeometry
+    from attnpatch.patchers.registry import validate_options
 
     for name, n in (("anchor_attention", 30), ("fna", 12)):
         m = get_method(name)
@@ -182,12 +183,51 @@ def test_tune_space_of_the_methods_validates():
     assert {c["sample_layer"] for c in fna} == {0, 3, 6, 9} and {c["s"] for c in fna} == {32, 64, 128}
 
 
-def test_select_dtype_auto_follows_the_measured_bfloat16_speed():
-    cfg = AnchorConfig(select_dtype="auto")
-    want = "bfloat16" if bfloat16_is_faster("cpu") else "float32"
-    assert cfg.select_dtype_on("cpu") == want
-    assert AnchorConfig(select_dtype="bfloat16").select_dtype_on("cpu") == "bfloat16"
+def test_select_dtype_auto_follows_the_measured_bfloat16_speed(monkeypatch):
+    from attnpatch.attention.anchor import config as anchor_config
+
+    asked = []
+    for faster, want in ((True, "bfloat16"), (False, "float32")):
+        def measured(device_type, faster=faster):
+            asked.append(device_type)
+            return faster
+
+        monkeypatch.setattr(anchor_config, "bfloat16_is_faster", measured)  # the global select_dtype_on reads
+        assert AnchorConfig(select_dtype="auto").select_dtype_on("cpu") == want
+        assert AnchorConfig(select_dtype="auto").select_dtype_on(torch.device("meta")) == want
+        # a dtype given is used as it is, never measured
+        assert AnchorConfig(select_dtype="bfloat16").select_dtype_on("cpu") == "bfloat16"
+        assert AnchorConfig(select_dtype="float32").select_dtype_on("cpu") == "float32"
+    assert asked == ["cpu", "meta", "cpu", "meta"]  # measured once per call, by device type
     assert get_method("anchor_attention").presets["fast"].options["select_dtype"] == "auto"
+
+
+class _FakeClock:
+    """``time.perf_counter`` of a timing loop that alternates start and stop readings: each stop reading
+    advances the clock by the next of ``durations``."""
+
+    def __init__(self, durations):
+        self.durations, self.now, self.readings = list(durations), 0.0, 0
+
+    def perf_counter(self):
+        self.readings += 1
+        if self.readings % 2 == 0:
+            self.now += self.durations.pop(0)
+        return self.now
+
+
+@pytest.mark.parametrize("bf16,fp32,faster", [
+    ([9.0, 1.0, 8.0, 8.0], [9.0, 2.0, 2.0, 2.0], True),  # best of calls 2-4: 1 < 2
+    ([0.1, 5.0, 3.0, 4.0], [9.0, 2.0, 6.0, 7.0], False),  # 3 > 2: the fast first call (one-off costs) is not counted
+    ([9.0, 2.0, 5.0, 5.0], [9.0, 2.0, 3.0, 3.0], False),  # a tie is not faster
+])
+def test_bfloat16_is_faster_compares_the_best_timed_calls(monkeypatch, bf16, fp32, faster):
+    from attnpatch.attention.anchor import config as anchor_config
+
+    clock = _FakeClock(bf16 + fp32)  # bfloat16 is timed first, 4 calls each
+    monkeypatch.setattr(anchor_config, "time", clock)  # the module whose `time` the measurement reads
+    assert bfloat16_is_faster.__wrapped__("cpu") is faster  # the measurement itself, past the per-process cache
+    assert clock.readings == 16 and clock.durations == []
 
 
 def test_select_dtype_auto_selects_what_its_resolved_dtype_selects():

@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 
 from attnpatch import OptionError, patch, patched, record_stats
+from attnpatch.attention.column_diagonal import column_diagonal_attention
 from attnpatch.attention.vertical_slash import (
     LOCAL_DIAGONALS,
-    column_diagonal_attention,
     vertical_slash_attention,
     vertical_slash_pattern,
     vertical_slash_scores,

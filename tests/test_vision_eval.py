@@ -106,13 +106,10 @@ def test_per_method_options_and_exact_rows_are_labelled(tiny_vit_dir, tiny_image
 
 
 def test_encode_runs_a_transformers_vit_at_another_resolution_by_interpolating_its_positions():
-    from transformers import ViTConfig, ViTModel
+    from attnpatch.evals.vision.runner import encode
+    from tiny_models import tiny_hf_vit
 
-    from attnpatch.evals.vision import encode
-
-    torch.manual_seed(0)
-    model = ViTModel(ViTConfig(image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                               intermediate_size=64), add_pooling_layer=False).eval()
+    model = tiny_hf_vit()
     for size in (32, 64):
         x = torch.randn(2, 3, size, size)
         with torch.no_grad():

@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from attnpatch.options import check_fields, opt, options_of
-from attnpatch.patchers.registry import ExactLimit, Method, register_method
+from attnpatch.patchers.contract import ExactLimit, Method
+from attnpatch.patchers.registry import register_method
 from attnpatch.patchers.state import LayerRecord
 
 

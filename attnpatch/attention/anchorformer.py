@@ -49,6 +49,8 @@ from __future__ import annotations
 
 import torch
 
+from .landmarks import gather_tokens
+
 __all__ = ["anchor_bipartite_attention", "KEY_CHUNK_ELEMENTS"]
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -56,12 +58,6 @@ _HALF = (torch.float16, torch.bfloat16)
 #: Keys are processed in chunks of ``max(256, KEY_CHUNK_ELEMENTS // (heads x m))`` tokens, so one
 #: chunk's ``[heads, chunk, m]`` logits hold at most about this many float32 elements per item.
 KEY_CHUNK_ELEMENTS = 1 << 22
-
-
-def _gather_tokens(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """``x[b, h, idx[b, j]]``: ``x`` ``[B, H, N, D]``, ``idx`` ``[B, m]`` -> ``[B, H, m, D]``."""
-    b, h, _, d = x.shape
-    return x.gather(2, idx[:, None, :, None].expand(b, h, idx.shape[1], d))
 
 
 def anchor_bipartite_attention(
@@ -106,8 +102,8 @@ def anchor_bipartite_attention(
         k = k.repeat_interleave(h // k.shape[1], dim=1)
         v = v.repeat_interleave(h // v.shape[1], dim=1)
     wd = torch.float32 if q.dtype in _HALF else q.dtype
-    q_a = _gather_tokens(q, anchors).to(wd) * scale  # [B,H,m,D]
-    k_a = _gather_tokens(k, anchors)  # [B,H,m,D]
+    q_a = gather_tokens(q, anchors).to(wd) * scale  # [B,H,m,D]
+    k_a = gather_tokens(k, anchors)  # [B,H,m,D]
     step = key_chunk or max(256, KEY_CHUNK_ELEMENTS // max(1, h * m))
     run_max = acc = den = None
     for c0 in range(0, n, step):

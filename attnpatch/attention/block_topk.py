@@ -19,7 +19,8 @@ Source: "XAttention: Block Sparse Attention with Antidiagonal Scoring" (Xu et al
    ``threshold >= 1`` keeps every causal key block, including blocks whose estimated mass is 0.
 4. *Sparse attention*: each query block attends by exact softmax to the keys of its kept blocks, causally
    inside the diagonal block (AnchorAttention's stripe attention over the block mask expanded to keys:
-   the compiled CPU kernel for float32 CPU inputs without inner padding, else PyTorch operations).
+   the compiled CPU kernel for float32 CPU inputs without inner padding, else PyTorch operations; or, with
+   ``kernel="flex"``, the kept blocks as a FlexAttention ``BlockMask``: :func:`~attnpatch.attention.flex_patterns.block_flex`).
 
 Block geometry.  Query blocks start at the call's first query; key blocks are aligned to them, so that the
 diagonal key block of a query block is the block of its own positions.  A prompt continued on a cache
@@ -40,10 +41,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .anchor.attend import _pair_counts, _sparse_attend
+from .anchor.attend import pair_counts, sparse_attend
 from .anchor.config import AnchorConfig
-from .anchor.guard import _kept_mass
-from .anchor.select import _geometry
+from .anchor.guard import kept_mass
+from .anchor.select import call_geometry
+from .flex import choose_kernel, flex_attend
+from .flex_patterns import block_flex
 from .prefill import check_inputs, per_sequence, split_padding
 
 __all__ = [
@@ -51,7 +54,16 @@ __all__ = [
     "KERNELS",
 ]
 
-KERNELS = ("auto", "compiled", "torch")
+#: ``kernel`` values: ``"auto"`` (FlexAttention on CUDA and, on the CPU, from :data:`CPU_FLEX_MIN_KEYS` keys; else
+#: ``"gather"``), ``"flex"`` (:func:`~attnpatch.attention.flex_patterns.block_flex`), ``"gather"`` (AnchorAttention's stripe
+#: attention: the compiled CPU kernel for float32 CPU inputs where it builds, else PyTorch operations), and
+#: ``"compiled"`` / ``"torch"`` (that stripe attention's two kernels, as AnchorAttention's ``kernel`` option).
+KERNELS = ("auto", "flex", "gather", "compiled", "torch")
+#: ``kernel="auto"`` on the CPU: FlexAttention from this many keys (``q_offset + Lq``) on, else the gather path;
+#: ``None``: never.  ``None`` because the gather path measured faster on the CPU at every length tried, with about
+#: half the causal pairs kept (``benchmarks/flex_cpu.py``, side by side; the numbers: BENCHMARKS.md); set it where
+#: a CPU's FlexAttention kernel measures faster.  On CUDA ``"auto"`` is always flex.
+CPU_FLEX_MIN_KEYS: int | None = None
 # Elements of the strided score matrix (all batch items and heads) held at once.
 CHUNK_ELEMENTS = 1 << 23
 
@@ -243,8 +255,9 @@ def block_topk_attention(
             (1 = every causal block: exact causal attention).
         q_offset: absolute position of the first query (a prompt continued on a cache).
         key_valid: ``[B, Lk]`` bool, False at padding keys, or ``None``.
-        kernel: ``"auto"`` (the compiled CPU kernel for float32 CPU inputs where it builds), ``"compiled"`` or
-            ``"torch"`` (AnchorAttention's ``kernel`` option).
+        kernel: one of :data:`KERNELS`: ``"flex"`` runs the kept blocks as a ``BlockMask`` through FlexAttention,
+            the others AnchorAttention's stripe attention over the kept keys; ``"auto"``: flex on CUDA, on the CPU
+            from :data:`CPU_FLEX_MIN_KEYS` keys (``q_offset + Lq``), else ``"gather"``.
         return_stats: also return :class:`BlockTopkStats`.
         compute_recall: fill ``BlockTopkStats.recall`` (one exact softmax pass in query chunks).
 
@@ -255,8 +268,9 @@ def block_topk_attention(
     Raises:
         ValueError: inputs that do not fit (ranks, batch, heads, ``q_offset``, ``key_valid``, scale), ``block_size``
             not a positive multiple of ``stride``, ``threshold`` outside ``[0, 1]``, an unknown ``kernel``.
-        OptionError: ``kernel="compiled"`` for inputs it does not take.
-        RuntimeError: ``kernel="compiled"`` where the kernel cannot be built.
+        OptionError: ``kernel="compiled"`` or ``"flex"`` for inputs it does not take.
+        RuntimeError: ``kernel="compiled"`` where the kernel cannot be built, ``kernel="flex"`` where ``torch.compile``
+            fails.
     """
     check_inputs(q, k, v, scale, q_offset, key_valid)
     _check_options(block_size, stride, threshold)
@@ -319,18 +333,38 @@ def _one_call(q, k, v, *, scale, block_size, stride, threshold, q_offset, key_va
         key_valid = None if key_valid is None else key_valid[:, :lk]
     if key_valid is not None and bool(key_valid.all()):
         key_valid = None
-    blocks, keep = block_topk_keep(q, k, scale=scale, block_size=block_size, stride=stride, threshold=threshold,
-                                   q_offset=q_offset, key_valid=key_valid)
-    cfg = _attend_config(block_size, kernel)
-    geo = _geometry(q, k, cfg, q_offset, key_valid)
-    out = _sparse_attend(q, k, v, keep, geo, cfg, scale)
-    if not (return_stats or compute_recall):
+    use = kernel if kernel in ("compiled", "torch") else choose_kernel(kernel, q, lk, CPU_FLEX_MIN_KEYS)
+    stats = return_stats or compute_recall
+    if use == "flex" and not stats:  # the kept blocks alone: no [B, H, nbq, Lk] key mask
+        mass = antidiagonal_block_mass(q, k, block_size=block_size, stride=stride, scale=scale, q_offset=q_offset,
+                                       key_valid=key_valid)
+        blocks = select_blocks(mass, threshold=threshold, q_offset=q_offset, block_size=block_size)
+        keep = None
+    else:
+        blocks, keep = block_topk_keep(q, k, scale=scale, block_size=block_size, stride=stride, threshold=threshold,
+                                       q_offset=q_offset, key_valid=key_valid)
+    cfg = _attend_config(block_size, use if use in ("compiled", "torch") else "auto")
+    geo = call_geometry(q, k, cfg, q_offset, key_valid)
+
+    def gather() -> torch.Tensor:
+        kp = keep if keep is not None else block_topk_keep(
+            q, k, scale=scale, block_size=block_size, stride=stride, threshold=threshold, q_offset=q_offset,
+            key_valid=key_valid)[1]
+        return sparse_attend(q, k, v, kp, geo, cfg, scale)
+
+    if use == "flex":
+        out = flex_attend(
+            lambda: block_flex(q, k, v, blocks, block_size=block_size, scale=scale, q_offset=q_offset, key_valid=key_valid),
+            gather, strict=kernel == "flex")
+    else:
+        out = gather()
+    if not stats:
         return out, None
     b, h = q.shape[:2]
-    causal, kept = _pair_counts(keep, geo, cfg)
+    causal, kept = pair_counts(keep, geo, cfg)
     stats = BlockTopkStats(causal.expand(b, h).clone(), kept, blocks.sum(-1))
     if compute_recall:
-        r = _kept_mass(q, k, keep, geo, cfg, scale)  # [B, H, Lq]
+        r = kept_mass(q, k, keep, geo, cfg, scale)  # [B, H, Lq]
         qv = geo.query_valid[:, :lq].double()
         stats.recall = (r * qv[:, None]).sum(-1) / qv.sum(-1).clamp(min=1)[:, None]
     return out, stats

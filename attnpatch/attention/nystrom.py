@@ -11,15 +11,18 @@ segment means.  It is evaluated right to left, ``F @ (pinv(A) @ (B @ V))``, so n
 size ``N x N`` is ever formed: time ``O(s N D)``, memory ``O(s N + N D)``; the two ``N x s``
 products run as fused attention calls.
 
-Landmark selection (:func:`select_landmarks`): ``fps`` (default), ``random`` (seeded),
-``strided`` (evenly spaced) and ``kmeans`` (faiss k-means, nearest token to each centroid).
-The ``prefix`` tokens (CLS and register tokens) are always landmarks.
+Landmark selection lives in :mod:`attnpatch.attention.landmarks` (``fps`` by default), the BLAS
+thread control in :mod:`attnpatch.attention.blas_threads`, exact attention (the methods' fallback)
+in :mod:`attnpatch.attention.exact`.
 
 Pseudo-inverse of the ``s x s`` landmark kernel (:func:`landmark_pinv`): ``"rtol"`` (truncated
 pseudo-inverse with singular values below ``rtol x`` the largest dropped, computed in float32 from
 the eigendecomposition of ``A^T A``),
 ``"newton"`` (the Newton-Schulz iteration of Nyströmformer, their Eq. 15-16, float32), and
-``"exact"`` (float64 SVD pseudo-inverse with the default machine-precision cut-off).  The
+``"exact"`` (float64 SVD pseudo-inverse with the default machine-precision cut-off).  On CUDA ``"rtol"``
+runs from matrix products only (:mod:`attnpatch.attention.pinv_matmul`: a smooth cut-off at the same ``rtol``, no
+cuSOLVER call and no host sync), so with FPS's Triton kernel (:mod:`attnpatch.attention.landmarks_triton`) the
+whole layer is CUDA-graph capturable; ``"exact"`` stays an SVD (cuSOLVER, a host sync) on every device.  The
 landmark kernel of a pretrained ViT is badly conditioned, so the exact pseudo-inverse amplifies
 the approximation error; the defaults of :class:`attnpatch.patchers.methods.fna.FNAConfig` were
 chosen by measurement (README and BENCHMARKS.md).
@@ -29,232 +32,49 @@ All functions are pure tensor functions: ``q, k, v`` are ``[batch, heads, tokens
 
 from __future__ import annotations
 
-import contextlib
-import os
-
 import torch
 
 from ..errors import OptionError
+from .blas_threads import local_blas_threads
+from .landmarks import gather_tokens
+from .pinv_matmul import landmark_pinv_matmul
 
 __all__ = [
-    "STRATEGIES",
+    "MATMUL_PINV_DEVICES",
     "PINV_MODES",
-    "farthest_point_sampling",
-    "farthest_point_sampling_reference",
-    "select_landmarks",
+    "RENORM_MIN_MASS",
     "landmark_pinv",
+    "landmark_pinv_work",
     "nystrom_attention",
-    "exact_attention",
-    "local_blas_threads",
 ]
 
-STRATEGIES = ("fps", "random", "strided", "kmeans")
 PINV_MODES = ("rtol", "newton", "exact")
+#: Device types whose ``pinv="rtol"`` runs :func:`~attnpatch.attention.pinv_matmul.landmark_pinv_matmul` (batched
+#: products, a smooth cut-off at ``rtol``, no factorisation and no host sync) instead of the eigendecomposition;
+#: ``()`` puts every device on the eigendecomposition, ``("cuda", "cpu")`` the CPU on the products too.
+MATMUL_PINV_DEVICES: tuple[str, ...] = ("cuda",)
 _HALF = (torch.float16, torch.bfloat16)
-
-
-def farthest_point_sampling(x: torch.Tensor, s: int, prefix: int = 1) -> torch.Tensor:
-    """Farthest-point sampling of ``s`` token indices per item, batched.
-
-    Greedy: the ``prefix`` first tokens (CLS, registers) are taken first; then, ``s - prefix``
-    times, the token whose squared Euclidean distance to the nearest already-taken token is
-    largest (ties: lowest index).  Time ``O(s N D)``, extra memory ``O(N)`` per item (a running
-    minimum distance; no pairwise distance matrix).
-
-    Args:
-        x: ``[B, N, D]`` features (computed in float32 whatever the input dtype).
-        s: number of indices per item, ``prefix <= s <= N``.
-        prefix: leading tokens always included (CLS, registers); with ``prefix = 0`` the
-            traversal starts from token 0, as with ``prefix = 1``.
-
-    Returns:
-        ``[B, s]`` int64 indices, distinct per item, the prefix tokens first in order.
-
-    Raises:
-        OptionError: ``s`` outside ``[max(prefix, 1), N]``.
-
-    Source: Gonzalez 1985 (farthest-first traversal); used for landmarks in FNA (arXiv 2507.16018, Sec. 3).
-    """
-    b, n, _ = x.shape
-    if not max(prefix, 1) <= s <= n:
-        raise OptionError(f"s={s}: farthest-point sampling needs {max(prefix, 1)} <= s <= N={n} tokens")
-    x = x.float()
-    sq = (x * x).sum(-1)  # [B, N]
-    xt = x.transpose(1, 2)  # [B, D, N] (a view; bmm reads it strided)
-    dist = torch.full((b, n), float("inf"), device=x.device)
-    first = max(prefix, 1)
-    picks = [torch.arange(first, device=x.device).expand(b, first)]
-    # d(i, c) = |x_i|^2 + |x_c|^2 - 2 x_i.x_c, one fused baddbmm per new centre (few small ops per step:
-    # at small N the loop is bound by operator overhead, at large N by reading x once per step)
-    for j in range(first):
-        c = x[:, j : j + 1]  # [B, 1, D]
-        d = torch.baddbmm((sq + sq[:, j : j + 1])[:, None, :], c, xt, alpha=-2.0)[:, 0]
-        torch.minimum(dist, d, out=dist)
-    dist[:, :first] = -1.0
-    d_ = x.shape[2]
-    for _ in range(first, s):
-        nxt = dist.argmax(-1, keepdim=True)  # [B, 1]
-        picks.append(nxt)
-        c = x.gather(1, nxt[:, :, None].expand(b, 1, d_))  # [B, 1, D]
-        d = torch.baddbmm((sq + sq.gather(1, nxt))[:, None, :], c, xt, alpha=-2.0)[:, 0]
-        torch.minimum(dist, d, out=dist)
-        dist.scatter_(1, nxt, -1.0)
-    idx = torch.cat(picks, 1)
-    return idx
-
-
-def farthest_point_sampling_reference(x: torch.Tensor, s: int, prefix: int = 1) -> torch.Tensor:
-    """Slow, explicit FPS (Python loops, float64, exact distances) for tests; same contract as :func:`farthest_point_sampling`."""
-    b, n, _ = x.shape
-    out = []
-    first = max(prefix, 1)
-    for bi in range(b):
-        pts = x[bi].double()
-        chosen = list(range(first))
-        while len(chosen) < s:
-            best, best_d = None, -1.0
-            for t in range(n):
-                if t in chosen:
-                    continue
-                d = min(float(((pts[t] - pts[c]) ** 2).sum()) for c in chosen)
-                if d > best_d + 1e-9 * max(1.0, abs(best_d)):
-                    best, best_d = t, d
-            chosen.append(best)
-        out.append(chosen)
-    return torch.tensor(out, dtype=torch.long)
-
-
-def _kmeans_landmarks(x: torch.Tensor, s: int, prefix: int, seed: int) -> torch.Tensor:
-    import faiss
-    import numpy as np
-
-    b, n, d = x.shape
-    k = s - prefix
-    out = torch.empty(b, s, dtype=torch.long)
-    out[:, :prefix] = torch.arange(prefix)
-    for bi in range(b):
-        pts = np.ascontiguousarray(x[bi, prefix:].detach().float().cpu().numpy())
-        km = faiss.Kmeans(d, k, niter=20, seed=seed, verbose=False, min_points_per_centroid=1)
-        km.train(pts)
-        # nearest unused token to each centroid, in order of the centroid's distance
-        dist = ((pts[None, :, :] - km.centroids[:, None, :]) ** 2).sum(-1)  # [k, N-p]
-        used: set[int] = set()
-        picks = []
-        for ci in np.argsort(dist.min(1)):
-            for t in np.argsort(dist[ci]):
-                if int(t) not in used:
-                    used.add(int(t))
-                    picks.append(int(t) + prefix)
-                    break
-        out[bi, prefix:] = torch.tensor(picks)
-    return out.to(x.device)
-
-
-def select_landmarks(
-    features: torch.Tensor, s: int, *, prefix: int = 1, strategy: str = "fps", seed: int = 0
-) -> torch.Tensor:
-    """Pick ``s`` landmark tokens per item; the ``prefix`` tokens (CLS, registers) are always included.
-
-    Args:
-        features: ``[B, N, D]`` per-token features (e.g. the layer's keys, heads concatenated).
-        s: landmarks per item (tokens), ``prefix < s <= N`` (``prefix <= s`` for ``fps``).
-        prefix: number of leading special tokens always kept.
-        strategy: ``"fps"`` farthest-point sampling; ``"random"`` a seeded random subset of the
-            other tokens (the same for every item, so an item's landmarks never depend on its batch
-            mates); ``"strided"`` evenly spaced over the other tokens; ``"kmeans"`` faiss k-means
-            (20 iterations, seeded) on the other tokens' features with ``s - prefix`` centroids,
-            the nearest unused token to each centroid.
-        seed: seed of ``random`` and ``kmeans``.
-
-    Returns:
-        ``[B, s]`` int64 token indices, distinct per item, prefix tokens first.
-
-    Raises:
-        OptionError: unknown strategy, or ``s`` out of range.
-    """
-    b, n, _ = features.shape
-    if strategy not in STRATEGIES:
-        raise OptionError(f"strategy={strategy!r}: allowed values are {', '.join(map(repr, STRATEGIES))}")
-    if not prefix <= s <= n or s < 1:
-        raise OptionError(f"s={s}: must be in [{max(prefix, 1)}, N={n}] tokens (prefix tokens: {prefix})")
-    if strategy == "fps":
-        return farthest_point_sampling(features, s, prefix)
-    rest = n - prefix
-    k = s - prefix
-    pre = torch.arange(prefix, device=features.device)
-    if strategy == "random":
-        g = torch.Generator().manual_seed(seed)
-        pick = torch.randperm(rest, generator=g)[:k].sort().values.to(features.device) + prefix
-    elif strategy == "strided":
-        pick = (torch.arange(k, dtype=torch.float64) * rest / max(k, 1)).floor().long().to(features.device) + prefix
-    else:
-        return _kmeans_landmarks(features, s, prefix, seed)
-    return torch.cat([pre, pick]).unsqueeze(0).expand(b, s).contiguous()
-
-
-# --------------------------------------------------------------------------- threads
-
-_MKL_LOCAL: object = None  # resolved on first use: MKL's thread-local thread-count setter, or False
-
-
-def _mkl_local_setter():
-    """``MKL_Set_Num_Threads_Local`` of the MKL inside PyTorch (C ABI, ``int f(int)``), or ``False`` where there is none.
-
-    PyTorch's x86 wheels link MKL statically into ``libtorch_cpu`` and export MKL's service
-    functions; other builds (OpenBLAS, Accelerate) have no such symbol and get ``False``.
-    ``ATTNPATCH_LOCAL_BLAS_THREADS=0`` turns the lookup off.
-    """
-    global _MKL_LOCAL
-    if _MKL_LOCAL is None:
-        _MKL_LOCAL = False
-        if os.environ.get("ATTNPATCH_LOCAL_BLAS_THREADS", "1") != "0" and torch.backends.mkl.is_available():
-            import ctypes
-            import glob
-
-            libdir = os.path.join(os.path.dirname(torch.__file__), "lib")
-            for path in sorted(glob.glob(os.path.join(libdir, "*torch_cpu*"))) + [None]:
-                try:
-                    fn = ctypes.CDLL(path).MKL_Set_Num_Threads_Local  # C interface (by value), not the Fortran alias
-                except Exception:  # no such library or symbol (OSError, AttributeError; TypeError on some platforms)
-                    continue
-                fn.restype, fn.argtypes = ctypes.c_int, [ctypes.c_int]
-                _MKL_LOCAL = fn
-                break
-    return _MKL_LOCAL
-
-
-@contextlib.contextmanager
-def local_blas_threads(n: int = 1, device: torch.device | str | None = None):
-    """Run MKL (BLAS/LAPACK) calls of *this* OS thread on ``n`` threads inside the block; other threads are untouched.
-
-    Small matrix work (the ``s x s`` landmark kernel, its eigendecomposition, ``[s, s] @ [s, D]``
-    products) is microseconds of arithmetic split over MKL's OpenMP team.  On an idle machine
-    that costs nothing, but while another process keeps the cores busy every parallel region
-    waits for a descheduled team thread, and work of a few milliseconds takes far longer (measured
-    beside a competing process: BENCHMARKS.md).  One thread has nothing to
-    wait for.  The setting is MKL's thread-local ``mkl_set_num_threads_local`` (restored on exit),
-    so unlike ``torch.set_num_threads`` it is safe with other Python threads (PyTorch sets the same
-    thread-local count to its thread count when a thread first runs an operator); ATen's own
-    ``parallel_for`` (SDPA, element-wise kernels) is not affected.  A no-op on CUDA tensors and
-    on builds without MKL.
-    """
-    fn = _mkl_local_setter() if device is None or torch.device(device).type == "cpu" else False
-    if not fn:
-        yield
-        return
-    torch.get_num_threads()  # PyTorch's lazy per-thread init sets MKL's local count itself: run it first, not inside
-    prev = fn(int(n))
-    try:
-        yield
-    finally:
-        fn(prev)
 
 
 # --------------------------------------------------------------------------- pseudo-inverse
 
 
-def _pinv_work(a: torch.Tensor, mode: str, rtol: float, iters: int) -> torch.Tensor:
-    """:func:`landmark_pinv` in its working precision (float32, or float64), never cast to a half dtype."""
+def landmark_pinv_work(a: torch.Tensor, mode: str, rtol: float, iters: int) -> torch.Tensor:
+    """:func:`landmark_pinv` in its working precision (float32, or float64), never cast to a half dtype, and
+    without the one-thread BLAS block (callers that run it inside :func:`local_blas_threads` themselves).
+
+    Args:
+        a: ``[..., s, s]`` landmark kernels.
+        mode, rtol, iters: see :func:`landmark_pinv`.
+
+    Returns:
+        ``[..., s, s]`` float32 (``"newton"``, ``"rtol"`` with ``rtol >= 1e-2`` on non-float64 input) or float64.
+
+    Raises:
+        OptionError: unknown mode.
+    """
+    if mode == "rtol" and a.device.type in MATMUL_PINV_DEVICES:
+        return landmark_pinv_matmul(a, rtol)
     if mode == "rtol":
         work = torch.float64 if a.dtype == torch.float64 or rtol < 1e-2 else torch.float32
         x = a.to(work)
@@ -288,7 +108,13 @@ def landmark_pinv(a: torch.Tensor, mode: str = "rtol", *, rtol: float = 1e-2, it
             when ``rtol >= 1e-2`` (the cut-off ``rtol^2`` on ``sigma^2`` is then far above float32's
             resolution; ``tests/test_fna.py`` checks the agreement with a float64 truncated SVD), in
             float64 for smaller ``rtol`` or float64 input; a batched ``eigh`` is faster than a batched
-            SVD on the CPU; ``"newton"`` — ``iters`` Newton-Schulz steps in float32
+            SVD on the CPU.  On CUDA tensors (:data:`MATMUL_PINV_DEVICES`) ``"rtol"`` is instead the
+            smooth cut-off of :func:`~attnpatch.attention.pinv_matmul.landmark_pinv_matmul`:
+            singular values ``sigma`` weighted by ``phi ~ 1 - 2^-(sigma/tau)^2`` (``tau = rtol x
+            sigma_max``; equal to the truncated pseudo-inverse within 0.2% on ``sigma >= 3 tau``,
+            different within a factor of 2 of ``tau``), from ``8 + 2 ceil(log2(ln 2 / rtol^2))``
+            batched products: no cuSOLVER call, no host sync, CUDA-graph capturable;
+            ``"newton"`` — ``iters`` Newton-Schulz steps in float32
             from Nyströmformer's start ``Z0 = A^T / (max_j sum_i |a_ij| . max_i sum_j |a_ij|)``
             (Xiong et al. 2021, Eq. 15-16; the scaling is per matrix here, so items do not
             influence each other); ``"exact"`` — float64 SVD pseudo-inverse, default cut-off.
@@ -308,13 +134,7 @@ def landmark_pinv(a: torch.Tensor, mode: str = "rtol", *, rtol: float = 1e-2, it
         OptionError: unknown mode.
     """
     with local_blas_threads(1, a.device):
-        return _pinv_work(a, mode, rtol, iters).to(a.dtype)
-
-
-def _gather_tokens(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """``x[b, h, idx[b, j]]``: ``x`` ``[B, H, N, D]``, ``idx`` ``[B, s]`` -> ``[B, H, s, D]``."""
-    b, h, _, d = x.shape
-    return x.gather(2, idx[:, None, :, None].expand(b, h, idx.shape[1], d))
+        return landmark_pinv_work(a, mode, rtol, iters).to(a.dtype)
 
 
 def nystrom_attention(
@@ -375,11 +195,11 @@ def nystrom_attention(
         # after the softmax, so plain sink masking takes the fused path below
         v = v * key_keep[:, None, :, None].to(v.dtype)
         key_keep = None
-    q_l = _gather_tokens(q, landmarks)
-    k_l = _gather_tokens(k, landmarks)
+    q_l = gather_tokens(q, landmarks)
+    k_l = gather_tokens(k, landmarks)
     with local_blas_threads(1, q.device):
         a = torch.softmax((q_l.to(wd) * scale) @ k_l.to(wd).transpose(-1, -2), dim=-1)  # [B,H,s,s]
-        z = _pinv_work(a, pinv, rtol, iters).to(wd)
+        z = landmark_pinv_work(a, pinv, rtol, iters).to(wd)
     sdpa = torch.nn.functional.scaled_dot_product_attention
     if key_keep is None:
         # B V = softmax(Q~ K^T c) V and F W = softmax(Q K~^T c) W are attention calls themselves
@@ -454,45 +274,3 @@ def _renormalized(f: torch.Tensor, z: torch.Tensor, bm: torch.Tensor, v: torch.T
     num, mass, rows = y[..., :d], y[..., d : d + 1], y[..., d + 1 :]
     ok = mass > RENORM_MIN_MASS
     return torch.where(ok, num / torch.where(ok, mass, 1.0), rows)
-
-
-def exact_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    scale: float,
-    key_keep: torch.Tensor | None = None,
-    renormalize: bool = False,
-    chunk: int = 1024,
-) -> torch.Tensor:
-    """Exact (non-causal) softmax attention, optionally with some keys' probabilities zeroed.
-
-    Without ``key_keep`` this is ``torch.nn.functional.scaled_dot_product_attention``.  With it,
-    the attention probabilities into masked keys are set to zero after the softmax (sink
-    masking, FNA arXiv 2507.16018 Sec. 4: "multiply the softmax output by the mask"), and rows
-    are optionally renormalised to sum to one.  Both are one fused SDPA call, no ``N x N``
-    buffer: ``softmax(Q K^T c) diag(keep) V = softmax(Q K^T c) (keep * V)`` (the masked keys
-    stay in the softmax's normaliser and their values are zeroed), and the renormalised form is
-    SDPA with ``-inf`` on the masked keys.  SDPA scales before the product and accumulates in
-    float32 for half-precision inputs, so float16 stays finite where the unpatched model does
-    (the earlier explicit ``(q @ k^T) * scale`` overflowed float16 on sharp attention).
-
-    Args:
-        q, k, v: ``[B, H, N, D]``.
-        scale: attention scale.
-        key_keep: ``[B, N]`` bool or ``None``.
-        renormalize: renormalise rows after masking.
-        chunk: unused (the masked path used to run in query chunks of this size); kept so that
-            callers passing it keep working.
-
-    Returns:
-        ``[B, H, N, D]`` in ``q``'s dtype.
-    """
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-    if key_keep is None:
-        return sdpa(q, k, v, scale=scale)
-    if renormalize:
-        bias = torch.zeros(key_keep.shape, dtype=q.dtype, device=q.device).masked_fill(~key_keep, float("-inf"))
-        return sdpa(q, k, v, attn_mask=bias[:, None, None, :], scale=scale)
-    return sdpa(q, k, v * key_keep[:, None, :, None].to(v.dtype), scale=scale)

@@ -45,9 +45,13 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .nystrom import _HALF, _gather_tokens, _pinv_work, local_blas_threads
+from .blas_threads import local_blas_threads
+from .landmarks import gather_tokens
+from .nystrom import landmark_pinv_work
 
 __all__ = ["grid_of", "window_keys", "nystrom_local_attention", "nystrom_local_reference"]
+
+_HALF = (torch.float16, torch.bfloat16)
 
 
 def grid_of(patches: int, grid: tuple[int, int] | None = None) -> tuple[int, int]:
@@ -100,6 +104,13 @@ def _layout(rows: int, cols: int, tile: int, radius: int) -> tuple[torch.Tensor,
     return qidx, kidx, valid, back
 
 
+@functools.lru_cache(maxsize=64)
+def _layout_on(rows: int, cols: int, tile: int, radius: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """:func:`_layout`'s tensors on ``device``, copied once per device: a host-to-device copy on every call would sync
+    the host and cannot be captured in a CUDA graph (the first call, a graph's warm-up, makes the copy)."""
+    return tuple(t.to(device) for t in _layout(rows, cols, tile, radius))
+
+
 def _pick(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """Rows ``idx`` ``[T, m]`` of ``x`` ``[B, H, P, C]`` -> ``[B, H, T, m, C]``."""
     b, h, _, ch = x.shape
@@ -150,18 +161,18 @@ def nystrom_local_attention(
         # every window holds every key: exact attention (the hybrid's own value), without the (tile + 2r)^2 boxes
         return F.scaled_dot_product_attention(qw, kw, vw, scale=scale).to(q.dtype)
     qs = qw * scale
-    q_l, k_l = _gather_tokens(qs, landmarks), _gather_tokens(kw, landmarks)
+    q_l, k_l = gather_tokens(qs, landmarks), gather_tokens(kw, landmarks)
     # far field: the low-rank estimate, rows shifted by m (queries) and n (landmark queries)
     s_f = qs @ k_l.transpose(-1, -2)  # [B,H,N,s] logits vs landmark keys
     s_b = q_l @ kw.transpose(-1, -2)  # [B,H,s,N] landmark queries vs all keys
     n_l = s_b.amax(-1, keepdim=True)
     b_ = torch.exp(s_b - n_l)  # [B,H,s,N], entries in (0, 1]
-    a_ = _gather_tokens(b_.transpose(-1, -2), landmarks).transpose(-1, -2)  # [B,H,s,s] = B'[:, L]
+    a_ = gather_tokens(b_.transpose(-1, -2), landmarks).transpose(-1, -2)  # [B,H,s,s] = B'[:, L]
     with local_blas_threads(1, q.device):
-        z = _pinv_work(a_, pinv, rtol, iters).to(wd)  # [B,H,s,s]
+        z = landmark_pinv_work(a_, pinv, rtol, iters).to(wd)  # [B,H,s,s]
     g = z @ b_  # [B,H,s,N]: phi'_ij = F'_i . g_j
     # near field, in tile layout: each tile's queries against its key box (slots outside the image masked)
-    qidx, kidx, valid, back = (t.to(q.device) for t in _layout(rows, cols, tile, radius))
+    qidx, kidx, valid, back = _layout_on(rows, cols, tile, radius, q.device)
     t_n, t2 = qidx.shape
     qp, kp, vp = qs[:, :, p:], kw[:, :, p:], vw[:, :, p:]
     s_fp = s_f[:, :, p:]  # [B,H,P,s] the patch queries' landmark logits (token order)
@@ -245,7 +256,7 @@ def nystrom_local_reference(
             nl = sb.max(-1, keepdim=True).values
             bb = torch.exp(sb - nl)
             a = bb[:, lm]
-            z = _pinv_work(a, pinv, rtol, 6) if pinv != "exact" else torch.linalg.pinv(a)
+            z = landmark_pinv_work(a, pinv, rtol, 6) if pinv != "exact" else torch.linalg.pinv(a)
             mrow = torch.where(mask, s[bi, hi], torch.tensor(-math.inf, dtype=torch.float64))
             m = torch.maximum(mrow.max(-1, keepdim=True).values, s[bi, hi][:, lm].max(-1, keepdim=True).values)
             ff = torch.exp(s[bi, hi][:, lm] - m)

@@ -35,7 +35,8 @@ from __future__ import annotations
 import torch
 
 from ..errors import OptionError
-from .nystrom import landmark_pinv, local_blas_threads
+from .blas_threads import local_blas_threads
+from .nystrom import landmark_pinv
 
 __all__ = ["segment_plan", "segment_means", "nystromformer_attention"]
 
@@ -113,7 +114,7 @@ def nystromformer_attention(
     pseudo-inverse, ``W = Z (B V)`` and ``F W`` are float32 (``Z`` of a few iterations is not
     bounded, so ``W`` may leave float16's range; the float16 output saturates at +-65504 instead
     of becoming inf), and the result is cast back.  The ``s x s`` work runs on one MKL thread on the
-    CPU (:func:`attnpatch.attention.nystrom.local_blas_threads`).
+    CPU (:func:`attnpatch.attention.blas_threads.local_blas_threads`).
 
     Args:
         q: ``[B, H, N, D]`` queries; k: ``[B, Hkv, N, D]`` keys; v: ``[B, Hkv, N, Dv]`` values

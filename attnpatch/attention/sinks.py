@@ -11,7 +11,7 @@ Two kinds of "sink" are detected, per image:
   a CLS sink that has no massive norm.
 
 Sink masking (FNA, arXiv 2507.16018, Sec. 4) sets the attention probabilities into detected
-sink tokens to zero in the last layers; see :func:`attnpatch.attention.nystrom.exact_attention`
+sink tokens to zero in the last layers; see :func:`attnpatch.attention.exact.exact_attention`
 and :func:`attnpatch.attention.nystrom.nystrom_attention` (``key_keep``).
 """
 

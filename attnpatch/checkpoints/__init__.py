@@ -42,18 +42,18 @@ from .entries import (
     CatalogueEntry,
     Log,
     Part,
-    _check_kind,
-    _entry,
-    _is_complete,
-    _names,
+    check_kind,
+    catalogue_entry,
+    is_complete,
+    catalogue_names,
     catalogue,
     model_dir,
 )
 from .files import (
     ChecksumError,
     ModelFileError,
-    _config_kind,
-    _wrong_kind,
+    config_kind,
+    wrong_kind_error,
     assemble_parts,
     check_model_files,
     onnx_path,
@@ -66,7 +66,7 @@ from .from_onnx import (
     dinov2_state_dict_from_onnx,
 )
 from .load import BACKENDS, load_causal_lm, load_vision_model, prepare
-from .timm_dinov2 import TIMM_DINOV2_SMALL, _timm_pos_embed_plain_bicubic, dinov2_hf_to_timm_state_dict
+from .timm_dinov2 import TIMM_DINOV2_SMALL, timm_pos_embed_plain_bicubic, dinov2_hf_to_timm_state_dict
 
 __all__ = [
     "BACKENDS",

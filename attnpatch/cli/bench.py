@@ -5,18 +5,9 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from ..errors import AttnpatchError
-from .common import (
-    DEFAULT_MODEL,
-    DEFAULT_VISION_MODEL,
-    _check_outputs,
-    _device,
-    _nonnegative_int,
-    _positive_int,
-    _positive_seconds,
-    _progress_line,
-    _Repeatable,
-    _unique_settings,
-)
+from .args import DEFAULT_MODEL, DEFAULT_VISION_MODEL, nonnegative_int, positive_int, positive_seconds, Repeatable, unique_settings
+from .output import check_outputs, progress_line
+from .runtime import resolve_device
 
 _DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16"}
 
@@ -42,7 +33,7 @@ def _load_note(load: dict[str, Any] | None) -> str:
 
 def _bench_out(args, title: str, rows, columns, result: dict[str, Any], footer: str = "") -> None:
     """Print a bench table (and ``footer``) and write ``--json`` / ``--markdown`` when asked."""
-    from ..evals.report import print_table, rows_to_markdown, write_json
+    from ..evals.run.report import print_table, rows_to_markdown, write_json
 
     print_table(rows, columns, title=title)
     if footer:
@@ -64,22 +55,22 @@ def _check_max_positions(model, lengths: Sequence[int], flag: str) -> None:
         raise AttnpatchError(f"{flag} {too_long}: the model's max_position_embeddings is {limit} tokens")
 
 
-def _cmd_bench_attention(args) -> int:
+def cmd_bench_attention(args) -> int:
     import torch
 
     from ..evals.bench import DEFAULT_LENGTHS, background_load, bench_attention, load_qkv, plot_attention
-    from ..evals.report import BENCH_ATTENTION_COLUMNS, machine_info
+    from ..evals.run.report import BENCH_ATTENTION_COLUMNS, machine_info
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    args.device = _device(args.device)
-    _check_outputs(("--json", args.json), ("--markdown", args.markdown), ("--plot", args.plot))
+    args.device = resolve_device(args.device)
+    check_outputs(("--json", args.json), ("--markdown", args.markdown), ("--plot", args.plot))
     if args.plot and not args.plot.lower().endswith(".png"):
         raise AttnpatchError(f"--plot {args.plot}: give a .png path (it writes <stem>_time.png and <stem>_speedup.png)")
     causal = args.mode == "causal"
     if causal and args.reuse_layers is not None:
         raise AttnpatchError("--reuse-layers: only FNA (--mode noncausal) amortises a landmark sampling over layers")
-    methods = _unique_settings(args.method or (["anchor_attention"] if causal else ["fna"]), args.option)
+    methods = unique_settings(args.method or (["anchor_attention"] if causal else ["fna"]), args.option)
     qkv, layer = (None, None)
     shape = {"--batch": args.batch, "--heads": args.heads, "--kv-heads": args.kv_heads, "--head-dim": args.head_dim}
     lengths = args.lengths
@@ -95,12 +86,12 @@ def _cmd_bench_attention(args) -> int:
         raise AttnpatchError("--layer needs --qkv (captured inputs)")
     with background_load(args.background_load) as load:
         if load:
-            _progress_line(f"background load: competing PyTorch process started (pid {load['pid']}, {load['threads']} threads)")
+            progress_line(f"background load: competing PyTorch process started (pid {load['pid']}, {load['threads']} threads)")
         result = bench_attention(
             methods, lengths=lengths or DEFAULT_LENGTHS, causal=causal, batch=args.batch or 1, heads=args.heads or 6,
             kv_heads=args.kv_heads, head_dim=args.head_dim or 64, dtype=getattr(torch, _DTYPES[args.dtype]), device=args.device,
             repeats=args.repeats, warmup=args.warmup, reuse_layers=args.reuse_layers or 6, qkv=qkv, memory=not args.no_memory,
-            progress=_progress_line,
+            progress=progress_line,
         )
     result["config"]["background_load"] = load
     result["machine"] = machine_info()
@@ -124,7 +115,7 @@ def _cmd_bench_attention(args) -> int:
     return 0
 
 
-def _cmd_bench_capture(args) -> int:
+def cmd_bench_capture(args) -> int:
     import torch
 
     from ..checkpoints import load_causal_lm
@@ -132,8 +123,8 @@ def _cmd_bench_capture(args) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    args.device = _device(args.device)
-    _check_outputs(("--output", args.output))
+    args.device = resolve_device(args.device)
+    check_outputs(("--output", args.output))
     model, tok = load_causal_lm(args.model, device=args.device)
     _check_max_positions(model, [args.length], "--length")
     ids = prefill_ids(tok, args.length).to(args.device)
@@ -146,24 +137,24 @@ def _cmd_bench_capture(args) -> int:
     return 0
 
 
-def _cmd_bench_model(args) -> int:
+def cmd_bench_model(args) -> int:
     import torch
 
-    from ..checkpoints import _entry, load_causal_lm, load_vision_model
+    from ..checkpoints import catalogue_entry, load_causal_lm, load_vision_model
     from ..evals.bench import background_load, bench_causal_lm, bench_vision_model
-    from ..evals.report import BENCH_LM_COLUMNS, BENCH_VISION_COLUMNS, machine_info
+    from ..evals.run.report import BENCH_LM_COLUMNS, BENCH_VISION_COLUMNS, machine_info
     from ..patchers.registry import get_method, validate_options
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    args.device = _device(args.device)
-    _check_outputs(("--json", args.json), ("--markdown", args.markdown))
+    args.device = resolve_device(args.device)
+    check_outputs(("--json", args.json), ("--markdown", args.markdown))
     kind = args.kind
     if kind == "auto":
         from pathlib import Path
 
         try:
-            kind = _entry(args.model).kind
+            kind = catalogue_entry(args.model).kind
         except AttnpatchError:
             if not Path(args.model).is_dir():
                 raise AttnpatchError(f"--model {args.model!r} is not in the catalogue; say --kind vision or --kind causal_lm") from None
@@ -176,7 +167,7 @@ def _cmd_bench_model(args) -> int:
         given += ["--backend"] if args.backend != "hf" else []
         if given:
             raise AttnpatchError(f"{', '.join(given)}: apply to ViTs only; an LLM is measured at --lengths, batch 1")
-    settings = _unique_settings(args.method or (["fna"] if vision else ["anchor_attention"]), args.option)
+    settings = unique_settings(args.method or (["fna"] if vision else ["anchor_attention"]), args.option)
     for name, opts in settings:
         method = get_method(name)
         if not method.fits(kind):
@@ -185,7 +176,7 @@ def _cmd_bench_model(args) -> int:
     if vision:
         images = None
         if args.data:
-            from ..evals.images import load_image_set
+            from ..evals.vision.images import load_image_set
 
             data = load_image_set(args.data, limit=args.batch or 1)
             images = [data[i][0] for i in range(len(data))]
@@ -193,7 +184,7 @@ def _cmd_bench_model(args) -> int:
         with background_load(args.background_load) as load:
             result = bench_vision_model(
                 model, processor, settings, resolutions=args.resolutions or [224, 448, 896], batch=args.batch or 1,
-                repeats=args.repeats, warmup=args.warmup, device=args.device, images=images, progress=_progress_line,
+                repeats=args.repeats, warmup=args.warmup, device=args.device, images=images, progress=progress_line,
             )
         columns, what = BENCH_VISION_COLUMNS, f"batch {args.batch or 1}"
     else:
@@ -203,7 +194,7 @@ def _cmd_bench_model(args) -> int:
         with background_load(args.background_load) as load:
             result = bench_causal_lm(
                 model, tok, settings, lengths=lengths, repeats=args.repeats, warmup=args.warmup, device=args.device,
-                progress=_progress_line,
+                progress=progress_line,
             )
         columns, what = BENCH_LM_COLUMNS, "prefill, batch 1"
     result["config"]["background_load"] = load
@@ -221,52 +212,52 @@ def add_parser(sub) -> None:
     bsub = pb.add_subparsers(dest="bench", required=True)
     ba = bsub.add_parser("attention", help="one attention layer: time, peak memory and ratio to SDPA per method and N")
     ba.add_argument("--mode", choices=["noncausal", "causal"], default="noncausal", help="ViT (noncausal, fna) or LLM prefill (causal, anchor_attention) (default: %(default)s)")
-    ba.add_argument("--method", nargs="+", action=_Repeatable, metavar="METHOD[:NAME=VALUE,...]", help="registered method(s) that fit --mode (causal: methods for causal LMs; noncausal: methods for ViTs), with options (default: fna / anchor_attention)")
+    ba.add_argument("--method", nargs="+", action=Repeatable, metavar="METHOD[:NAME=VALUE,...]", help="registered method(s) that fit --mode (causal: methods for causal LMs; noncausal: methods for ViTs), with options (default: fna / anchor_attention)")
     ba.add_argument("-o", "--option", action="append", default=[], metavar="NAME=VALUE", help="option applied to every method, repeatable (a METHOD:NAME=VALUE in --method wins over it)")
-    ba.add_argument("--lengths", nargs="+", action=_Repeatable, type=_positive_int, help="sequence lengths N in tokens (default: 256 512 ... 16384; with --qkv, up to the captured length)")
-    ba.add_argument("--batch", type=_positive_int, help="random inputs: batch size (default: 1)")
-    ba.add_argument("--heads", type=_positive_int, help="random inputs: query heads (default: 6, DINOv2-S)")
-    ba.add_argument("--kv-heads", type=_positive_int, help="random inputs: key/value heads (GQA; default: = heads)")
-    ba.add_argument("--head-dim", type=_positive_int, help="random inputs: head dimension (default: 64)")
+    ba.add_argument("--lengths", nargs="+", action=Repeatable, type=positive_int, help="sequence lengths N in tokens (default: 256 512 ... 16384; with --qkv, up to the captured length)")
+    ba.add_argument("--batch", type=positive_int, help="random inputs: batch size (default: 1)")
+    ba.add_argument("--heads", type=positive_int, help="random inputs: query heads (default: 6, DINOv2-S)")
+    ba.add_argument("--kv-heads", type=positive_int, help="random inputs: key/value heads (GQA; default: = heads)")
+    ba.add_argument("--head-dim", type=positive_int, help="random inputs: head dimension (default: 64)")
     ba.add_argument("--dtype", choices=sorted(_DTYPES), default="float32", help="dtype of q/k/v (default: %(default)s)")
     ba.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: %(default)s)")
-    ba.add_argument("--repeats", type=_positive_int, default=5, help="timed calls per cell; the median is reported (default: %(default)s)")
-    ba.add_argument("--warmup", type=_nonnegative_int, default=1, help="untimed calls before them (default: %(default)s)")
-    ba.add_argument("--reuse-layers", type=_positive_int, help="FNA: layers sharing one FPS sampling, for the amortised time (default: 6, DINOv2-S)")
+    ba.add_argument("--repeats", type=positive_int, default=5, help="timed calls per cell; the median is reported (default: %(default)s)")
+    ba.add_argument("--warmup", type=nonnegative_int, default=1, help="untimed calls before them (default: %(default)s)")
+    ba.add_argument("--reuse-layers", type=positive_int, help="FNA: layers sharing one FPS sampling, for the amortised time (default: 6, DINOv2-S)")
     ba.add_argument("--qkv", help="captured q/k/v file (attnpatch bench capture) instead of random inputs")
     ba.add_argument("--layer", type=int, help="which captured layer (default: the first in the file)")
     ba.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
-    ba.add_argument("--threads", type=_positive_int, help="torch CPU threads")
-    ba.add_argument("--background-load", type=_positive_seconds, nargs="?", const=900.0, metavar="MAX_SECONDS", help=_BACKGROUND_LOAD_HELP)
+    ba.add_argument("--threads", type=positive_int, help="torch CPU threads")
+    ba.add_argument("--background-load", type=positive_seconds, nargs="?", const=900.0, metavar="MAX_SECONDS", help=_BACKGROUND_LOAD_HELP)
     ba.add_argument("--json", help="write the result here")
     ba.add_argument("--markdown", help="write the table as Markdown here")
     ba.add_argument("--plot", metavar="PATH.png", help="write <PATH>_time.png (log-log) and <PATH>_speedup.png")
-    ba.set_defaults(func=_cmd_bench_attention)
+    ba.set_defaults(func=cmd_bench_attention)
 
     bc = bsub.add_parser("capture", help="save a causal LM's q/k/v at some layers on a natural-prose prompt (input of bench attention --qkv)")
     bc.add_argument("--model", default=DEFAULT_MODEL, help="catalogue name, local directory or hub id (default: %(default)s)")
-    bc.add_argument("--length", type=_positive_int, default=8192, help="prompt length in tokens (default: %(default)s)")
-    bc.add_argument("--layers", nargs="+", action=_Repeatable, type=int, required=True, help="attention-layer indices, 0-based")
+    bc.add_argument("--length", type=positive_int, default=8192, help="prompt length in tokens (default: %(default)s)")
+    bc.add_argument("--layers", nargs="+", action=Repeatable, type=int, required=True, help="attention-layer indices, 0-based")
     bc.add_argument("--output", "-O", required=True, help="file to write (torch.save)")
     bc.add_argument("--device", default="cpu", help="where the model runs: cpu, cuda or cuda:N (default: %(default)s)")
-    bc.add_argument("--threads", type=_positive_int, help="torch CPU threads")
-    bc.set_defaults(func=_cmd_bench_capture)
+    bc.add_argument("--threads", type=positive_int, help="torch CPU threads")
+    bc.set_defaults(func=cmd_bench_capture)
 
     bm = bsub.add_parser("model", help="end to end: ViT images/s vs resolution or LLM prefill latency vs length, unpatched vs patched")
     bm.add_argument("--model", default=DEFAULT_VISION_MODEL, help="catalogue name, local directory or hub id (default: %(default)s)")
     bm.add_argument("--kind", choices=["auto", "vision", "causal_lm"], default="auto", help="auto: from the catalogue")
     bm.add_argument("--backend", choices=["hf", "timm"], default="hf", help="ViT implementation (default: %(default)s)")
-    bm.add_argument("--method", nargs="+", action=_Repeatable, metavar="METHOD[:NAME=VALUE,...]", help="settings (default: fna for a ViT, anchor_attention for an LLM)")
+    bm.add_argument("--method", nargs="+", action=Repeatable, metavar="METHOD[:NAME=VALUE,...]", help="settings (default: fna for a ViT, anchor_attention for an LLM)")
     bm.add_argument("-o", "--option", action="append", default=[], metavar="NAME=VALUE", help="option applied to every method, repeatable (a METHOD:NAME=VALUE in --method wins over it)")
-    bm.add_argument("--resolutions", nargs="+", action=_Repeatable, type=_positive_int, help="ViT input sizes in pixels (default: 224 448 896)")
-    bm.add_argument("--lengths", nargs="+", action=_Repeatable, type=_positive_int, help="LLM prompt lengths in tokens (default: 1024 2048 4096 8192)")
-    bm.add_argument("--batch", type=_positive_int, help="ViT: images per forward (default: 1)")
+    bm.add_argument("--resolutions", nargs="+", action=Repeatable, type=positive_int, help="ViT input sizes in pixels (default: 224 448 896)")
+    bm.add_argument("--lengths", nargs="+", action=Repeatable, type=positive_int, help="LLM prompt lengths in tokens (default: 1024 2048 4096 8192)")
+    bm.add_argument("--batch", type=positive_int, help="ViT: images per forward (default: 1)")
     bm.add_argument("--data", help="imagefolder or hub dataset the ViT batch is drawn from (default: the embedded image set)")
-    bm.add_argument("--repeats", type=_positive_int, default=3, help="timed forwards per cell; the median is reported (default: %(default)s)")
-    bm.add_argument("--warmup", type=_nonnegative_int, default=1, help="untimed forwards before them (default: %(default)s)")
+    bm.add_argument("--repeats", type=positive_int, default=3, help="timed forwards per cell; the median is reported (default: %(default)s)")
+    bm.add_argument("--warmup", type=nonnegative_int, default=1, help="untimed forwards before them (default: %(default)s)")
     bm.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: %(default)s)")
-    bm.add_argument("--threads", type=_positive_int, help="torch CPU threads")
-    bm.add_argument("--background-load", type=_positive_seconds, nargs="?", const=900.0, metavar="MAX_SECONDS", help=_BACKGROUND_LOAD_HELP)
+    bm.add_argument("--threads", type=positive_int, help="torch CPU threads")
+    bm.add_argument("--background-load", type=positive_seconds, nargs="?", const=900.0, metavar="MAX_SECONDS", help=_BACKGROUND_LOAD_HELP)
     bm.add_argument("--json", help="write the result here")
     bm.add_argument("--markdown", help="write the table as Markdown here")
-    bm.set_defaults(func=_cmd_bench_model)
+    bm.set_defaults(func=cmd_bench_model)

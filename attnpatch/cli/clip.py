@@ -3,33 +3,19 @@ dense vs patched image tower."""
 
 from __future__ import annotations
 
-from .common import (
-    DEFAULT_CLIP_MODEL,
-    _check_outputs,
-    _device,
-    _image_progress,
-    _interrupted,
-    _json_path,
-    _parse_options,
-    _positive_int,
-    _Repeatable,
-    _report,
-    _world_note,
-    open_store,
-    other_process_exit,
-    rank_log,
-    scale_out_args,
-)
+from .args import DEFAULT_CLIP_MODEL, parse_options, positive_int, Repeatable
+from .output import check_outputs, image_progress, json_path, report, report_interrupted, world_note
+from .runtime import open_store, other_process_exit, rank_log, resolve_device, scale_out_args
 
 
-def _cmd_eval_clip(args) -> int:
+def cmd_eval_clip(args) -> int:
     import time
 
     import torch
 
     from ..evals import clip as clip_eval
-    from ..evals.distributed import ranks as current_ranks
-    from ..evals.report import CLIP_RETRIEVAL_COLUMNS, ZEROSHOT_COLUMNS, EvalInterrupted, clip_rows, machine_info
+    from ..evals.run.distributed import ranks as current_ranks
+    from ..evals.run.report import CLIP_RETRIEVAL_COLUMNS, ZEROSHOT_COLUMNS, EvalInterrupted, clip_rows, machine_info
     from ..patchers.registry import get_method, validate_options
 
     t0 = time.perf_counter()
@@ -40,16 +26,16 @@ def _cmd_eval_clip(args) -> int:
     zeroshot = args.eval in ("zeroshot", "clip-zeroshot")
     settings = []
     for method in args.method:
-        opts = _parse_options(args.option)
+        opts = parse_options(args.option)
         validate_options(get_method(method), opts)  # fail before loading anything
         settings.append((method, opts))
     if ranks.main:
-        _check_outputs(("--json", _json_path(args)), ("--markdown", args.markdown))
+        check_outputs(("--json", json_path(args)), ("--markdown", args.markdown))
     data, bundle, classnames, names_source, templates = load_clip_inputs(args, ranks, zeroshot)
     towers = args.towers
     store = open_store(args, ranks, len(data), settings, split=args.split, towers=towers)
     stop = None
-    with _image_progress(args.eval, len(data), quiet=not ranks.main) as progress:
+    with image_progress(args.eval, len(data), quiet=not ranks.main) as progress:
         common = dict(settings=settings, towers=towers, batch_size=args.batch_size, text_batch_size=args.text_batch_size, progress=progress,
                       ranks=ranks, store=store)
         try:
@@ -62,7 +48,7 @@ def _cmd_eval_clip(args) -> int:
     if not ranks.main:
         return other_process_exit(store, stop)
     if stop is not None and result is None:
-        return _interrupted(args, stop, None, None)
+        return report_interrupted(args, stop, None, None)
     result.update(
         model=args.model, model_kind=bundle.kind, random_init=bundle.random_init, data=args.data or "default",
         split=getattr(data, "split", None), machine=machine_info(), wall_s=time.perf_counter() - t0,
@@ -71,7 +57,7 @@ def _cmd_eval_clip(args) -> int:
         result.update(classnames=names_source)
     columns = ZEROSHOT_COLUMNS if zeroshot else CLIP_RETRIEVAL_COLUMNS
     if not zeroshot:
-        from ..evals.report import Column
+        from ..evals.run.report import Column
 
         keep = [c for c in columns if "@" not in c.key]
         recall = [Column(f"{d}_recall@{k}", f"{'T→I' if d == 't2i' else 'I→T'} R@{k}", "pct") for d in ("t2i", "i2t") for k in result["ks"]]
@@ -82,8 +68,8 @@ def _cmd_eval_clip(args) -> int:
         if zeroshot else f"{result['n_images']} images, {result['n_texts']} captions"
     )
     title = f"{args.eval} — {args.model}{' (random weights)' if bundle.random_init else ''} — {getattr(data, 'name', args.data)}, {what}, {result['resolution']} px"
-    title += _world_note(result)
-    status = _report(args, title, rows, columns, result, interrupted=stop)
+    title += world_note(result)
+    status = report(args, title, rows, columns, result, interrupted=stop)
     if stop is None:
         store.remove()
     return status
@@ -101,7 +87,7 @@ def load_clip_inputs(args, ranks, zeroshot: bool):
         templates = clip_eval.resolve_templates(args.templates)  # fail early on a bad name
     with ranks.main_first():
         if zeroshot:
-            from ..evals.images import load_image_set
+            from ..evals.vision.images import load_image_set
 
             data = load_image_set(args.data, split=args.split or "train", limit=args.limit, log=rank_log(ranks))
             classnames, names_source = clip_eval.resolve_classnames(args.classnames, data)
@@ -110,7 +96,7 @@ def load_clip_inputs(args, ranks, zeroshot: bool):
         else:
             data = clip_eval.load_caption_set(args.data, split=args.split, caption_column=args.caption_column, limit=args.limit,
                                           log=rank_log(ranks))
-        bundle = load_clip(args.model, device=ranks.device(_device(args.device)), resolution=args.resolution,
+        bundle = load_clip(args.model, device=ranks.device(resolve_device(args.device)), resolution=args.resolution,
                            resolution_flag="--resolution", log=rank_log(ranks))
     return data, bundle, classnames, names_source, templates
 
@@ -122,17 +108,17 @@ def clip_common(q) -> None:
         help="open_clip ARCH:TAG (e.g. ViT-B-32:openai, ViT-L-14:openai), ARCH:random (random weights, offline), "
         "hf-hub:ORG/REPO, a Hugging Face id (e.g. openai/clip-vit-base-patch32) or a local directory (default: %(default)s)",
     )
-    q.add_argument("--method", nargs="+", action=_Repeatable, default=["fna"], help="registered method(s); each is compared with dense in the same run")
+    q.add_argument("--method", nargs="+", action=Repeatable, default=["fna"], help="registered method(s); each is compared with dense in the same run")
     q.add_argument("-o", "--option", action="append", default=[], metavar="NAME=VALUE", help="method option, repeatable (e.g. -o s=64)")
-    q.add_argument("--towers", nargs="+", action=_Repeatable, metavar="TOWER", help="towers the patch routes: vision (default), text, or all (text takes only 'dense')")
+    q.add_argument("--towers", nargs="+", action=Repeatable, metavar="TOWER", help="towers the patch routes: vision (default), text, or all (text takes only 'dense')")
     q.add_argument("--split", help="dataset split (default: train for a directory; zeroshot: train, clip-retrieval hub ids: test)")
-    q.add_argument("--limit", type=_positive_int, help="use at most this many images")
-    q.add_argument("--resolution", type=_positive_int, help="input size in pixels (square; position embeddings resampled)")
-    q.add_argument("--batch-size", type=_positive_int, default=32, help="images per forward call (default: %(default)s)")
-    q.add_argument("--text-batch-size", type=_positive_int, default=256, help="texts per forward call (default: %(default)s)")
+    q.add_argument("--limit", type=positive_int, help="use at most this many images")
+    q.add_argument("--resolution", type=positive_int, help="input size in pixels (square; position embeddings resampled)")
+    q.add_argument("--batch-size", type=positive_int, default=32, help="images per forward call (default: %(default)s)")
+    q.add_argument("--text-batch-size", type=positive_int, default=256, help="texts per forward call (default: %(default)s)")
     q.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: auto = cuda if available; under a "
                    "multi-process launch cuda:<local rank>)")
-    q.add_argument("--threads", type=_positive_int, help="torch CPU threads")
+    q.add_argument("--threads", type=positive_int, help="torch CPU threads")
     q.add_argument("--json", help="result JSON path (default: <eval>_<model>_<method>.json)")
     q.add_argument("--markdown", help="also write the table as Markdown to this path")
     scale_out_args(q, device=False, big=False)
@@ -155,7 +141,7 @@ def add_parser(esub) -> None:
         help="openai (CLIP's 80 prompts), openai-7, photo ('a photo of a {}.'), or a file with one template per line; "
         "auto = openai for ImageNet names, photo otherwise (default: %(default)s)",
     )
-    pz.set_defaults(func=_cmd_eval_clip)
+    pz.set_defaults(func=cmd_eval_clip)
 
     pt = esub.add_parser(
         "clip-retrieval", aliases=["image-text-retrieval"],
@@ -168,5 +154,5 @@ def add_parser(esub) -> None:
         "(e.g. clip-benchmark/wds_flickr30k, clip-benchmark/wds_mscoco_captions)",
     )
     pt.add_argument("--caption-column", help="caption column (default: the first of caption, captions, sentences, txt, text, raw)")
-    pt.add_argument("--ks", nargs="+", action=_Repeatable, type=_positive_int, default=[1, 5, 10], help="recall cut-offs (default: 1 5 10)")
-    pt.set_defaults(func=_cmd_eval_clip)
+    pt.add_argument("--ks", nargs="+", action=Repeatable, type=positive_int, default=[1, 5, 10], help="recall cut-offs (default: 1 5 10)")
+    pt.set_defaults(func=cmd_eval_clip)

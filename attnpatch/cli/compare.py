@@ -6,33 +6,16 @@ from __future__ import annotations
 import contextlib
 import sys
 
-from .common import (
-    DEFAULT_CLIP_MODEL,
-    DEFAULT_MODEL,
-    DEFAULT_VISION_MODEL,
-    _check_outputs,
-    _fraction,
-    _image_progress,
-    _interrupted,
-    _positive_int,
-    _Repeatable,
-    _report,
-    _slug,
-    _unique_settings,
-    _world_note,
-    load_kwargs,
-    open_store,
-    other_process_exit,
-    rank_log,
-    scale_out_args,
-)
+from .args import DEFAULT_CLIP_MODEL, DEFAULT_MODEL, DEFAULT_VISION_MODEL, fraction, positive_int, Repeatable, unique_settings
+from .output import check_outputs, image_progress, report, report_interrupted, slug, world_note
+from .runtime import load_kwargs, open_store, other_process_exit, rank_log, scale_out_args
 from .ruler import ruler_settings, ruler_task_names
 from ..errors import AttnpatchError
 
 EVAL_NAMES = ["fidelity", "knn", "linear-probe", "retrieval", "zeroshot", "clip-retrieval", "ruler"]
 
 
-def _stderr(line: str) -> None:
+def log_stderr(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
@@ -58,20 +41,20 @@ def _run(args, family: str, settings, match, save, ranks, earlier):
     """Load the model and inputs of ``args.eval`` and run the compare; returns ``(result, title, store)``."""
     from ..evals import compare as cmp
 
-    common = dict(settings=settings, match=match, steps=args.steps, log=_stderr, ranks=ranks)
+    common = dict(settings=settings, match=match, steps=args.steps, log=log_stderr, ranks=ranks)
     quiet = not ranks.main
     # the run identity of the kept batches (--resume) beside open_store's own fields
     same = dict(match=[m.text() for m in match or []], family=family, dtype=args.dtype, backend=args.backend)
     if family == "vision":
-        from .vision import _load_images_and_model
+        from .vision import load_images_and_model
 
         stores = []  # opened before the model loads: a --resume of another run fails at once
-        images, model, preprocess = _load_images_and_model(
+        images, model, preprocess = load_images_and_model(
             args, ranks, before_model=lambda images: stores.append(open_store(args, ranks, len(images), settings, **same)))
         store = stores[0]
         lei = args.layer_error_images if args.layer_error_images is not None else (32 if args.eval == "fidelity" else 0)
         title = f"compare {args.eval} — {args.model} ({args.backend}) — {images.name}, {len(images)} images"
-        with _image_progress(f"compare {args.eval}", len(images), quiet=quiet) as progress:
+        with image_progress(f"compare {args.eval}", len(images), quiet=quiet) as progress:
             return cmp.compare_vision(model, images, preprocess, eval=args.eval, batch_size=args.batch_size or 16,
                                       layer_error_images=lei, knn_k=args.k, progress=progress, store=store, **common), title, store
     if family == "clip":
@@ -81,7 +64,7 @@ def _run(args, family: str, settings, match, save, ranks, earlier):
         extra = dict(classnames=classnames, templates=templates) if args.eval == "zeroshot" else {}
         store = open_store(args, ranks, len(data), settings, **same)
         title = f"compare {args.eval} — {args.model} — {getattr(data, 'name', args.data)}, {len(data)} images"
-        with _image_progress(f"compare {args.eval}", len(data), quiet=quiet) as progress:
+        with image_progress(f"compare {args.eval}", len(data), quiet=quiet) as progress:
             return cmp.compare_clip(bundle, data, eval=args.eval, batch_size=args.batch_size or 32, progress=progress, store=store,
                                     **extra, **common), title, store
     from ..checkpoints import load_causal_lm
@@ -112,9 +95,9 @@ def _cmd_compare(args) -> int:
     import torch
 
     from ..evals import compare as cmp
-    from ..evals.distributed import ranks as current_ranks
-    from ..evals.report import EvalInterrupted, machine_info, write_json
-    from ..evals.resume import resume_cells
+    from ..evals.run.distributed import ranks as current_ranks
+    from ..evals.run.report import EvalInterrupted, machine_info, write_json
+    from ..evals.run.resume import resume_cells
 
     t0 = time.perf_counter()
     ranks = current_ranks()
@@ -123,7 +106,7 @@ def _cmd_compare(args) -> int:
         torch.set_num_threads(args.threads)
     # everything checked before any model loads
     match = cmp.parse_matches(args.match, args.eval)
-    settings = _unique_settings(args.method, args.option)
+    settings = unique_settings(args.method, args.option)
     cmp.check_settings(settings, args.eval)
     family = cmp.EVALS[args.eval][0]
     if args.model is None:
@@ -132,16 +115,16 @@ def _cmd_compare(args) -> int:
         from ..errors import OptionError
 
         raise OptionError("compare --eval clip-retrieval needs --data (an imagefolder with captions or a hub dataset id)")
-    args.json = args.json or f"compare_{_slug(args.eval)}_{_slug(args.model)}.json"
+    args.json = args.json or f"compare_{slug(args.eval)}_{slug(args.model)}.json"
     if family == "clip" and (args.device_map or args.dtype != "float32"):
         raise AttnpatchError("compare: --device-map and --dtype apply to the transformers models (ruler and the ViT evals); "
                              "a CLIP model loads in float32 on --device")
     earlier = None
     if ranks.main:
-        _check_outputs(("--json", args.json), ("--markdown", args.markdown), ("--plot", args.plot))
+        check_outputs(("--json", args.json), ("--markdown", args.markdown), ("--plot", args.plot))
         if args.resume and family == "ruler":
             plan = [(t, n) for t in ruler_task_names(args) for n in args.lengths]
-            earlier = resume_cells(args.json, _ruler_key(args, settings, match), plan, log=_stderr)
+            earlier = resume_cells(args.json, _ruler_key(args, settings, match), plan, log=log_stderr)
     earlier = ranks.broadcast(earlier)
     machine = machine_info()
 
@@ -158,13 +141,13 @@ def _cmd_compare(args) -> int:
     if not ranks.main:
         return other_process_exit(store, stop) if store is not None else (130 if stop is not None else 0)
     if stop is not None and result is None:
-        return _interrupted(args, stop, None, None)
+        return report_interrupted(args, stop, None, None)
     result.update(model=args.model, machine=machine, complete=stop is None, given=[[m, o] for m, o in settings], dtype=args.dtype,
                   wall_s=time.perf_counter() - t0, world_size=ranks.world_size)
-    title += _world_note(result)
+    title += world_note(result)
     if match:
         title += f" — matched {', '.join(m.text() for m in match)}"
-    rc = _report(args, title, cmp.compare_rows(result), cmp.compare_columns(result), result, interrupted=stop)
+    rc = report(args, title, cmp.compare_rows(result), cmp.compare_columns(result), result, interrupted=stop)
     if stop is None and store is not None:
         store.remove()
     if rc == 0 and args.plot:
@@ -175,7 +158,7 @@ def _cmd_compare(args) -> int:
 
 def add_parser(sub) -> None:
     """Register ``compare`` on the top-level subparsers."""
-    from ..evals import ruler_tasks
+    from ..evals.ruler import tasks as ruler_tasks
     from ..evals.compare import MATCH_KEYS
 
     p = sub.add_parser(
@@ -186,7 +169,7 @@ def add_parser(sub) -> None:
     p.add_argument("--eval", required=True, choices=EVAL_NAMES, help="the eval (vision: fidelity, knn, linear-probe, retrieval; CLIP: zeroshot, clip-retrieval; causal LM: ruler)")
     p.add_argument("--model", help=f"catalogue name, local directory or hub id (default: {DEFAULT_VISION_MODEL} for vision evals, {DEFAULT_CLIP_MODEL} for CLIP, {DEFAULT_MODEL} for ruler)")
     p.add_argument(
-        "--method", nargs="+", action=_Repeatable, required=True, metavar="METHOD[:NAME=VALUE,...]",
+        "--method", nargs="+", action=Repeatable, required=True, metavar="METHOD[:NAME=VALUE,...]",
         help="registered method(s), each with its own options after a colon (e.g. fna:s=64 a_shape block_topk:block_size=32)",
     )
     p.add_argument("-o", "--option", action="append", default=[], metavar="NAME=VALUE", help="option for every method (a METHOD:NAME=VALUE wins over it)")
@@ -197,19 +180,19 @@ def add_parser(sub) -> None:
         "1.4x): "
         + "; ".join(f"{k} ({v})" for k, v in MATCH_KEYS.items()),
     )
-    p.add_argument("--steps", type=_positive_int, default=10, help="bisection steps per method for --match (default: %(default)s)")
+    p.add_argument("--steps", type=positive_int, default=10, help="bisection steps per method for --match (default: %(default)s)")
     p.add_argument("--json", help="result JSON path (default: compare_<eval>_<model>.json)")
     p.add_argument("--markdown", help="also write the table as Markdown to this path")
     p.add_argument("--plot", help="also draw the Pareto plot (metric vs speed-up) to this PNG path")
-    p.add_argument("--threads", type=_positive_int, help="torch CPU threads")
+    p.add_argument("--threads", type=positive_int, help="torch CPU threads")
     scale_out_args(p, device=False)
     g = p.add_argument_group("vision and CLIP evals")
     g.add_argument("--data", help="imagefolder directory or hub dataset id (default: the embedded image set; clip-retrieval: required)")
-    g.add_argument("--resolution", type=_positive_int, help="input size in pixels (square; position embeddings interpolated)")
-    g.add_argument("--limit", type=_positive_int, help="use at most this many images")
-    g.add_argument("--batch-size", type=_positive_int, help="images per forward call (default: 16 vision, 32 CLIP)")
+    g.add_argument("--resolution", type=positive_int, help="input size in pixels (square; position embeddings interpolated)")
+    g.add_argument("--limit", type=positive_int, help="use at most this many images")
+    g.add_argument("--batch-size", type=positive_int, help="images per forward call (default: 16 vision, 32 CLIP)")
     g.add_argument("--backend", choices=["hf", "timm"], default="hf", help="ViT implementation (default: %(default)s)")
-    g.add_argument("--k", type=_positive_int, default=20, help="k-NN neighbours (default: %(default)s)")
+    g.add_argument("--k", type=positive_int, default=20, help="k-NN neighbours (default: %(default)s)")
     g.add_argument("--layer-error-images", type=int, help="per-layer errors on the first N images (default: 32 for fidelity, else 0)")
     g.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: auto = cuda if available; under a multi-process "
                    "launch cuda:<local rank>)")
@@ -218,12 +201,12 @@ def add_parser(sub) -> None:
     g.add_argument("--templates", default="auto", help="zeroshot: openai, openai-7, photo or a file (default: %(default)s)")
     g.add_argument("--caption-column", help="clip-retrieval: caption column")
     r = p.add_argument_group("ruler")
-    r.add_argument("--tasks", nargs="+", action=_Repeatable, choices=list(ruler_tasks.TASKS) + ["all"], help="default: niah_single")
-    r.add_argument("--lengths", nargs="+", action=_Repeatable, type=_positive_int, default=[1024], help="context lengths in model tokens (default: 1024)")
-    r.add_argument("--samples", type=_positive_int, default=10, help="samples per (task, length) cell (default: %(default)s)")
+    r.add_argument("--tasks", nargs="+", action=Repeatable, choices=list(ruler_tasks.TASKS) + ["all"], help="default: niah_single")
+    r.add_argument("--lengths", nargs="+", action=Repeatable, type=positive_int, default=[1024], help="context lengths in model tokens (default: 1024)")
+    r.add_argument("--samples", type=positive_int, default=10, help="samples per (task, length) cell (default: %(default)s)")
     r.add_argument("--seed", type=int, default=0)
-    r.add_argument("--depths", nargs="+", action=_Repeatable, type=_fraction, help="needle depths in [0, 1], cycled over samples")
+    r.add_argument("--depths", nargs="+", action=Repeatable, type=fraction, help="needle depths in [0, 1], cycled over samples")
     r.add_argument("--haystack", choices=["repeat", "essay"], default="repeat")
     r.add_argument("--no-recall", action="store_true", help="skip the attention-recall measuring pass (no fidelity column)")
-    r.add_argument("--recall-samples", type=_positive_int, metavar="N", help="measure recall on the first N samples of each cell only")
+    r.add_argument("--recall-samples", type=positive_int, metavar="N", help="measure recall on the first N samples of each cell only")
     p.set_defaults(func=_cmd_compare)

@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 
 
-def _cmd_methods(args) -> int:
-    from ..patchers.registry import list_methods, methods_markdown
+def cmd_methods(args) -> int:
+    from ..patchers.method_table import methods_markdown
+    from ..patchers.registry import list_methods
 
     if args.markdown:
         print(methods_markdown(), end="")
@@ -47,7 +48,7 @@ def _cmd_methods(args) -> int:
     return 0
 
 
-def _cmd_models(args) -> int:
+def cmd_models(args) -> int:
     from ..checkpoints import catalogue
 
     entries = catalogue()
@@ -72,9 +73,9 @@ def add_parser(sub) -> None:
     """Register ``methods`` and ``models`` on the top-level subparsers."""
     pm = sub.add_parser("methods", help="list registered methods, their options, defaults, presets and model kinds")
     pm.add_argument("--json", action="store_true", help="print JSON instead of tables")
-    pm.add_argument("--markdown", action="store_true", help="print the README's method table (Markdown, generated from the registry)")
-    pm.set_defaults(func=_cmd_methods)
+    pm.add_argument("--markdown", action="store_true", help="print the method table of docs/methods.md (Markdown, generated from the registry)")
+    pm.set_defaults(func=cmd_methods)
 
     pc = sub.add_parser("models", help="list the offline model catalogue")
     pc.add_argument("--json", action="store_true")
-    pc.set_defaults(func=_cmd_models)
+    pc.set_defaults(func=cmd_models)

@@ -5,23 +5,12 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from .common import (
-    DEFAULT_MODEL,
-    _check_outputs,
-    _fmt_opts,
-    _fraction,
-    _interrupted,
-    _parse_options,
-    _positive_int,
-    _Repeatable,
-    _slug,
-    _world_note,
-    load_kwargs,
-    scale_out_args,
-)
+from .args import DEFAULT_MODEL, fraction, parse_options, positive_int, Repeatable
+from .output import check_outputs, fmt_opts, report_interrupted, slug, world_note
+from .runtime import load_kwargs, scale_out_args
 
 
-def _cmd_eval_ruler(args) -> int:
+def cmd_eval_ruler(args) -> int:
     import contextlib
     import time
 
@@ -30,11 +19,11 @@ def _cmd_eval_ruler(args) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from ..checkpoints import load_causal_lm
-    from ..evals.distributed import ranks as current_ranks
-    from ..evals.report import RULER_COLUMNS, EvalInterrupted, machine_info, print_table, rows_to_markdown, write_json, write_text
-    from ..evals.resume import resume_cells
-    from ..evals.ruler import run_ruler
-    from ..fetch import _stderr
+    from ..evals.run.distributed import ranks as current_ranks
+    from ..evals.run.report import RULER_COLUMNS, EvalInterrupted, machine_info, print_table, rows_to_markdown, write_json, write_text
+    from ..evals.run.resume import resume_cells
+    from ..evals.ruler.runner import run_ruler
+    from ..log import log_stderr
     from ..patchers.registry import get_method, validate_options
 
     t0 = time.perf_counter()
@@ -43,19 +32,19 @@ def _cmd_eval_ruler(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     # fail before loading the model; a method without options (``dense``) validates to {}
-    options = validate_options(get_method(args.method), _parse_options(args.option))
+    options = validate_options(get_method(args.method), parse_options(args.option))
     tasks = ruler_task_names(args)
-    path = args.json or f"ruler_{_slug(args.model)}_{_slug(args.method)}.json"
+    path = args.json or f"ruler_{slug(args.model)}_{slug(args.method)}.json"
     kwargs = load_kwargs(args, ranks)
     key = {"model": args.model, "method": args.method, "options": options, "dtype": args.dtype, "settings": ruler_settings(args)}
     earlier = None
     if ranks.main:
-        _check_outputs(("--json", path), ("--markdown", args.markdown))  # before the long work, not after it
+        check_outputs(("--json", path), ("--markdown", args.markdown))  # before the long work, not after it
         if args.resume:
-            earlier = resume_cells(path, key, [(t, n) for t in tasks for n in args.lengths], log=_stderr)
+            earlier = resume_cells(path, key, [(t, n) for t in tasks for n in args.lengths], log=log_stderr)
     earlier = ranks.broadcast(earlier)
     with ranks.main_first():  # a catalogue model is prepared once
-        model, tok = load_causal_lm(args.model, log=_stderr if ranks.main else (lambda line: None), **kwargs)
+        model, tok = load_causal_lm(args.model, log=log_stderr if ranks.main else (lambda line: None), **kwargs)
     # the bar counts process 0's samples (its share of each cell in a data-parallel run)
     total = len(tasks) * len(args.lengths) * len(ranks.shard(args.samples))
     with (Progress(
@@ -92,15 +81,15 @@ def _cmd_eval_ruler(args) -> int:
                 return 130
             if result is not None:
                 save(result)  # "interrupted": true is in the partial result
-            return _interrupted(args, stop, path, result and (
-                f"### RULER-style eval — {args.model} — {args.method} {_fmt_opts(result['options'])} (interrupted: {stop.done})\n\n"
+            return report_interrupted(args, stop, path, result and (
+                f"### RULER-style eval — {args.model} — {args.method} {fmt_opts(result['options'])} (interrupted: {stop.done})\n\n"
                 + rows_to_markdown(result["cells"], RULER_COLUMNS) + "\n"
             ))
     if not ranks.main:
         return 0
     save(result, complete=True)
-    title = f"RULER-style eval — {args.model} — {args.method} {_fmt_opts(result['options'])}"
-    title += _world_note({**result, "wall_s": time.perf_counter() - t0})
+    title = f"RULER-style eval — {args.model} — {args.method} {fmt_opts(result['options'])}"
+    title += world_note({**result, "wall_s": time.perf_counter() - t0})
     print_table(result["cells"], RULER_COLUMNS, title=title)
     note = _handback_note(result["cells"])
     if note:
@@ -117,7 +106,7 @@ def _cmd_eval_ruler(args) -> int:
 
 def ruler_task_names(args) -> list[str]:
     """``--tasks`` of ``eval ruler`` and ``compare --eval ruler``: ``niah_single`` when not given, every task for ``all``."""
-    from ..evals import ruler_tasks
+    from ..evals.ruler import tasks as ruler_tasks
 
     tasks = args.tasks or ["niah_single"]
     return list(ruler_tasks.TASKS) if tasks == ["all"] else tasks
@@ -160,22 +149,22 @@ def _handback_note(cells: list[dict[str, Any]]) -> str | None:
 
 def add_parser(esub) -> None:
     """Register ``eval ruler`` on the ``eval`` subparsers."""
-    from ..evals import ruler_tasks
+    from ..evals.ruler import tasks as ruler_tasks
 
     pr = esub.add_parser("ruler", help="RULER-style long-context tasks (needle-in-a-haystack and friends)")
     pr.add_argument("--model", default=DEFAULT_MODEL, help="catalogue name, local directory or hub id (default: %(default)s)")
     pr.add_argument("--method", default="anchor_attention", help="registered method, or 'dense' for a baseline-only run")
     pr.add_argument("-o", "--option", action="append", default=[], metavar="NAME=VALUE", help="method option, repeatable (e.g. -o theta=12)")
-    pr.add_argument("--tasks", nargs="+", action=_Repeatable, choices=list(ruler_tasks.TASKS) + ["all"], help="default: niah_single")
-    pr.add_argument("--lengths", nargs="+", action=_Repeatable, type=_positive_int, default=[1024, 2048, 4096], help="context lengths in model tokens")
-    pr.add_argument("--samples", type=_positive_int, default=10, help="samples per (task, length) cell (default: %(default)s)")
+    pr.add_argument("--tasks", nargs="+", action=Repeatable, choices=list(ruler_tasks.TASKS) + ["all"], help="default: niah_single")
+    pr.add_argument("--lengths", nargs="+", action=Repeatable, type=positive_int, default=[1024, 2048, 4096], help="context lengths in model tokens")
+    pr.add_argument("--samples", type=positive_int, default=10, help="samples per (task, length) cell (default: %(default)s)")
     pr.add_argument("--seed", type=int, default=0)
-    pr.add_argument("--depths", nargs="+", action=_Repeatable, type=_fraction, help="needle depths in [0, 1], cycled over samples")
+    pr.add_argument("--depths", nargs="+", action=Repeatable, type=fraction, help="needle depths in [0, 1], cycled over samples")
     pr.add_argument("--haystack", choices=["repeat", "essay"], default="repeat")
     pr.add_argument("--no-recall", action="store_true", help="skip the attention-recall measuring pass")
-    pr.add_argument("--recall-samples", type=_positive_int, metavar="N", help="measure recall on the first N samples of each cell only (default: all)")
+    pr.add_argument("--recall-samples", type=positive_int, metavar="N", help="measure recall on the first N samples of each cell only (default: all)")
     pr.add_argument("--json", help="result JSON path, rewritten after every finished cell (default: ruler_<model>_<method>.json)")
     pr.add_argument("--markdown", help="also write the table as Markdown to this path")
-    pr.add_argument("--threads", type=_positive_int, help="torch CPU threads")
+    pr.add_argument("--threads", type=positive_int, help="torch CPU threads")
     scale_out_args(pr)
-    pr.set_defaults(func=_cmd_eval_ruler)
+    pr.set_defaults(func=cmd_eval_ruler)

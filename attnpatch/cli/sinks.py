@@ -2,20 +2,21 @@
 
 from __future__ import annotations
 
-from .common import _check_outputs, _positive_int
-from .vision import _load_images_and_model, vision_common
+from .args import positive_int
+from .output import check_outputs
+from .vision import load_images_and_model, vision_common
 
 
-def _cmd_sinks(args) -> int:
+def cmd_sinks(args) -> int:
     import torch
 
-    from ..evals.report import write_json
-    from ..evals.sink_diagnostic import sink_diagnostic
+    from ..evals.run.report import write_json
+    from ..evals.vision.sinks import sink_diagnostic
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    _check_outputs(("--json", args.json))
-    images, model, preprocess = _load_images_and_model(args)
+    check_outputs(("--json", args.json))
+    images, model, preprocess = load_images_and_model(args)
     x = preprocess([images[i][0] for i in range(min(args.images, len(images)))])
     rep = sink_diagnostic(model, x, norm_ratio=args.norm_ratio, mass_ratio=args.mass_ratio)
     from rich.console import Console
@@ -44,8 +45,8 @@ def add_parser(sub) -> None:
     """Register ``sinks`` on the top-level subparsers."""
     ps = sub.add_parser("sinks", help="massive-token and attention-sink diagnostic of a ViT, per layer")
     vision_common(ps)
-    ps.add_argument("--images", type=_positive_int, default=8, help="images to analyse (default: %(default)s)")
+    ps.add_argument("--images", type=positive_int, default=8, help="images to analyse (default: %(default)s)")
     ps.add_argument("--norm-ratio", type=float, default=5.0, help="massive token: norm above this many times the median")
     ps.add_argument("--mass-ratio", type=float, default=10.0, help="attention sink: above this many times the uniform share")
     ps.add_argument("--json", help="write the full report here")
-    ps.set_defaults(func=_cmd_sinks)
+    ps.set_defaults(func=cmd_sinks)

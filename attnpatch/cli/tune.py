@@ -7,7 +7,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import AttnpatchError
-from .common import _check_outputs, _fraction, _nonnegative_int, _parse_options, _positive_int, _progress_line, _slug
+from .args import fraction, nonnegative_int, parse_options, positive_int
+from .output import check_outputs, progress_line, slug
 
 #: Calibration prompts come from these seeds on; the held-out check uses ``eval ruler``'s seed 0 on, so the two
 #: never share a prompt.
@@ -17,12 +18,12 @@ NIAH_TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquer
 
 
 def _kind(model: str, kind: str) -> str:
-    from ..checkpoints import _entry
+    from ..checkpoints import catalogue_entry
 
     if kind != "auto":
         return kind
     try:
-        return _entry(model).kind
+        return catalogue_entry(model).kind
     except AttnpatchError:
         if not Path(model).is_dir():
             if "/" in model or Path(model).exists():
@@ -62,7 +63,8 @@ def _prompt_files(path: str) -> list[tuple[Path, str]]:
 def _causal_prompts(args, tok, prompt_files) -> tuple[list, str]:
     import torch
 
-    from ..evals import ruler_tasks
+    from ..evals.ruler import tasks as ruler_tasks
+    from ..evals.ruler.text import build_input_ids
 
     if prompt_files:
         out = []
@@ -76,7 +78,7 @@ def _causal_prompts(args, tok, prompt_files) -> tuple[list, str]:
     for i in range(args.calibration):
         task = NIAH_TASKS[(i + 1) % len(NIAH_TASKS)]  # multikey first: the harder retrieval
         s = ruler_tasks.make_samples(task, tok, args.length, 1, seed=CALIBRATION_SEED + i)[0]
-        out.append(torch.tensor([ruler_tasks.build_input_ids(tok, s)]))
+        out.append(torch.tensor([build_input_ids(tok, s)]))
     return out, f"{len(out)} embedded NIAH prompt(s) of {args.length} tokens (seeds {CALIBRATION_SEED}+)"
 
 
@@ -100,11 +102,11 @@ def _fmt(v: Any, spec: str = ".3f") -> str:
 
 
 def _rows_table(result: dict[str, Any]) -> list[dict[str, Any]]:
-    from ..evals.tune import _short
+    from ..evals.tune import short_options
 
     rows = []
     for r in result["rows"]:
-        row = {"setting": "exact (unpatched)" if r.get("exact") else _short(r["options"])}
+        row = {"setting": "exact (unpatched)" if r.get("exact") else short_options(r["options"])}
         if result["kind"] == "causal_lm":
             row.update(dense_heads=r["dense_heads"], recall_mean=_fmt(r["recall_mean"]), recall_worst=_fmt(r["recall_worst"]))
         else:
@@ -120,7 +122,7 @@ def _rows_table(result: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _print_rows(rows: list[dict[str, Any]], title: str) -> str:
-    from ..evals.report import Column, print_table, rows_to_markdown
+    from ..evals.run.report import Column, print_table, rows_to_markdown
 
     columns = [Column(k, k.replace("_", " ")) for k in rows[0]]
     print_table(rows, columns, title=title)
@@ -128,11 +130,11 @@ def _print_rows(rows: list[dict[str, Any]], title: str) -> str:
 
 
 def _holdout_causal(args, model, tok, method: str, options: dict[str, Any]) -> dict[str, Any]:
-    from ..evals.ruler import run_ruler_settings
+    from ..evals.ruler.runner import run_ruler_settings
 
     res = run_ruler_settings(
         model, tok, settings=[(method, options)], tasks=list(NIAH_TASKS), lengths=[args.length], num_samples=args.holdout,
-        seed=0, recall=False, progress=_progress_line,
+        seed=0, recall=False, progress=progress_line,
     )
     cells = [{"task": c["task"], "length": c["length"], "samples": c["n"], "dense": c["dense_acc"], "tuned": c["patched_acc"],
               "per_sample": [(r["dense_score"], r["patched_score"]) for r in c["samples"]],
@@ -141,7 +143,7 @@ def _holdout_causal(args, model, tok, method: str, options: dict[str, Any]) -> d
 
 
 def _holdout_vision(args, model, images, preprocess, hold, method: str, options: dict[str, Any]) -> dict[str, Any]:
-    from ..evals.vision import run_feature_eval
+    from ..evals.vision.runner import run_feature_eval
 
     res = run_feature_eval(model, _Subset(images, hold), preprocess, settings=[(method, options)], tasks=("knn", "fidelity"),
                            batch_size=args.batch_size, layer_error_images=0)
@@ -152,8 +154,8 @@ def _holdout_vision(args, model, images, preprocess, hold, method: str, options:
 def _cmd_tune(args) -> int:
     import torch
 
-    from ..evals.report import machine_info, write_json, write_text
-    from ..evals.tune import _short, _tunable, tune_causal, tune_vision
+    from ..evals.run.report import machine_info, write_json, write_text
+    from ..evals.tune import short_options, tunable_methods, tune_causal, tune_vision
     from ..patchers.api import model_geometry
     from ..patchers.registry import get_method, validate_options, write_config
 
@@ -166,13 +168,13 @@ def _cmd_tune(args) -> int:
         raise AttnpatchError(f"method {method!r} does not fit a {kind.replace('_', ' ')} model (it fits: {', '.join(sorted(meth.model_kinds))})")
     if meth.tune_space is None and not args.candidate:
         raise AttnpatchError(f"method {method!r} has no tuning space; give --candidate settings, or tune one of: "
-                             f"{', '.join(_tunable())}")
+                             f"{', '.join(tunable_methods())}")
     candidates = None
     if args.candidate:
         for c in args.candidate:
             if not any(part.strip() for part in c.split(",")):
                 raise AttnpatchError(f"--candidate {c!r}: empty; give NAME=VALUE,... (e.g. theta=6,pool_stride=8)")
-        candidates = [_parse_options([p for p in c.split(",") if p.strip()]) for c in args.candidate]
+        candidates = [parse_options([p for p in c.split(",") if p.strip()]) for c in args.candidate]
         for c in candidates:
             validate_options(meth, c)  # fail before loading the model
     vision = kind == "vision"
@@ -191,9 +193,9 @@ def _cmd_tune(args) -> int:
     for flag, v in (("--out", args.out), ("--json", args.json), ("--markdown", args.markdown)):
         if v is not None and not v.strip():
             raise AttnpatchError(f"{flag} '': empty; give a file path")
-    out = args.out or f"tuned_{_slug(args.model)}_{method}.json"
-    report = args.json or f"tune_{_slug(args.model)}_{method}.json"
-    _check_outputs(("--out", out), ("--json", report), ("--markdown", args.markdown))
+    out = args.out or f"tuned_{slug(args.model)}_{method}.json"
+    report = args.json or f"tune_{slug(args.model)}_{method}.json"
+    check_outputs(("--out", out), ("--json", report), ("--markdown", args.markdown))
     _check_not_inputs(args, prompt_files, (("--out", out), ("--json", report), ("--markdown", args.markdown)))
     machine = machine_info()
     if not vision:
@@ -201,7 +203,7 @@ def _cmd_tune(args) -> int:
 
         model, tok = load_causal_lm(args.model)
         if args.holdout:  # the held-out prompts are built now, so that a length too short for a task fails before the search
-            from ..evals import ruler_tasks
+            from ..evals.ruler import tasks as ruler_tasks
 
             for task in NIAH_TASKS:
                 ruler_tasks.make_samples(task, tok, args.length, 1, seed=0)
@@ -209,33 +211,34 @@ def _cmd_tune(args) -> int:
         result = tune_causal(
             model, prompts, method, target_mean=args.target_recall if args.target_recall is not None else 0.95,
             target_worst=args.target_worst if args.target_worst is not None else 0.8, candidates=candidates,
-            repeats=args.repeats, progress=_progress_line,
+            repeats=args.repeats, progress=progress_line,
         )
         what = f"{result['tokens']} tokens, {source}"
     else:
         from ..checkpoints import load_vision_model
-        from ..evals.images import fit_resolution, load_image_set, make_preprocess
-        from ..evals.vision import patch_size
-        from ..fetch import _stderr
+        from ..evals.vision.preprocess import fit_resolution, make_preprocess
+        from ..evals.vision.images import load_image_set
+        from ..evals.vision.runner import patch_size
+        from ..log import log_stderr
 
         images = load_image_set(args.data)
         if len(images) < args.calibration + (0 if args.holdout == 0 else 2):
             raise AttnpatchError(f"--data: {len(images)} images; --calibration {args.calibration} needs that many, and the "
                                  "held-out k-NN check at least two more (or --holdout 0)")
         model, processor = load_vision_model(args.model, backend=args.backend)
-        resolution = fit_resolution(args.resolution, patch_size(model), log=_stderr, what="--resolution")
+        resolution = fit_resolution(args.resolution, patch_size(model), log=log_stderr, what="--resolution")
         preprocess = make_preprocess(processor, resolution)
         order = torch.randperm(len(images), generator=torch.Generator().manual_seed(0)).tolist()
         cal, hold = order[: args.calibration], order[args.calibration:]
         hold = hold if args.holdout is None else hold[: args.holdout]
         pixels = preprocess([images[i][0] for i in cal])
         result = tune_vision(model, pixels, method, target_cos=args.target_cos if args.target_cos is not None else 0.98,
-                             candidates=candidates, repeats=args.repeats, batch_size=args.batch_size, progress=_progress_line)
+                             candidates=candidates, repeats=args.repeats, batch_size=args.batch_size, progress=progress_line)
         source = f"{len(cal)} images of {images.name} (seeded order, seed 0)"
         what = f"{result['resolution']} px, {result['tokens']} tokens, {source}"
     chosen = result["chosen"]
     if chosen.get("exact_at_tokens"):
-        _stderr_line(f"note: {method}'s exact setting {_short(chosen['options'])} is exact at {chosen['exact_at_tokens']} "
+        _stderr_line(f"note: {method}'s exact setting {short_options(chosen['options'])} is exact at {chosen['exact_at_tokens']} "
                      "tokens only; the config records it, and on other input sizes it approximates")
     for w in result["warnings"]:
         _stderr_line(f"warning: {w}")
@@ -250,7 +253,7 @@ def _cmd_tune(args) -> int:
     write_json(report, result)  # the search is kept before the held-out check starts
     title = f"tune — {args.model} — {method} — {what}"
     md = _print_rows(_rows_table(result), title)
-    print(f"chosen: {'exact (unpatched): no setting met the target faster' if chosen.get('exact') else _short(chosen['options'])}"
+    print(f"chosen: {'exact (unpatched): no setting met the target faster' if chosen.get('exact') else short_options(chosen['options'])}"
           f" ({chosen['speedup']:.2f}x on the calibration input); wrote {out}  (use: -o config={out})")
     if args.holdout != 0:
         if vision:
@@ -312,23 +315,23 @@ def add_parser(sub) -> None:
     p.add_argument("--method", help="method to tune (default: anchor_attention for an LLM, fna for a ViT)")
     p.add_argument("--candidate", action="append", metavar="NAME=VALUE,...",
                    help="a setting to try instead of the method's tuning space, repeatable (e.g. theta=6,pool_stride=8)")
-    p.add_argument("--length", type=_positive_int, default=None,
+    p.add_argument("--length", type=positive_int, default=None,
                    help="LLM: length in tokens of the embedded calibration prompts and of the held-out NIAH check (default: 4096)")
     p.add_argument("--prompts", help="LLM: a .txt file or a folder of .txt files, one calibration prompt each (default: embedded NIAH prompts)")
-    p.add_argument("--target-recall", type=_fraction, default=None, help="LLM: mean attention recall to reach (default: 0.95)")
-    p.add_argument("--target-worst", type=_fraction, default=None, help="LLM: mean recall of the worst 5%% (prompt, layer, head) (default: 0.8)")
+    p.add_argument("--target-recall", type=fraction, default=None, help="LLM: mean attention recall to reach (default: 0.95)")
+    p.add_argument("--target-worst", type=fraction, default=None, help="LLM: mean recall of the worst 5%% (prompt, layer, head) (default: 0.8)")
     p.add_argument("--data", help="ViT: imagefolder or hub dataset (default: the embedded image set)")
-    p.add_argument("--resolution", type=_positive_int, help="ViT: input size in pixels (default: the model's)")
+    p.add_argument("--resolution", type=positive_int, help="ViT: input size in pixels (default: the model's)")
     p.add_argument("--target-cos", type=float, default=None, help="ViT: mean final-CLS cosine to the unpatched model (default: 0.98)")
-    p.add_argument("--batch-size", type=_positive_int, default=8, help="ViT: images per forward (default: %(default)s)")
-    p.add_argument("--calibration", type=_positive_int, default=None, help="prompts (default 2) or images (default 8) to tune on")
-    p.add_argument("--holdout", type=_nonnegative_int, default=None,
+    p.add_argument("--batch-size", type=positive_int, default=8, help="ViT: images per forward (default: %(default)s)")
+    p.add_argument("--calibration", type=positive_int, default=None, help="prompts (default 2) or images (default 8) to tune on")
+    p.add_argument("--holdout", type=nonnegative_int, default=None,
                    help="held-out check: NIAH samples per task (default 2) or images (default: the rest of the set); 0 = none")
-    p.add_argument("--repeats", type=_positive_int, default=2, help="timed forwards per candidate (median; default: %(default)s)")
+    p.add_argument("--repeats", type=positive_int, default=2, help="timed forwards per candidate (median; default: %(default)s)")
     p.add_argument("--out", help="the tuned config (default: tuned_<model>_<method>.json)")
     p.add_argument("--json", help="the search and held-out result (default: tune_<model>_<method>.json)")
     p.add_argument("--markdown", help="also write the tables as Markdown here")
-    p.add_argument("--threads", type=_positive_int, help="torch CPU threads")
+    p.add_argument("--threads", type=positive_int, help="torch CPU threads")
     p.set_defaults(func=_run)
 
 

@@ -2,34 +2,21 @@
 
 from __future__ import annotations
 
-from .common import (
-    DEFAULT_VISION_MODEL,
-    _check_outputs,
-    _image_progress,
-    _interrupted,
-    _json_path,
-    _method_spec,
-    _positive_int,
-    _Repeatable,
-    _report,
-    _world_note,
-    load_kwargs,
-    open_store,
-    other_process_exit,
-    rank_log,
-    scale_out_args,
-)
+from .args import DEFAULT_VISION_MODEL, method_spec, positive_int, Repeatable
+from .output import check_outputs, image_progress, json_path, report, report_interrupted, world_note
+from .runtime import load_kwargs, open_store, other_process_exit, rank_log, scale_out_args
 
 VISION_EVALS = {"fidelity": "fidelity", "knn": "knn", "linear-probe": "linear_probe", "retrieval": "retrieval"}
 
 
-def _load_images_and_model(args, ranks=None, before_model=None):
+def load_images_and_model(args, ranks=None, before_model=None):
     """The image set, the model (``--dtype``, ``--device-map`` ... where the command has them) and the preprocessing;
     ``before_model(images)`` runs in between (e.g. the ``--resume`` check, before a long model load)."""
     from ..checkpoints import load_vision_model
-    from ..evals.distributed import Ranks
-    from ..evals.images import fit_resolution, load_image_set, make_preprocess
-    from ..evals.vision import patch_size
+    from ..evals.run.distributed import Ranks
+    from ..evals.vision.preprocess import fit_resolution, make_preprocess
+    from ..evals.vision.images import load_image_set
+    from ..evals.vision.runner import patch_size
 
     ranks = ranks or Ranks()
     kwargs = load_kwargs(args, ranks) if hasattr(args, "dtype") else {}
@@ -43,14 +30,14 @@ def _load_images_and_model(args, ranks=None, before_model=None):
     return images, model, make_preprocess(processor, resolution)
 
 
-def _cmd_eval_vision(args) -> int:
+def cmd_eval_vision(args) -> int:
     import time
 
     import torch
 
-    from ..evals.distributed import ranks as current_ranks
-    from ..evals.report import VISION_COLUMNS, EvalInterrupted, machine_info, vision_rows
-    from ..evals.vision import run_feature_eval
+    from ..evals.run.distributed import ranks as current_ranks
+    from ..evals.run.report import VISION_COLUMNS, EvalInterrupted, machine_info, vision_rows
+    from ..evals.vision.runner import run_feature_eval
     from ..patchers.registry import get_method, validate_options
 
     t0 = time.perf_counter()
@@ -62,17 +49,17 @@ def _cmd_eval_vision(args) -> int:
     tasks = ["fidelity", "knn"] if task == "fidelity" else [task]
     settings = []
     for spec in args.method:
-        method, opts = _method_spec(spec, args.option)
+        method, opts = method_spec(spec, args.option)
         validate_options(get_method(method), opts)  # fail before loading anything
         settings.append((method, opts))
     if ranks.main:
-        _check_outputs(("--json", _json_path(args)), ("--markdown", args.markdown))
+        check_outputs(("--json", json_path(args)), ("--markdown", args.markdown))
     stores = []  # opened before the model loads: a --resume of another run fails at once
-    images, model, preprocess = _load_images_and_model(args, ranks, before_model=lambda images: stores.append(open_store(
+    images, model, preprocess = load_images_and_model(args, ranks, before_model=lambda images: stores.append(open_store(
         args, ranks, len(images), settings, backend=args.backend, dtype=args.dtype, layer_error_images=args.layer_error_images)))
     store = stores[0]
     stop = None
-    with _image_progress(args.eval, len(images), quiet=not ranks.main) as progress:
+    with image_progress(args.eval, len(images), quiet=not ranks.main) as progress:
         try:
             result = run_feature_eval(
                 model, images, preprocess, settings=settings, tasks=tasks, batch_size=args.batch_size,
@@ -83,13 +70,13 @@ def _cmd_eval_vision(args) -> int:
     if not ranks.main:
         return other_process_exit(store, stop)
     if stop is not None and result is None:
-        return _interrupted(args, stop, None, None)
+        return report_interrupted(args, stop, None, None)
     result.update(model=args.model, backend=args.backend, data=args.data or "default", eval=args.eval, machine=machine_info(),
                   dtype=args.dtype, wall_s=time.perf_counter() - t0)
     rows = vision_rows(result)
     title = f"{args.eval} — {args.model} ({args.backend}) — {images.name}, {result['n_images']} images, {result['resolution']} px"
-    title += _world_note(result)
-    status = _report(args, title, rows, VISION_COLUMNS, result, interrupted=stop)
+    title += world_note(result)
+    status = report(args, title, rows, VISION_COLUMNS, result, interrupted=stop)
     if stop is None:
         store.remove()
     return status
@@ -100,9 +87,9 @@ def vision_common(q) -> None:
     q.add_argument("--model", default=DEFAULT_VISION_MODEL, help="catalogue name, local directory or hub id (default: %(default)s)")
     q.add_argument("--backend", choices=["hf", "timm"], default="hf", help="model implementation (default: %(default)s)")
     q.add_argument("--data", help="imagefolder directory or hub dataset id (default: the embedded image set)")
-    q.add_argument("--resolution", type=_positive_int, help="input size in pixels (square; position embeddings interpolated)")
-    q.add_argument("--limit", type=_positive_int, help="use at most this many images")
-    q.add_argument("--threads", type=_positive_int, help="torch CPU threads")
+    q.add_argument("--resolution", type=positive_int, help="input size in pixels (square; position embeddings interpolated)")
+    q.add_argument("--limit", type=positive_int, help="use at most this many images")
+    q.add_argument("--threads", type=positive_int, help="torch CPU threads")
 
 
 def add_parser(esub) -> None:
@@ -111,15 +98,15 @@ def add_parser(esub) -> None:
         pv = esub.add_parser(name, help=f"{task.replace('_', ' ')} on frozen ViT features, dense vs patched")
         vision_common(pv)
         pv.add_argument(
-            "--method", nargs="+", action=_Repeatable, default=["fna"], metavar="METHOD[:NAME=VALUE,...]",
+            "--method", nargs="+", action=Repeatable, default=["fna"], metavar="METHOD[:NAME=VALUE,...]",
             help="registered method(s), each compared with dense in the same run; options per method after a colon "
             "(e.g. fna:s=32 fna:s=128,sample_layer=0 sink_mask); -o options apply to every method",
         )
         pv.add_argument("-o", "--option", action="append", default=[], metavar="NAME=VALUE", help="method option, repeatable (e.g. -o s=64; a METHOD:NAME=VALUE in --method wins over it)")
-        pv.add_argument("--batch-size", type=_positive_int, default=16)
+        pv.add_argument("--batch-size", type=positive_int, default=16)
         pv.add_argument("--layer-error-images", type=int, default=32, help="images on which per-layer errors are measured (fidelity)")
-        pv.add_argument("--k", type=_positive_int, default=20, help="k-NN neighbours (default: %(default)s)")
+        pv.add_argument("--k", type=positive_int, default=20, help="k-NN neighbours (default: %(default)s)")
         pv.add_argument("--json", help="result JSON path (default: <eval>_<model>_<method>.json)")
         pv.add_argument("--markdown", help="also write the table as Markdown to this path")
         scale_out_args(pv)
-        pv.set_defaults(func=_cmd_eval_vision)
+        pv.set_defaults(func=cmd_eval_vision)

@@ -30,8 +30,7 @@ import torch
 from ..errors import OptionError
 from ..patchers.api import model_geometry, patched, record_stats
 from ..patchers.registry import Method, get_method, load_config, validate_options
-from .compare import _quiet  # warnings off (e.g. "s >= N: exact attention" on a small calibration input)
-from .compare import _seconds as _median_seconds  # median of repeats after one untimed call
+from .run.timing import median_seconds, quietly  # quietly: warnings off (e.g. "s >= N: exact attention" on a small input)
 from .recall import attention_recall
 
 __all__ = ["tune_causal", "tune_vision", "recall_scores"]
@@ -87,7 +86,7 @@ def _candidates(meth: Method, geometry, candidates: Sequence[dict[str, Any]] | N
     if candidates is None:
         if meth.tune_space is None:
             raise OptionError(f"method {meth.name!r} has no tuning space; attnpatch tune searches: "
-                              f"{', '.join(_tunable())}")
+                              f"{', '.join(tunable_methods())}")
         candidates = meth.tune_space(geometry)
     if not candidates:
         raise OptionError("no candidates to tune: give at least one option dict (or None for the method's tuning space)")
@@ -126,7 +125,7 @@ def _timing_warning(dense_times: list[float]) -> str | None:
     return None
 
 
-def _tunable() -> list[str]:
+def tunable_methods() -> list[str]:
     from ..patchers.registry import METHODS
 
     return sorted(n for n, m in METHODS.items() if m.tune_space is not None)
@@ -216,7 +215,7 @@ def tune_causal(
             model(input_ids=p, use_cache=False)
 
     def unpatched_time() -> float:
-        return _median_seconds(forward, repeats)
+        return median_seconds(forward, repeats)
 
     dense_times = [unpatched_time()]
     say(f"unpatched: {dense_times[0]:.2f} s per pass ({len(prompts)} prompt(s), {sum(lengths)} tokens)")
@@ -229,14 +228,14 @@ def tune_causal(
             if not per_head:
                 opts.pop("dense_heads", None)
             with torch.no_grad(), patched(model, method, **opts):
-                mats = [_quiet(lambda p=p: attention_recall(model, p)) for p in prompts]
+                mats = [quietly(lambda p=p: attention_recall(model, p)) for p in prompts]
             if any(m["recall_matrix"] is None for m in mats):
                 raise OptionError(f"method {method!r} does not measure its recall; the causal tuner needs it")
             layers = [r["layer"] for r in mats[0]["per_layer"]]
             rec = torch.tensor([m["recall_matrix"] for m in mats], dtype=torch.float64)  # [P, L, H]
             mean, worst = recall_scores(rec, worst_fraction)
             meets = mean >= target_mean and worst >= target_worst
-            say(f"[{i + 1}/{len(space)}] {_short(opts)} round {rnd + 1}: recall mean {mean:.3f}, worst {worst:.3f}, "
+            say(f"[{i + 1}/{len(space)}] {short_options(opts)} round {rnd + 1}: recall mean {mean:.3f}, worst {worst:.3f}, "
                 f"{len(dense)} dense heads")
             if meets or not per_head or rnd == max_rounds - 1:
                 break
@@ -249,14 +248,14 @@ def tune_causal(
         if _all_dense([[r["mode"] for r in m["per_layer"]] for m in mats]):
             row["note"] = (f"every layer ran exact attention on the calibration input "
                            f"({', '.join(sorted({r['mode'] for m in mats for r in m['per_layer']}))}): not timed")
-            say(f"[{i + 1}/{len(space)}] {_short(opts)}: {row['note']}")
+            say(f"[{i + 1}/{len(space)}] {short_options(opts)}: {row['note']}")
         elif per_head and len(dense) >= rec.shape[1] * rec.shape[2]:
             row["note"] = "every head dense: the exact model with the patch's overhead; not timed"
-            say(f"[{i + 1}/{len(space)}] {_short(opts)}: {row['note']}")
+            say(f"[{i + 1}/{len(space)}] {short_options(opts)}: {row['note']}")
         elif meets:
             with patched(model, method, **opts):
-                row["seconds"] = _quiet(lambda: _median_seconds(forward, repeats))
-            say(f"[{i + 1}/{len(space)}] {_short(opts)}: {row['seconds']:.2f} s")
+                row["seconds"] = quietly(lambda: median_seconds(forward, repeats))
+            say(f"[{i + 1}/{len(space)}] {short_options(opts)}: {row['seconds']:.2f} s")
         rows.append(row)
     dense_times.append(unpatched_time())
     ref, chosen = _finish(rows, dense_times, meth, tokens, dense_heads=0, recall_mean=1.0, recall_worst=1.0)
@@ -312,7 +311,7 @@ def tune_vision(
             encoder, a method the tuner cannot search, a bad candidate.
         UnsupportedModelError: the method does not fit the model.
     """
-    from .vision import encode, token_count
+    from .vision.runner import encode, token_count
 
     if not isinstance(target_cos, (int, float)) or not -1.0 <= float(target_cos) <= 1.0:
         raise OptionError(f"target_cos={target_cos!r}: must be a cosine in [-1, 1]")
@@ -341,13 +340,13 @@ def tune_vision(
             encode(model, b)
 
     ref_cls = cls()
-    dense_times = [_median_seconds(one_pass, repeats)]
+    dense_times = [median_seconds(one_pass, repeats)]
     say(f"unpatched: {dense_times[0]:.2f} s per pass ({pixels.shape[0]} images, {tokens} tokens)")
     rows: list[dict[str, Any]] = []
     for i, opts in enumerate(space):
         with patched(model, method, **opts):
             with record_stats(model) as recorder:
-                c = _cos(_quiet(cls), ref_cls)
+                c = _cos(quietly(cls), ref_cls)
             row = {"options": dict(opts), "cls_cos": float(c.mean()), "cls_cos_min": float(c.min()),
                    "meets": float(c.mean()) >= target_cos, "seconds": None, "speedup": None}
             modes = [[r.mode for r in f.values()] for f in recorder.forwards]
@@ -355,12 +354,12 @@ def tune_vision(
                 row["note"] = (f"every layer ran exact attention on the calibration input "
                                f"({', '.join(sorted({m for f in modes for m in f}))}): not timed")
             elif row["meets"]:
-                row["seconds"] = _quiet(lambda: _median_seconds(one_pass, repeats))
+                row["seconds"] = quietly(lambda: median_seconds(one_pass, repeats))
         rows.append(row)
         t = (f"{row['seconds']:.2f} s" if row["seconds"] is not None else
              row.get("note", "not timed (misses the target)"))
-        say(f"[{i + 1}/{len(space)}] {_short(opts)}: CLS cos {row['cls_cos']:.4f}, {t}")
-    dense_times.append(_median_seconds(one_pass, repeats))
+        say(f"[{i + 1}/{len(space)}] {short_options(opts)}: CLS cos {row['cls_cos']:.4f}, {t}")
+    dense_times.append(median_seconds(one_pass, repeats))
     ref, chosen = _finish(rows, dense_times, meth, tokens, cls_cos=1.0, cls_cos_min=1.0)
     warnings = _warnings(rows, dense_times, f"{tokens} tokens")
     return {
@@ -400,7 +399,7 @@ def _geometry_dict(geometry) -> dict[str, Any]:
     return {k: v for k, v in asdict(geometry).items() if v is not None and v != ""}
 
 
-def _short(opts: dict[str, Any]) -> str:
+def short_options(opts: dict[str, Any]) -> str:
     """Options in one short line (``dense_heads`` as a count)."""
     parts = []
     for k, v in opts.items():

@@ -2,15 +2,19 @@
 
 Layers, each importing only the ones below it (and :mod:`attnpatch.options`, :mod:`attnpatch.errors`,
 :mod:`attnpatch.attention`): :mod:`.state` ->
-:mod:`.bench_hook` -> :mod:`.registry` (the method contract) -> :mod:`.runtime` (what adapters call)
--> :mod:`.adapter` / :mod:`.adapters` and :mod:`.methods` -> :mod:`.api` (the public functions).
+:mod:`.bench_hook` -> :mod:`.contract` (the method contract) -> :mod:`.config_file` (saved configs) ->
+:mod:`.registry` (the registry, option validation) -> :mod:`.method_table` (the README's table) and
+:mod:`.runtime` (what adapters call) -> :mod:`.adapter` / :mod:`.adapters` and :mod:`.methods` ->
+:mod:`.api` (the public functions).
 """
 
 from . import methods  # noqa: F401  (imports every method module: each registers its method)
 from .api import (
     handle_of, is_patched, model_geometry, patch, patch_info, patched, record_stats, time_attention, token_sizes, unpatch,
 )
-from .registry import get_method, list_methods, load_config, methods_markdown, register_method, write_config
+from .config_file import load_config
+from .method_table import methods_markdown
+from .registry import get_method, list_methods, register_method, write_config
 from .state import ForwardState, LayerRecord
 
 __all__ = [

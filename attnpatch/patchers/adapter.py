@@ -1,23 +1,61 @@
-"""The adapter contract: what :func:`attnpatch.patch` needs from a model library's adapter.
+"""The adapter contract: what :func:`attnpatch.patch` and the evals need from a model library's adapter.
 
 An adapter routes one library's attention modules through :func:`~attnpatch.patchers.runtime.run_layer`
 (or :func:`~attnpatch.patchers.runtime.run_module`) and restores them bit for bit.  The adapters
 are listed, in the order the patch tries them, in :data:`attnpatch.patchers.adapters.ADAPTERS`:
 a new one is one new module in that package plus one line in that list.  Adapters import the
-runtime, the registry and the per-forward state, never the public API (:mod:`.api`).
+runtime, the method contract and the per-forward state, never the public API (:mod:`.api`).
+
+Everything a model library knows lives in its adapter: besides the patch, the adapter answers the
+evals' questions about a model (patch size, token count, preprocessing, feature extraction), so that
+no eval branches on the model library (:func:`attnpatch.patchers.adapters.adapter_for` finds the
+adapter).  Each answer is the model's or a refusal (:class:`~attnpatch.errors.UnsupportedModelError`
+naming the model), never a silent default.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol, Sequence, runtime_checkable
 
 import torch
 
 if TYPE_CHECKING:  # annotations only: no import at run time
-    from .registry import ModelGeometry
+    from .contract import ModelGeometry
     from .runtime import PatchHandle
 
-__all__ = ["Adapter"]
+__all__ = ["Adapter", "PreprocessConfig"]
+
+
+@dataclass(frozen=True)
+class PreprocessConfig:
+    """A model's own image preprocessing, described library-neutrally (what :meth:`Adapter.preprocess_config` returns).
+
+    Attributes:
+        library: whose pipeline it is: ``"hf"`` (a Hugging Face image processor), ``"timm"`` (a timm data
+            config) or ``"open_clip"`` (open_clip's ``preprocess_cfg``).
+        resolution: side in pixels of the square input the pipeline makes, or ``None`` where it does not
+            make a square one (an HF processor that only resizes the shortest edge).
+        resize: what the resize step targets before the crop, as the eval's ``Preprocess.resize`` records
+            it (``{"shortest_edge": 256}``, ``{"height": 224, "width": 224}``, ``{"scale_size": 256}``,
+            ``{"shortest_edge": 224, "mode": "shortest"}``).
+        crop: side in pixels of the centre crop, or ``None`` without one.
+        interpolation: the resize filter (``"bicubic"``, ``"bilinear"``, ...), or ``None`` where not given.
+        mean, std: per-channel normalisation, in units of ``[0, 1]`` pixel values (the pipeline computes
+            ``(x / 255 - mean) / std``).
+        native: what the library's own pipeline takes: the HF image processor, the timm data config dict
+            (``input_size``, ``interpolation``, ``mean``, ``std``, ``crop_pct``, ``crop_mode``), or
+            open_clip's ``preprocess_cfg`` dict.
+    """
+
+    library: str
+    resolution: int | None
+    resize: dict[str, Any]
+    crop: int | None
+    interpolation: str | None
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+    native: Any = field(default=None, repr=False, compare=False)
 
 
 @runtime_checkable
@@ -33,6 +71,8 @@ class Adapter(Protocol):
     library: str
     supports: str
 
+    # ------------------------------------------------------------------ the patch
+
     def detect(self, model: torch.nn.Module) -> str | None:
         """The model's kind (``"causal_lm"``, ``"vision"``, ``"text"``) if this adapter handles it, else ``None``."""
 
@@ -46,10 +86,11 @@ class Adapter(Protocol):
         """Model checks before anything is changed (raises ``UnsupportedModelError``); method options are checked by the method."""
 
     def features(self, handle: PatchHandle) -> dict[str, str]:
-        """Model features of :data:`~attnpatch.patchers.registry.MODEL_FEATURES` the routed attention uses, with where."""
+        """Model features of :data:`~attnpatch.patchers.contract.MODEL_FEATURES` the routed attention uses, with where."""
 
-    def geometry(self, handle: PatchHandle) -> ModelGeometry:
-        """Layers, heads, key/value heads and head size of the routed attention (for the method's check)."""
+    def geometry(self, model: torch.nn.Module, towers: tuple[str, ...], kind: str) -> ModelGeometry:
+        """Layers, heads, key/value heads and head size of the attention of ``towers`` (for the method's check and
+        :func:`attnpatch.model_geometry`), read from the model without changing it; ``kind`` is recorded."""
 
     def layer_count(self, handle: PatchHandle) -> int:
         """Number of attention modules the patch routes."""
@@ -66,3 +107,34 @@ class Adapter(Protocol):
 
     def restore(self, handle: PatchHandle, undo: Any) -> None:
         """Undo :meth:`apply`: the model computes bit for bit what it computed before."""
+
+    # ------------------------------------------------------------------ what the evals ask
+
+    def patch_size(self, model: torch.nn.Module, tower: str = "vision") -> int:
+        """Side in pixels of the square patches of ``tower``; raises ``UnsupportedModelError`` naming the model
+        when the model has no such tower or does not say."""
+
+    def grid(self, model: torch.nn.Module, resolution: int, tower: str = "vision") -> tuple[int, int]:
+        """``(rows, columns)`` of patches of a square ``resolution``-pixel input (pixels past the last whole patch dropped)."""
+
+    def token_count(self, model: torch.nn.Module, resolution: int, tower: str = "vision") -> int:
+        """Tokens the attention of ``tower`` sees on a square ``resolution``-pixel input: patches + prefix tokens."""
+
+    def feature_prefix_tokens(self, model: torch.nn.Module) -> int:
+        """Leading tokens :meth:`encode` leaves out of the patch mean: slot 0 (read as the image feature) and registers."""
+
+    def preprocess_config(self, model: torch.nn.Module, processor: Any = None) -> PreprocessConfig:
+        """The model's own image preprocessing (``processor``: its image processor / data config where the
+        model does not carry it); raises ``UnsupportedModelError`` when it cannot tell."""
+
+    def encode(
+        self, model: torch.nn.Module, pixel_values: torch.Tensor, layers: Sequence[int] = ()
+    ) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
+        """Frozen features of a ViT encoder: ``(cls [B, C], patch_mean [B, C])`` float32 on CPU (and with
+        ``layers`` ``{layer: cls_l [B, C]}``); raises ``UnsupportedModelError`` for a model that is not one."""
+
+    def embed_image(self, model: torch.nn.Module, pixel_values: torch.Tensor) -> torch.Tensor:
+        """Projected image embeddings ``[B, D]`` of a dual encoder (not normalised); raises ``UnsupportedModelError`` otherwise."""
+
+    def embed_text(self, model: torch.nn.Module, tokens: Any) -> torch.Tensor:
+        """Projected text embeddings ``[T, D]`` of a dual encoder (not normalised); raises ``UnsupportedModelError`` otherwise."""

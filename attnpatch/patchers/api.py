@@ -2,7 +2,7 @@
 
 :func:`patch` finds the model's adapter in :data:`~attnpatch.patchers.adapters.ADAPTERS`, checks
 the method against the model (model kinds of the routed towers, model features, the method's own
-option checks against the :class:`~attnpatch.patchers.registry.ModelGeometry`) and installs a
+option checks against the :class:`~attnpatch.patchers.contract.ModelGeometry`) and installs a
 :class:`~attnpatch.patchers.runtime.PatchHandle`.  Layering: this module sits on top; the
 adapters, the runtime and the methods never import it.
 """
@@ -16,9 +16,11 @@ import torch
 
 from ..errors import OptionError, PatchStateError, UnsupportedModelError
 from .adapter import Adapter
-from .adapters import ADAPTERS
-from .registry import MODEL_FEATURES, Method, ModelGeometry, check_config_geometry, get_method, validate_options
-from .runtime import PatchHandle, Recorder
+from .adapters import detect, supported_text
+from .config_file import check_config_geometry
+from .contract import MODEL_FEATURES, Method, ModelGeometry
+from .registry import get_method, resolve_options
+from .runtime import HANDLE_ATTR, PatchHandle, Recorder, handle_on
 from .state import ForwardState, LayerRecord
 
 __all__ = [
@@ -39,27 +41,18 @@ __all__ = [
     "prefix_tokens",
 ]
 
-_HANDLE_ATTR = "_attnpatch_handle"
-
-
-def _supported_text() -> str:
-    phrases = [a.supports for a in ADAPTERS]
-    return phrases[0] if len(phrases) == 1 else ", ".join(phrases[:-1]) + " and " + phrases[-1]
-
-
 def find_adapter(model: torch.nn.Module) -> tuple[Adapter, str]:
     """``(adapter, kind)``: the first adapter of :data:`~attnpatch.patchers.adapters.ADAPTERS` that handles ``model``.
 
     Raises:
         UnsupportedModelError: no adapter handles it; the message lists what each adapter supports.
     """
-    for adapter in ADAPTERS:
-        kind = adapter.detect(model)
-        if kind is not None:
-            return adapter, kind
-    raise UnsupportedModelError(
-        f"cannot patch a {type(model).__module__}.{type(model).__name__}: supported are {_supported_text()}"
-    )
+    found = detect(model)
+    if found is None:
+        raise UnsupportedModelError(
+            f"cannot patch a {type(model).__module__}.{type(model).__name__}: supported are {supported_text()}"
+        )
+    return found
 
 
 def prefix_tokens(model: torch.nn.Module, kind: str | None = None) -> int:
@@ -88,6 +81,14 @@ def _tower_kinds(adapter: Adapter, model: torch.nn.Module, kind: str) -> dict[st
     """Every tower of ``model`` and its kind, in model order (one tower of the detected kind if the adapter lists none)."""
     kinds = dict(adapter.towers(model))
     return kinds or {("vision" if kind == "vision" else "text"): kind}
+
+
+def _routed_kind(kinds: dict[str, str], chosen: tuple[str, ...]) -> str:
+    """The kind of the routed towers: the model's one kind, or the chosen towers' kinds joined by ``+`` (``"vision+text"``)."""
+    if len(kinds) == 1:
+        (only,) = kinds.values()
+        return only
+    return "+".join(dict.fromkeys(kinds[t] for t in chosen))
 
 
 def _choose_towers(model: torch.nn.Module, adapter: Adapter, kinds: dict[str, str], towers: Any) -> tuple[str, ...]:
@@ -163,9 +164,9 @@ def patch(model: torch.nn.Module, method: str = "anchor_attention", *, towers: A
         PatchStateError: ``model`` is already patched (call :func:`unpatch` first).
     """
     m = get_method(method)
-    full = validate_options(m, options)
-    if getattr(model, _HANDLE_ATTR, None) is not None:
-        cur = getattr(model, _HANDLE_ATTR)
+    full, saved = resolve_options(m, options)  # a config file is read here, once
+    cur = handle_on(model)
+    if cur is not None:
         raise PatchStateError(
             f"{type(model).__name__} is already patched with {cur.method.name!r}; call attnpatch.unpatch(model) first"
         )
@@ -179,7 +180,6 @@ def patch(model: torch.nn.Module, method: str = "anchor_attention", *, towers: A
                 f"method {m.name!r} fits model kinds {sorted(m.model_kinds)}, but {type(model).__name__} is a {only!r} model"
                 + _KIND_NOTE.get(only, "")
             )
-        kind = only
     else:
         for t in chosen:
             if not m.fits(kinds[t]):
@@ -190,13 +190,13 @@ def patch(model: torch.nn.Module, method: str = "anchor_attention", *, towers: A
                     + (f"Route only {', '.join(map(repr, fitting))} (towers={tuple(fitting)!r})" if fitting else "No tower of this model fits it")
                     + f"; the default is towers={tuple(adapter.default_towers(model))!r}"
                 )
-        kind = "+".join(dict.fromkeys(kinds[t] for t in chosen))
+    kind = _routed_kind(kinds, chosen)
     handle = PatchHandle(model, m, full, adapter, kind, towers=chosen, tower_kinds=kinds)
     adapter.check(handle)
     _check_features(model, m, adapter, handle)
-    geometry = adapter.geometry(handle)
+    geometry = adapter.geometry(model, chosen, kind)
     if full.get("config") is not None:
-        check_config_geometry(full["config"], geometry, type(model).__name__)
+        check_config_geometry(full["config"], geometry, type(model).__name__, data=saved)
     if m.check is not None:
         try:
             m.check(handle.config, geometry)
@@ -205,29 +205,32 @@ def patch(model: torch.nn.Module, method: str = "anchor_attention", *, towers: A
                 raise
             raise OptionError(f"config={full['config']!r}: {e}") from None
     handle.install()
-    object.__setattr__(model, _HANDLE_ATTR, handle)
+    object.__setattr__(model, HANDLE_ATTR, handle)
     return model
 
 
 def model_geometry(model: torch.nn.Module, *, towers: Any = None) -> ModelGeometry:
     """The geometry of the attention a patch routes: layers, heads, KV heads, head size (what a saved config records).
 
-    Of ``model``'s own patch when it is patched, else of ``patch(model, "dense", towers=towers)`` (patched and
-    unpatched again, bit for bit).
+    Of ``model``'s own patch when it is patched (its routed towers; ``towers`` is not used then), else of the
+    towers ``patch(model, ..., towers=towers)`` would route, read by the model's adapter from the model
+    itself: nothing is patched, the model is left as it is.
 
     Raises:
-        UnsupportedModelError: no adapter handles this model class.
+        UnsupportedModelError: no adapter handles this model class, or its adapter refuses the model (as
+            :func:`patch` would, e.g. an open_clip image tower that is not a ViT).
         OptionError: ``towers`` names no tower of this model.
     """
-    handle = getattr(model, _HANDLE_ATTR, None)
+    handle = handle_on(model)
     if handle is not None:
-        return handle.adapter.geometry(handle)
-    patch(model, "dense", towers=towers)
-    try:
-        handle = getattr(model, _HANDLE_ATTR)
-        return handle.adapter.geometry(handle)
-    finally:
-        unpatch(model)
+        return handle.adapter.geometry(handle.model, handle.towers, handle.kind)
+    adapter, kind = find_adapter(model)
+    kinds = _tower_kinds(adapter, model, kind)
+    chosen = _choose_towers(model, adapter, kinds, towers)
+    kind = _routed_kind(kinds, chosen)
+    # the adapter's refusals of the model, as patch(model, "dense") gives them; the handle is never installed
+    adapter.check(PatchHandle(model, get_method("dense"), {}, adapter, kind, towers=chosen, tower_kinds=kinds))
+    return adapter.geometry(model, chosen, kind)
 
 
 def unpatch(model: torch.nn.Module) -> torch.nn.Module:
@@ -236,11 +239,11 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
     Raises:
         PatchStateError: ``model`` is not patched.
     """
-    handle = getattr(model, _HANDLE_ATTR, None)
+    handle = handle_on(model)
     if handle is None:
         raise PatchStateError(f"{type(model).__name__} is not patched; nothing to unpatch")
     handle.remove()
-    object.__delattr__(model, _HANDLE_ATTR)
+    object.__delattr__(model, HANDLE_ATTR)
     return model
 
 
@@ -262,7 +265,7 @@ def patched(model: torch.nn.Module, method: str = "anchor_attention", *, towers:
 
 def is_patched(model: torch.nn.Module) -> bool:
     """Whether ``model`` is currently patched."""
-    return getattr(model, _HANDLE_ATTR, None) is not None
+    return handle_on(model) is not None
 
 
 def handle_of(model: torch.nn.Module) -> PatchHandle:
@@ -271,7 +274,7 @@ def handle_of(model: torch.nn.Module) -> PatchHandle:
     Raises:
         PatchStateError: ``model`` is not patched.
     """
-    handle = getattr(model, _HANDLE_ATTR, None)
+    handle = handle_on(model)
     if handle is None:
         raise PatchStateError(f"{type(model).__name__} is not patched")
     return handle
@@ -279,7 +282,7 @@ def handle_of(model: torch.nn.Module) -> PatchHandle:
 
 def patch_info(model: torch.nn.Module) -> dict[str, Any] | None:
     """``{"method", "options", "kind", "layers", "towers"}`` of a patched model, or ``None`` if not patched."""
-    handle = getattr(model, _HANDLE_ATTR, None)
+    handle = handle_on(model)
     if handle is None:
         return None
     return {

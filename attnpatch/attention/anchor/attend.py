@@ -13,7 +13,9 @@ from ...errors import OptionError
 from ..cpu_kernel import kernel_status, stripe_kernel
 from . import tiles
 from .config import AnchorConfig
-from .select import _Geometry, _pad_rows
+from .select import CallGeometry, pad_rows
+
+__all__ = ["dense_causal_attention", "pair_counts", "compiled_kernel", "sparse_attend", "dense_heads_attention", "dense_rows_attention"]
 
 
 def dense_causal_attention(
@@ -52,7 +54,7 @@ def dense_causal_attention(
     return out
 
 
-def _pair_counts(keep: torch.Tensor | None, geo: _Geometry, cfg: AnchorConfig, dense_from: int | None = None):
+def pair_counts(keep: torch.Tensor | None, geo: CallGeometry, cfg: AnchorConfig, dense_from: int | None = None):
     """Causal pairs ``[B, H or 1]`` and kept causal pairs ``[B, Hs]`` from the stripe mask ``keep`` [B, Hs, nb, Lk].
 
     Queries with index ``>= dense_from`` count as keeping every causal key.
@@ -78,7 +80,7 @@ def _pair_counts(keep: torch.Tensor | None, geo: _Geometry, cfg: AnchorConfig, d
 _FLASH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
-def _lse_path_ok(q: torch.Tensor, geo: _Geometry) -> bool:
+def _lse_path_ok(q: torch.Tensor, geo: CallGeometry) -> bool:
     """Whether the two-part (diagonal + off-diagonal, log-sum-exp merged) path applies.
 
     It needs PyTorch's CPU flash-attention kernel, which also returns each row's log-sum-exp;
@@ -92,7 +94,7 @@ def _lse_path_ok(q: torch.Tensor, geo: _Geometry) -> bool:
     )
 
 
-def _compiled(q: torch.Tensor, geo: _Geometry, cfg: AnchorConfig):
+def compiled_kernel(q: torch.Tensor, geo: CallGeometry, cfg: AnchorConfig):
     """The compiled stripe-attention kernel when ``cfg.kernel`` asks for it and it runs here, else ``None``.
 
     Raises:
@@ -116,10 +118,10 @@ def _compiled(q: torch.Tensor, geo: _Geometry, cfg: AnchorConfig):
     return mod
 
 
-def _sparse_attend(q, k, v, keep, geo: _Geometry, cfg: AnchorConfig, scale: float, *, merge: bool | None = None) -> torch.Tensor:
+def sparse_attend(q, k, v, keep, geo: CallGeometry, cfg: AnchorConfig, scale: float, *, merge: bool | None = None) -> torch.Tensor:
     """Exact attention of each query block over its kept keys.
 
-    With the compiled CPU kernel (``cfg.kernel``, see :func:`_compiled`), each (batch, head, query
+    With the compiled CPU kernel (``cfg.kernel``, see :func:`compiled_kernel`), each (batch, head, query
     block) gathers its kept keys ``tiles.KV_TILE`` at a time into a per-thread buffer inside a
     flash-attention loop (online softmax, Dao et al. 2022, Alg. 1) that ends with the causal
     diagonal block; nothing of size ``queries x kept keys`` and no gathered copy of K/V is
@@ -146,7 +148,7 @@ def _sparse_attend(q, k, v, keep, geo: _Geometry, cfg: AnchorConfig, scale: floa
     g = h // hkv
     bq, nb = cfg.block_size, geo.nb
     dev = q.device
-    kern = _compiled(q, geo, cfg) if merge is None else None
+    kern = compiled_kernel(q, geo, cfg) if merge is None else None
     if kern is not None:
         return kern.stripe_attention(
             q.contiguous(), k.contiguous(), v.contiguous(), keep.contiguous(), geo.q_offset, bq, scale, tiles.KV_TILE, tiles.Q_TILE
@@ -158,7 +160,7 @@ def _sparse_attend(q, k, v, keep, geo: _Geometry, cfg: AnchorConfig, scale: floa
     j = torch.arange(lk, device=dev)
     off = (keep & (j < p0[:, None])).reshape(n_groups, lk)  # kept keys strictly before the block
     counts = off.sum(-1)
-    qg = _pad_rows(q, nb * bq).reshape(n_groups, bq, d)
+    qg = pad_rows(q, nb * bq).reshape(n_groups, bq, d)
     grp = torch.arange(n_groups, device=dev)
     g_b, g_h, g_blk = grp // (h * nb), (grp // nb) % h, grp % nb
     kv_base = (g_b * hkv + g_h // g) * lk  # flat row of key 0 of the group's key/value head
@@ -186,8 +188,8 @@ def _sparse_attend(q, k, v, keep, geo: _Geometry, cfg: AnchorConfig, scale: floa
 
     if merge:
         # diagonal blocks: keys at the block's own positions, causal; padded rows/keys only meet each other
-        kd = _pad_rows(k[:, :, geo.q_offset : geo.q_offset + lq], nb * bq).reshape(b, hkv, 1, nb, bq, d)
-        vd = _pad_rows(v[:, :, geo.q_offset : geo.q_offset + lq], nb * bq).reshape(b, hkv, 1, nb, bq, d)
+        kd = pad_rows(k[:, :, geo.q_offset : geo.q_offset + lq], nb * bq).reshape(b, hkv, 1, nb, bq, d)
+        vd = pad_rows(v[:, :, geo.q_offset : geo.q_offset + lq], nb * bq).reshape(b, hkv, 1, nb, bq, d)
         kd = kd.expand(b, hkv, g, nb, bq, d).reshape(n_groups, 1, bq, d)
         vd = vd.expand(b, hkv, g, nb, bq, d).reshape(n_groups, 1, bq, d)
         out, lse = _FLASH_LSE(qg[:, None], kd, vd, 0.0, True, scale=scale)
@@ -242,7 +244,7 @@ def _sparse_attend(q, k, v, keep, geo: _Geometry, cfg: AnchorConfig, scale: floa
 
 
 
-def _dense_heads(q, k, v, heads: torch.Tensor, scale: float, q_offset: int, key_valid) -> torch.Tensor:
+def dense_heads_attention(q, k, v, heads: torch.Tensor, scale: float, q_offset: int, key_valid) -> torch.Tensor:
     """``[B, H, Lq, D]`` exact causal attention for the query heads where ``heads`` ([H] bool) is True
     (zeros elsewhere): one fused call per key/value head over its selected query heads, K/V not repeated."""
     h, hkv = q.shape[1], k.shape[1]
@@ -258,13 +260,13 @@ def _dense_heads(q, k, v, heads: torch.Tensor, scale: float, q_offset: int, key_
     return out
 
 
-def _dense_rows(q, k, v, heads: torch.Tensor, scale: float, geo: _Geometry, r0: int, r1: int) -> torch.Tensor:
+def dense_rows_attention(q, k, v, heads: torch.Tensor, scale: float, geo: CallGeometry, r0: int, r1: int) -> torch.Tensor:
     """``[B, H, r1 - r0, D]`` exact causal attention of the query rows ``r0 .. r1 - 1`` (absolute positions
     ``q_offset + r0 ..``) for the query heads where ``heads`` ([H] bool) is True, zeros elsewhere.
 
     On the CPU without inner padding (:func:`_lse_path_ok`): per key/value head, one flash-attention call
     over the keys before the rows and one causal call over the rows' own keys, merged by their
-    log-sum-exps (Dao et al. 2022, Sec. 3.1); K/V are not repeated.  Otherwise :func:`_dense_heads` in
+    log-sum-exps (Dao et al. 2022, Sec. 3.1); K/V are not repeated.  Otherwise :func:`dense_heads_attention` in
     chunks of about ``tiles.CHUNK_ELEMENTS / Lk`` rows, each against the keys up to its own last query (a
     chunk's mask is ``rows x keys`` booleans, never ``Lq x Lk``).
     """
@@ -279,7 +281,7 @@ def _dense_rows(q, k, v, heads: torch.Tensor, scale: float, geo: _Geometry, r0: 
         for c0 in range(r0, r1, step):
             c1 = min(r1, c0 + step)
             e = geo.q_offset + c1  # keys after the chunk's last query are causal for none of its rows
-            out[:, :, c0 - r0 : c1 - r0] = _dense_heads(
+            out[:, :, c0 - r0 : c1 - r0] = dense_heads_attention(
                 q[:, :, c0:c1], k[:, :, :e], v[:, :, :e], heads, scale, geo.q_offset + c0, key_valid[:, :e]
             )
         return out

@@ -9,11 +9,13 @@ import math
 import torch
 
 from ...errors import OptionError
-from .attend import _compiled, _dense_heads, _dense_rows, _pair_counts, _sparse_attend, dense_causal_attention
-from .config import AnchorConfig, AnchorStats
-from .guard import _causal_guard, _kept_mass, _probe_recall
 from ..prefill import check_inputs, per_sequence, split_padding
-from .select import _causal_keys, _geometry, _select
+from .attend import compiled_kernel, dense_causal_attention, dense_heads_attention, dense_rows_attention, pair_counts, sparse_attend
+from .config import AnchorConfig, AnchorStats
+from .guard import causal_guard, kept_mass, probe_recall
+from .select import call_geometry, causal_keys, select_kept
+
+__all__ = ["anchor_attention", "anchor_per_sequence"]
 
 
 def anchor_attention(
@@ -37,13 +39,13 @@ def anchor_attention(
     (batch, head, query block) gathers its kept keys tile by tile inside an online-softmax loop,
     K/V never repeated or copied whole); other inputs gather, per (batch, head, query block), the
     kept keys padded to the largest kept set of a bucket of blocks sorted by kept count, and run
-    batched fused attention.  There is no Python loop over queries or heads (see ``_sparse_attend``).
+    batched fused attention.  There is no Python loop over queries or heads (see ``sparse_attend``).
 
     Speed and recall of the defaults and of faster settings, against causal SDPA on captured inputs:
     BENCHMARKS.md.  Heads the global recall
     guard makes dense run PyTorch's fused causal attention (one call per key/value head, K/V not repeated);
     blocks the causal guard makes dense run the compiled kernel over every causal key, or on the PyTorch path
-    fused attention over the rows from the first guarded block (:func:`_dense_rows`).
+    fused attention over the rows from the first guarded block (:func:`dense_rows_attention`).
 
     Args:
         q: ``[B, H, Lq, D]`` queries at absolute positions ``q_offset .. q_offset+Lq-1``.
@@ -75,7 +77,7 @@ def anchor_attention(
     want_stats = return_stats or compute_recall
     split = split_padding(key_valid, q_offset, lq)
     if split is not None:
-        return _per_sequence(
+        return anchor_per_sequence(
             anchor_attention, q, k, v, cfg, split, scale=scale, q_offset=q_offset, key_valid=key_valid,
             dense_heads=dense_heads, return_stats=return_stats, compute_recall=compute_recall,
         )
@@ -84,14 +86,14 @@ def anchor_attention(
     dense_set = sorted({int(x) for x in dense_heads})
     if any(x < 0 or x >= h for x in dense_set):
         raise OptionError(f"dense_heads={dense_set}: head indices must be in 0..{h - 1}")
-    geo = _geometry(q, k, cfg, q_offset, key_valid)
+    geo = call_geometry(q, k, cfg, q_offset, key_valid)
     sparse_heads = [x for x in range(h) if x not in dense_set]
     if cfg.theta == math.inf or not sparse_heads or ls == 0 or lq < cfg.min_len_on(q.device):
         # every causal key is kept (or the prompt is shorter than min_len): exactly dense
         out = dense_causal_attention(q, k, v, scale=scale, q_offset=q_offset, key_valid=key_valid)
         stats = None
         if want_stats:
-            causal = _pair_counts(None, geo, cfg)[0].expand(b, h).clone()
+            causal = pair_counts(None, geo, cfg)[0].expand(b, h).clone()
             stats = AnchorStats(causal, causal.clone(), None, torch.ones_like(causal) if compute_recall else None)
         return out, stats
     g = h // hkv
@@ -100,34 +102,34 @@ def anchor_attention(
         qh, kh, vh = q.index_select(1, sidx), k.index_select(1, sidx // g), v.index_select(1, sidx // g)
     else:
         qh, kh, vh = q, k, v
-    keep = _select(qh, kh, cfg, scale, geo)
+    keep = select_kept(qh, kh, cfg, scale, geo)
     low = None  # [B, Hs, nb] bool: the (sequence, head, query block) triples the recall guard makes dense
     if cfg.min_recall > 0 and cfg.guard == "global":  # heads that lose too much mass on the probe blocks
-        heads_low = _probe_recall(qh, kh, keep, geo, cfg, scale, ls) < cfg.min_recall  # [B, Hs]
+        heads_low = probe_recall(qh, kh, keep, geo, cfg, scale, ls) < cfg.min_recall  # [B, Hs]
         low = heads_low[:, :, None].expand(-1, -1, geo.nb) if bool(heads_low.any()) else None
     elif cfg.min_recall > 0:  # causal: blocks whose probes so far lost too much mass
-        low = _causal_guard(qh, kh, keep, geo, cfg, scale)
+        low = causal_guard(qh, kh, keep, geo, cfg, scale)
     if low is None:
-        o = _sparse_attend(qh, kh, vh, keep, geo, cfg, scale)
-    elif cfg.guard == "causal" and _compiled(qh, geo, cfg) is not None:
+        o = sparse_attend(qh, kh, vh, keep, geo, cfg, scale)
+    elif cfg.guard == "causal" and compiled_kernel(qh, geo, cfg) is not None:
         # the compiled kernel takes a guarded block's every causal key at about the fused kernel's cost per pair
-        o = _sparse_attend(qh, kh, vh, torch.where(low[..., None], _causal_keys(geo)[:, None], keep), geo, cfg, scale)
+        o = sparse_attend(qh, kh, vh, torch.where(low[..., None], causal_keys(geo)[:, None], keep), geo, cfg, scale)
     else:
         # guarded blocks gather nothing (diagonal block only) and take the fused dense result
-        o = _sparse_attend(qh, kh, vh, keep.masked_fill(low[..., None], False), geo, cfg, scale)
+        o = sparse_attend(qh, kh, vh, keep.masked_fill(low[..., None], False), geo, cfg, scale)
         if cfg.guard == "global":
-            dense = _dense_heads(qh, kh, vh, low[:, :, 0].any(0), scale, q_offset, key_valid)
+            dense = dense_heads_attention(qh, kh, vh, low[:, :, 0].any(0), scale, q_offset, key_valid)
             o = torch.where(low[:, :, :1, None], dense, o)
         else:
             r0 = int(low.any(1).any(0).nonzero()[0]) * cfg.block_size  # first guarded query row
             if r0 < ls:  # rows from ls on attend densely anyway (dense_last)
                 rows = low.repeat_interleave(cfg.block_size, -1)[:, :, r0:ls, None]
-                dense = _dense_rows(qh, kh, vh, low.any(-1).any(0), scale, geo, r0, ls)
+                dense = dense_rows_attention(qh, kh, vh, low.any(-1).any(0), scale, geo, r0, ls)
                 o[:, :, r0:ls] = torch.where(rows, dense, o[:, :, r0:ls])
     if dense_set:
         configured = torch.zeros(h, dtype=torch.bool, device=q.device)
         configured[dense_set] = True
-        out = _dense_heads(q, k, v, configured, scale, q_offset, key_valid)
+        out = dense_heads_attention(q, k, v, configured, scale, q_offset, key_valid)
         out[:, sidx] = o
     else:
         out = o
@@ -138,8 +140,8 @@ def anchor_attention(
     if not want_stats:
         return out, None
     if low is not None:  # guarded blocks kept every causal key
-        keep = torch.where(low[..., None], _causal_keys(geo)[:, None], keep)
-    causal, kept_s = _pair_counts(keep, geo, cfg, dense_from=ls)
+        keep = torch.where(low[..., None], causal_keys(geo)[:, None], keep)
+    causal, kept_s = pair_counts(keep, geo, cfg, dense_from=ls)
     causal = causal.expand(b, h).clone()
     kept = causal.clone()
     kept[:, sparse_heads] = kept_s
@@ -147,7 +149,7 @@ def anchor_attention(
     kept_cols[:, sparse_heads] = keep.sum(-1)
     stats = AnchorStats(causal, kept, kept_cols)
     if compute_recall:
-        r = _kept_mass(qh, kh, keep, geo, cfg, scale)  # [B, Hs, Lq]
+        r = kept_mass(qh, kh, keep, geo, cfg, scale)  # [B, Hs, Lq]
         r[:, :, ls:] = 1.0
         qv = geo.query_valid[:, :lq].double()
         recall = torch.ones(b, h, dtype=torch.float64, device=q.device)
@@ -157,7 +159,7 @@ def anchor_attention(
 
 
 
-def _per_sequence(fn, q, k, v, cfg, ranges, *, scale, q_offset, key_valid, dense_heads, return_stats, compute_recall):
+def anchor_per_sequence(fn, q, k, v, cfg, ranges, *, scale, q_offset, key_valid, dense_heads, return_stats, compute_recall):
     """Run ``fn`` (:func:`anchor_attention` or the reference) on each sequence with its padding stripped
     (:func:`~attnpatch.attention.prefill.per_sequence`); padded query rows get zeros."""
     b, h, lq, _ = q.shape

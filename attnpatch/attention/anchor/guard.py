@@ -9,12 +9,14 @@ import math
 import torch
 
 from . import tiles
-from .attend import _compiled
+from .attend import compiled_kernel
 from .config import AnchorConfig
-from .select import _Geometry, _grouped, _pad_rows
+from .select import CallGeometry, grouped_heads, pad_rows
+
+__all__ = ["kept_mass", "probe_blocks", "causal_probe_blocks", "probe_recall", "causal_guard"]
 
 
-def _block_mass(qpad, kf, keep, geo: _Geometry, cfg: AnchorConfig, scale: float, c0: int, c1: int) -> torch.Tensor:
+def _block_mass(qpad, kf, keep, geo: CallGeometry, cfg: AnchorConfig, scale: float, c0: int, c1: int) -> torch.Tensor:
     """``[B, H, (c1 - c0) * block_size]`` exact softmax mass (over valid causal keys) on the kept keys of
     the queries of blocks ``c0 .. c1 - 1``; ``qpad`` ``[B, H, nb * block_size, D]`` and ``kf`` in float32.
 
@@ -27,7 +29,7 @@ def _block_mass(qpad, kf, keep, geo: _Geometry, cfg: AnchorConfig, scale: float,
     dev = qpad.device
     r0, r1 = c0 * bq, c1 * bq
     lc = min(geo.lk, geo.q_offset + r1)  # keys after the last query are never causal
-    qc = _grouped(qpad[:, :, r0:r1], hkv) * scale
+    qc = grouped_heads(qpad[:, :, r0:r1], hkv) * scale
     s = torch.einsum("bkgqd,bkjd->bkgqj", qc, kf[:, :, :lc]).reshape(b, h, r1 - r0, lc)
     c = max(0, min(lc, geo.q_offset + r0))  # causality only masks keys at or after the first query
     i = geo.q_offset + torch.arange(r0, r1, device=dev)
@@ -40,7 +42,7 @@ def _block_mass(qpad, kf, keep, geo: _Geometry, cfg: AnchorConfig, scale: float,
     return mass.reshape(b, h, r1 - r0).nan_to_num_(0.0).double()  # a row without any valid key has mass 0
 
 
-def _kept_mass(q, k, keep, geo: _Geometry, cfg: AnchorConfig, scale: float) -> torch.Tensor:
+def kept_mass(q, k, keep, geo: CallGeometry, cfg: AnchorConfig, scale: float) -> torch.Tensor:
     """``[B, H, Lq]`` exact softmax mass (over valid causal keys) carried by each query's kept keys.
 
     One dense softmax pass in chunks of query blocks (never an ``Lq x Lk`` buffer for all
@@ -48,7 +50,7 @@ def _kept_mass(q, k, keep, geo: _Geometry, cfg: AnchorConfig, scale: float) -> t
     """
     b, h, lq, d = q.shape
     bq, nb = cfg.block_size, geo.nb
-    qpad = _pad_rows(q.float(), nb * bq)
+    qpad = pad_rows(q.float(), nb * bq)
     kf = k.float()
     out = torch.empty(b, h, nb * bq, dtype=torch.float64, device=q.device)
     step = max(1, tiles.CHUNK_ELEMENTS // max(b * h * bq * geo.lk, 1))
@@ -58,7 +60,7 @@ def _kept_mass(q, k, keep, geo: _Geometry, cfg: AnchorConfig, scale: float) -> t
     return out[:, :, :lq]
 
 
-def _probe_blocks(cfg: AnchorConfig, n_sparse: int) -> list[int]:
+def probe_blocks(cfg: AnchorConfig, n_sparse: int) -> list[int]:
     """Evenly spaced query blocks (holding sparse queries) the recall guard measures."""
     nsb = -(-n_sparse // cfg.block_size)
     if nsb <= 0:
@@ -67,7 +69,7 @@ def _probe_blocks(cfg: AnchorConfig, n_sparse: int) -> list[int]:
     return sorted({(nsb - 1) * i // max(m - 1, 1) for i in range(m)})
 
 
-def _causal_probe_blocks(cfg: AnchorConfig, q_offset: int, nb: int) -> list[int]:
+def causal_probe_blocks(cfg: AnchorConfig, q_offset: int, nb: int) -> list[int]:
     """Query blocks the causal recall guard (``guard="causal"``) measures, among ``0 .. nb - 1``.
 
     ``f - 1 + d`` for ``d`` in 1, 2, 3, 4, 6, 8, 12, 16, 24, ... (the powers of two and 1.5 times
@@ -85,7 +87,7 @@ def _causal_probe_blocks(cfg: AnchorConfig, q_offset: int, nb: int) -> list[int]
     return out
 
 
-def _probe_masses(q, k, keep, geo: _Geometry, cfg: AnchorConfig, scale: float, blocks: list[int]):
+def _probe_masses(q, k, keep, geo: CallGeometry, cfg: AnchorConfig, scale: float, blocks: list[int]):
     """``[B, H, block_size]`` exact softmax mass on the kept keys of the rows of each of ``blocks`` (an iterable).
 
     With the compiled CPU kernel (``cfg.kernel``) one pass over the probe blocks' causal keys keeps
@@ -93,23 +95,23 @@ def _probe_masses(q, k, keep, geo: _Geometry, cfg: AnchorConfig, scale: float, b
     """
     b, h = q.shape[:2]
     bq = cfg.block_size
-    kern = _compiled(q, geo, cfg)
+    kern = compiled_kernel(q, geo, cfg)
     if kern is not None and blocks:
         return kern.kept_mass(
             q.contiguous(), k.contiguous(), keep.contiguous(), torch.tensor(blocks), geo.q_offset, bq, scale,
             tiles.KV_TILE, tiles.Q_TILE,
         ).view(b, h, len(blocks), bq).unbind(2)
-    qpad = _pad_rows(q.float(), geo.nb * bq)
+    qpad = pad_rows(q.float(), geo.nb * bq)
     kf = k.float()
     return (_block_mass(qpad, kf, keep, geo, cfg, scale, blk, blk + 1) for blk in blocks)
 
 
-def _probe_recall(q, k, keep, geo: _Geometry, cfg: AnchorConfig, scale: float, n_sparse: int) -> torch.Tensor:
+def probe_recall(q, k, keep, geo: CallGeometry, cfg: AnchorConfig, scale: float, n_sparse: int) -> torch.Tensor:
     """``[B, H]`` exact softmax mass on the kept keys, averaged over the valid sparse queries of the probe blocks
     (the global recall guard, ``guard="global"``)."""
     b, h = q.shape[:2]
     bq = cfg.block_size
-    blocks = _probe_blocks(cfg, n_sparse)
+    blocks = probe_blocks(cfg, n_sparse)
     tot = torch.zeros(b, h, dtype=torch.float64, device=q.device)
     cnt = torch.zeros(b, dtype=torch.float64, device=q.device)
     for blk, mass in zip(blocks, _probe_masses(q, k, keep, geo, cfg, scale, blocks)):
@@ -121,11 +123,11 @@ def _probe_recall(q, k, keep, geo: _Geometry, cfg: AnchorConfig, scale: float, n
     return tot / cnt.clamp(min=1)[:, None]
 
 
-def _causal_guard(q, k, keep, geo: _Geometry, cfg: AnchorConfig, scale: float) -> torch.Tensor | None:
+def causal_guard(q, k, keep, geo: CallGeometry, cfg: AnchorConfig, scale: float) -> torch.Tensor | None:
     """``[B, H, nb]`` bool: the query blocks that the causal recall guard (``guard="causal"``) makes dense, or
     ``None`` when it makes none dense.
 
-    The recall of a probe block (:func:`_causal_probe_blocks`) is the exact softmax mass on its kept keys,
+    The recall of a probe block (:func:`causal_probe_blocks`) is the exact softmax mass on its kept keys,
     averaged over its valid queries (all of them: ``dense_last`` plays no part, so the decision does not
     depend on the prompt's length).  Block ``j >= f`` (the first probe) is dense in a head when the mean
     recall of the probes ``p_1 < ... < p_m <= j`` is below ``min_recall``, probe ``p_i`` weighted by the
@@ -135,7 +137,7 @@ def _causal_guard(q, k, keep, geo: _Geometry, cfg: AnchorConfig, scale: float) -
     """
     b, h = q.shape[:2]
     bq, nb = cfg.block_size, geo.nb
-    blocks = _causal_probe_blocks(cfg, geo.q_offset, nb)
+    blocks = causal_probe_blocks(cfg, geo.q_offset, nb)
     if not blocks:
         return None
     dev = q.device

@@ -7,8 +7,8 @@ import torch
 
 from .config import AnchorConfig
 from ..prefill import check_inputs, split_padding
-from .core import _per_sequence
-from .guard import _causal_probe_blocks, _probe_blocks
+from .core import anchor_per_sequence
+from .guard import causal_probe_blocks, probe_blocks
 
 
 def anchor_attention_reference(
@@ -36,7 +36,7 @@ def anchor_attention_reference(
     hkv, lk = k.shape[1], k.shape[2]
     split = split_padding(key_valid, q_offset, lq)
     if split is not None:
-        return _per_sequence(
+        return anchor_per_sequence(
             anchor_attention_reference, q, k, v, cfg, split, scale=scale, q_offset=q_offset, key_valid=key_valid,
             dense_heads=dense_heads, return_stats=False, compute_recall=False,
         )
@@ -52,7 +52,7 @@ def anchor_attention_reference(
     causal_guard = cfg.guard == "causal"
     probes = set()
     if cfg.min_recall > 0:
-        probes = set(_causal_probe_blocks(cfg, q_offset, nb) if causal_guard else _probe_blocks(cfg, n_sparse))
+        probes = set(causal_probe_blocks(cfg, q_offset, nb) if causal_guard else probe_blocks(cfg, n_sparse))
     for bi in range(b):
         start = next((j for j in range(lk) if valid[bi, j]), lk)
         initial = set(range(start, min(start + cfg.init_block, lk)))

@@ -15,10 +15,22 @@ from ..prefill import check_inputs
 from . import tiles
 from .config import AnchorConfig
 
+__all__ = ["CallGeometry", "call_geometry", "causal_keys", "pad_rows", "grouped_heads", "select_stripes", "select_kept"]
+
 
 @dataclass
-class _Geometry:
-    """Positions shared by the fast path and the statistics."""
+class CallGeometry:
+    """Positions of one attention call, shared by the selection, the sparse attention, the guard and the statistics.
+
+    Attributes:
+        lq, lk: query and key counts (tokens).
+        q_offset: absolute position of the first query.
+        nb: query blocks, ``ceil(lq / block_size)``.
+        key_valid: ``[B, Lk]`` bool, False for padding keys.
+        start: ``[B]`` int64, the first valid key of each sequence.
+        query_valid: ``[B, nb * block_size]`` bool; padded query rows are False.
+        block_end: ``[nb]`` int64, the absolute position one past each block's last query.
+    """
 
     lq: int
     lk: int
@@ -30,7 +42,10 @@ class _Geometry:
     block_end: torch.Tensor  # [nb] absolute position one past the block's last query
 
 
-def _geometry(q: torch.Tensor, k: torch.Tensor, cfg: AnchorConfig, q_offset: int, key_valid: torch.Tensor | None):
+def call_geometry(q: torch.Tensor, k: torch.Tensor, cfg: AnchorConfig, q_offset: int, key_valid: torch.Tensor | None) -> CallGeometry:
+    """The :class:`CallGeometry` of queries ``q`` ``[B, H, Lq, D]`` at positions ``q_offset ..`` over keys
+    ``k`` ``[B, Hkv, Lk, D]`` (``key_valid`` ``[B, Lk]`` bool or ``None`` = all valid), in blocks of
+    ``cfg.block_size`` queries.  Inputs are not checked here (:func:`select_stripes` checks them)."""
     b, _, lq, _ = q.shape
     lk = k.shape[2]
     bq = cfg.block_size
@@ -43,10 +58,10 @@ def _geometry(q: torch.Tensor, k: torch.Tensor, cfg: AnchorConfig, q_offset: int
     in_range = pos < q_offset + lq
     query_valid = in_range[None, :] & key_valid[:, pos.clamp(max=lk - 1)]
     block_end = q_offset + torch.clamp(torch.arange(1, nb + 1, device=dev) * bq, max=lq)
-    return _Geometry(lq, lk, q_offset, nb, key_valid, start, query_valid, block_end)
+    return CallGeometry(lq, lk, q_offset, nb, key_valid, start, query_valid, block_end)
 
 
-def _always_kept(geo: _Geometry, cfg: AnchorConfig) -> torch.Tensor:
+def _always_kept(geo: CallGeometry, cfg: AnchorConfig) -> torch.Tensor:
     """``[B, nb, Lk]`` bool: initial block (from each sequence's first valid token) and local window."""
     j = torch.arange(geo.lk, device=geo.key_valid.device)
     initial = (j[None, :] >= geo.start[:, None]) & (j[None, :] < geo.start[:, None] + cfg.init_block)  # [B, Lk]
@@ -54,18 +69,18 @@ def _always_kept(geo: _Geometry, cfg: AnchorConfig) -> torch.Tensor:
     return initial[:, None, :] | window[None, :, :]
 
 
-def _causal_keys(geo: _Geometry) -> torch.Tensor:
+def causal_keys(geo: CallGeometry) -> torch.Tensor:
     """``[B, nb, Lk]`` bool: valid keys at or before each block's last query."""
     j = torch.arange(geo.lk, device=geo.key_valid.device)
     return (j[None, :] < geo.block_end[:, None])[None] & geo.key_valid[:, None, :]
 
 
-def _pad_rows(x: torch.Tensor, n: int) -> torch.Tensor:
+def pad_rows(x: torch.Tensor, n: int) -> torch.Tensor:
     """``x`` ``[..., L, D]`` zero-padded to ``n`` rows (``x`` itself, not a copy, when ``L == n``)."""
     return x if x.shape[-2] == n else F.pad(x, (0, 0, 0, n - x.shape[-2]))
 
 
-def _grouped(q: torch.Tensor, hkv: int) -> torch.Tensor:
+def grouped_heads(q: torch.Tensor, hkv: int) -> torch.Tensor:
     """``[B, H, ...]`` -> ``[B, Hkv, G, ...]`` (query heads grouped by their key/value head)."""
     b, h = q.shape[:2]
     return q.reshape(b, hkv, h // hkv, *q.shape[2:])
@@ -100,8 +115,8 @@ def select_stripes(
             ``Hkv``, ``q_offset``, ``key_valid``, a scale that is not positive).
     """
     check_inputs(q, k, None, scale, q_offset, key_valid)
-    geo = _geometry(q, k, cfg, q_offset, key_valid)
-    return _select(q, k, cfg, scale, geo)
+    geo = call_geometry(q, k, cfg, q_offset, key_valid)
+    return select_kept(q, k, cfg, scale, geo)
 
 
 def _select_kernel(q: torch.Tensor, cfg: AnchorConfig):
@@ -109,7 +124,7 @@ def _select_kernel(q: torch.Tensor, cfg: AnchorConfig):
 
     It selects in float32 on the CPU, from inputs of any floating dtype, with padding (pools without a
     valid query keep nothing, padding keys are never kept).  ``kernel="compiled"`` where it does not
-    apply (``select_dtype="bfloat16"``, another device) selects with PyTorch operations; :func:`_compiled`
+    apply (``select_dtype="bfloat16"``, another device) selects with PyTorch operations; :func:`compiled_kernel`
     raises for the attention that follows where that one does not apply.
     """
     if cfg.kernel == "torch" or q.device.type != "cpu" or cfg.select_dtype_on(q.device) != "float32":
@@ -117,14 +132,20 @@ def _select_kernel(q: torch.Tensor, cfg: AnchorConfig):
     return stripe_kernel()
 
 
-def _select(q: torch.Tensor, k: torch.Tensor, cfg: AnchorConfig, scale: float, geo: _Geometry) -> torch.Tensor:
+def select_kept(q: torch.Tensor, k: torch.Tensor, cfg: AnchorConfig, scale: float, geo: CallGeometry) -> torch.Tensor:
+    """:func:`select_stripes` on inputs already checked, with their :class:`CallGeometry` ``geo``: ``[B, H, nb, Lk]``
+    bool, the kept keys of each query block (AnchorAttention Eq. 2-4, arXiv 2505.23520).
+
+    Raises:
+        OptionError: ``kernel="compiled"`` for inputs the compiled kernel does not take.
+    """
     b, h, lq, d = q.shape
     hkv = k.shape[1]
     g = h // hkv
     bq, nb = cfg.block_size, geo.nb
     dev = q.device
     if math.isinf(cfg.theta):
-        keep = (_always_kept(geo, cfg) | (cfg.theta > 0)) & _causal_keys(geo)
+        keep = (_always_kept(geo, cfg) | (cfg.theta > 0)) & causal_keys(geo)
         return keep[:, None].expand(b, h, nb, geo.lk)
 
     mod = _select_kernel(q, cfg)
@@ -136,10 +157,10 @@ def _select(q: torch.Tensor, k: torch.Tensor, cfg: AnchorConfig, scale: float, g
         )
 
     always = _always_kept(geo, cfg)  # [B, nb, Lk]
-    causal = _causal_keys(geo)  # [B, nb, Lk]
+    causal = causal_keys(geo)  # [B, nb, Lk]
     qs = q.float() * scale  # the logit scale folded into the queries once
     kf = k.float()
-    qpad = _pad_rows(qs, nb * bq)  # [B, H, nb*bq, D]
+    qpad = pad_rows(qs, nb * bq)  # [B, H, nb*bq, D]
     qv = geo.query_valid  # [B, nb*bq]
     pos = geo.q_offset + torch.arange(nb * bq, device=dev)  # absolute query positions
 
@@ -149,7 +170,7 @@ def _select(q: torch.Tensor, k: torch.Tensor, cfg: AnchorConfig, scale: float, g
     init_ok = init_idx < geo.lk
     init_idx = init_idx.clamp(max=geo.lk - 1)
     k_init = torch.gather(kf, 2, init_idx[:, None, :, None].expand(b, hkv, n_init, d))  # [B,Hkv,I,D]
-    qg = _grouped(qpad, hkv)  # [B, Hkv, G, nb*bq, D]
+    qg = grouped_heads(qpad, hkv)  # [B, Hkv, G, nb*bq, D]
     s_init = torch.einsum("bkgqd,bkid->bkgqi", qg, k_init)
     init_ok_q = init_ok[:, None, :] & (init_idx[:, None, :] <= pos[None, :, None]) & geo.key_valid.gather(1, init_idx)[:, None, :]
     anchor = s_init.masked_fill_(~init_ok_q[:, None, None], -math.inf).amax(-1)  # [B, Hkv, G, nb*bq]

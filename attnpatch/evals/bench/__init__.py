@@ -1,6 +1,6 @@
 """Speed and memory benchmarks: one attention layer (``bench attention``) and whole models (``bench model``).
 
-Modules: :mod:`.timing` (wall time, peak memory, scaling exponents, a competing process),
+Modules: :mod:`.timing` (peak memory, scaling exponents, a competing process),
 :mod:`.capture` (captured ``q, k, v``), :mod:`.layer` (one attention layer, any registered method
 through its bench hook), :mod:`.models` (whole ViTs and causal LMs), :mod:`.plots`.  Every name is
 importable from this package, as ``from attnpatch.evals.bench import bench_attention``.
@@ -11,10 +11,11 @@ from __future__ import annotations
 from typing import Any
 
 from .capture import capture_qkv, load_qkv
-from .layer import DEFAULT_LENGTHS, _label, bench_attention, layer_config
-from .models import _patch_size, _vision_tokens, bench_causal_lm, bench_vision_model, prefill_ids
+from .layer import DEFAULT_LENGTHS, bench_attention, layer_config
+from .models import bench_causal_lm, bench_vision_model, prefill_ids
 from .plots import plot_attention
-from .timing import BACKGROUND_LOAD_LIMIT_S, _sync, background_load, peak_extra_bytes, scaling_exponent, time_call
+from ..run.timing import time_call
+from .timing import BACKGROUND_LOAD_LIMIT_S, background_load, peak_extra_bytes, scaling_exponent
 
 __all__ = [
     "ATTENTION_METHODS",

@@ -28,14 +28,15 @@ import torch
 from ...errors import OptionError
 from ...patchers.bench_hook import BenchInputs, sdpa
 from ...patchers.registry import MODEL_KINDS, Method, get_method, validate_options
-from .timing import peak_extra_bytes, scaling_exponent, time_call
+from ..run.timing import time_call
+from .timing import peak_extra_bytes, scaling_exponent
 
 __all__ = ["DEFAULT_LENGTHS", "bench_attention", "layer_config"]
 
 DEFAULT_LENGTHS = (256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
-def _label(method: str, options: dict[str, Any]) -> str:
+def setting_label(method: str, options: dict[str, Any]) -> str:
     return method + (" (" + ", ".join(f"{k}={v}" for k, v in options.items()) + ")" if options else "")
 
 
@@ -170,7 +171,7 @@ def bench_attention(
                      "peak_bytes": peak_extra_bytes(ref, dev) if memory else None})
         inputs = BenchInputs(scale=scale, causal=causal, reuse_layers=reuse_layers)
         for name, opts, method, cfg in configs:
-            label = _label(name, opts)
+            label = setting_label(name, opts)
             case = method.bench(cfg, q, k, v, inputs)
             series[label] = (tuple(case.exponents), dict(case.plot))
 

@@ -11,8 +11,8 @@ import torch
 from ...errors import OptionError
 from ...patchers.api import patch, record_stats, time_attention, unpatch
 from ...patchers.registry import Method, get_method, validate_options
-from .layer import _label
-from .timing import time_call
+from .layer import setting_label
+from ..run.timing import time_call
 
 __all__ = ["bench_vision_model", "bench_causal_lm", "prefill_ids"]
 
@@ -57,7 +57,8 @@ def bench_vision_model(
         OptionError: a resolution below the patch size, or a bad setting (also
         UnknownMethodError / UnsupportedModelError from :func:`attnpatch.patch`).
     """
-    from ..images import load_image_set, make_preprocess
+    from ..vision.images import load_image_set
+    from ..vision.preprocess import make_preprocess
 
     for name, opts in settings:
         validate_options(get_method(name), opts)
@@ -93,7 +94,7 @@ def bench_vision_model(
                 unpatch(model)
             t = statistics.median(ts)
             share = statistics.median(a / b for a, b in zip(att, ts)) if att else None
-            rows.append({"resolution": res, "tokens": tokens, "setting": _label(name, opts), "seconds": t,
+            rows.append({"resolution": res, "tokens": tokens, "setting": setting_label(name, opts), "seconds": t,
                          "images_per_s": batch / t, "speedup": t_ref / t, "attention_share": share})
             note = _exact_note(get_method(name), opts, tokens)
             if note:
@@ -132,7 +133,7 @@ def _patch_size(model) -> int:
 
 def prefill_ids(tokenizer, length: int) -> torch.Tensor:
     """``[1, length]`` token ids of natural prose (the public-domain essay text the RULER tasks use), cycled if short."""
-    from ..haystack import essay_sentences
+    from ..ruler.haystack import essay_sentences
 
     text = " ".join(essay_sentences())
     ids = tokenizer(text[: length * 8])["input_ids"]
@@ -215,7 +216,7 @@ def bench_causal_lm(
             finally:
                 unpatch(model)
             t = statistics.median(ts)
-            rows.append({"length": n, "setting": _label(name, opts), "seconds": t, "tokens_per_s": n / t,
+            rows.append({"length": n, "setting": setting_label(name, opts), "seconds": t, "tokens_per_s": n / t,
                          "speedup": t_ref / t, "attention_share": statistics.median(a / b for a, b in zip(att, ts)),
                          "sparsity": sparsity})
             if progress is not None:

@@ -22,31 +22,10 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ...errors import AttnpatchError, OptionError
-from ...patchers.runtime import sync as _sync
 
-__all__ = ["time_call", "peak_extra_bytes", "scaling_exponent", "background_load", "BACKGROUND_LOAD_LIMIT_S", "_sync"]
+__all__ = ["peak_extra_bytes", "scaling_exponent", "background_load", "BACKGROUND_LOAD_LIMIT_S"]
 
 BACKGROUND_LOAD_LIMIT_S = 900.0
-
-
-def time_call(fn: Callable[[], Any], *, repeats: int = 5, warmup: int = 1, device: torch.device | str = "cpu") -> list[float]:
-    """Wall time of ``fn()`` in seconds, ``repeats`` times after ``warmup`` untimed calls (CUDA synchronised).
-
-    Raises:
-        OptionError: ``repeats < 1`` or ``warmup < 0``.
-    """
-    if repeats < 1 or warmup < 0:
-        raise OptionError(f"repeats={repeats}, warmup={warmup}: need repeats >= 1 and warmup >= 0")
-    for _ in range(warmup):
-        fn()
-    _sync(device)
-    out = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        out.append(time.perf_counter() - t0)
-    return out
 
 
 def peak_extra_bytes(fn: Callable[[], Any], device: torch.device | str = "cpu") -> int:

@@ -12,11 +12,10 @@ from typing import Any
 import numpy as np
 
 from ...errors import DataError
-from ...fetch import _stderr
+from ...log import Log, log_stderr
 
 __all__ = ["CAPTION_COLUMNS", "CaptionSet", "load_caption_set"]
 
-Log = Callable[[str], None]
 
 CAPTION_COLUMNS = ("caption", "captions", "sentences", "txt", "text", "raw")
 
@@ -57,7 +56,7 @@ class CaptionSet:
             IndexError: ``i`` out of range.
             DataError: the image cannot be decoded (e.g. a truncated JPEG); the message names its file.
         """
-        from ..images import decode_image
+        from ..vision.image_io import decode_image
 
         n = len(self)
         if isinstance(i, bool) or not isinstance(i, numbers.Integral):
@@ -99,7 +98,7 @@ def _captions_of(value, row: int, column: str, name: str) -> list[str]:
 
 def load_caption_set(
     data: str | os.PathLike, split: str | None = None, caption_column: str | None = None, limit: int | None = None,
-    log: Log = _stderr,
+    log: Log = log_stderr,
 ) -> CaptionSet:
     """Load an image-caption set through ``datasets``.
 
@@ -128,23 +127,25 @@ def load_caption_set(
             image file that is missing, not an image or truncated (the message names it).
         OptionError: ``limit`` not a positive int.
     """
-    from ..images import _HUB_ID, _check_limit, _env_true, _hub_reachable, _load_hf, check_image_files, image_files
+    from ...hub import HUB_ID, env_true, hub_reachable
+    from ..vision.images import check_limit, load_hf_dataset
+    from ..vision.image_io import check_image_files, image_files
 
     import datasets
 
-    limit = _check_limit(limit)
+    limit = check_limit(limit)
     raw = os.fspath(data)
     path = Path(raw).expanduser()
     wds = False
     if path.is_dir():
         name, source, is_dir = path.resolve().name, str(path.resolve()), True
         wds = any(path.glob("*.tar")) or any(path.glob("*/*.tar"))  # a local copy of a webdataset set
-    elif path.exists() or not _HUB_ID.match(raw) or raw.startswith((".", "~")):
+    elif path.exists() or not HUB_ID.match(raw) or raw.startswith((".", "~")):
         what = "is a file, not a directory" if path.exists() else f"does not exist ({path.resolve()})"
         raise DataError(f"data={raw!r} {what}: pass an imagefolder directory with a caption column, or a hub dataset id")
     else:
         name, source, is_dir = raw, raw, False
-        if not (_env_true("HF_HUB_OFFLINE") or _env_true("HF_DATASETS_OFFLINE")) and not _hub_reachable():
+        if not (env_true("HF_HUB_OFFLINE") or env_true("HF_DATASETS_OFFLINE")) and not hub_reachable():
             raise DataError(
                 f"data={raw!r} is not a local directory, and the Hugging Face hub cannot be reached to load it as a "
                 f"hub dataset id. Pass an imagefolder directory (images + metadata.jsonl with a caption column), or "
@@ -153,7 +154,7 @@ def load_caption_set(
     split = split or ("train" if is_dir and not wds else "test")
     kind = "webdataset directory" if wds else "directory" if is_dir else "hub"
     log(f"loading caption set {name} ({kind} {source}, split {split}) ...")
-    ds = _load_hf(source, split, is_dir and not wds)  # datasets detects the webdataset layout by itself
+    ds = load_hf_dataset(source, split, is_dir and not wds)  # datasets detects the webdataset layout by itself
     image_cols = [c for c, f in ds.features.items() if isinstance(f, datasets.Image)]
     if not image_cols:
         raise DataError(f"{name}: no image column (features: {dict(ds.features)})")

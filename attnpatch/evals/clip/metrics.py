@@ -59,7 +59,7 @@ def _as_index(x, n: int, what: str, upper: int) -> torch.Tensor:
     return torch.from_numpy(arr.astype(np.int64))
 
 
-def _check_ks(ks) -> list[int]:
+def check_ks(ks) -> list[int]:
     if isinstance(ks, numbers.Integral):
         ks = (ks,)
     out = sorted({int(k) for k in ks if not isinstance(k, bool) and isinstance(k, numbers.Integral) and k >= 1})
@@ -129,7 +129,7 @@ def zeroshot_accuracy(image_embeddings, classifier, labels, ks: Sequence[int] = 
     if x.shape[1] != w.shape[1]:
         raise DataError(f"image_embeddings are {x.shape[1]}-d but the classifier is {w.shape[1]}-d")
     y = _as_index(labels, x.shape[0], "labels", w.shape[0])
-    ks = _check_ks(ks)
+    ks = check_ks(ks)
     scores = x @ w.T  # [N, C]
     pos = torch.zeros_like(scores, dtype=torch.bool)
     pos[torch.arange(x.shape[0]), y] = True
@@ -168,7 +168,7 @@ def retrieval_recall(image_embeddings, text_embeddings, text_to_image, ks: Seque
         raise DataError(f"image embeddings are {im.shape[1]}-d but text embeddings {tx.shape[1]}-d")
     ni, nt = im.shape[0], tx.shape[0]
     t2i = _as_index(text_to_image, nt, "text_to_image", ni)
-    ks = _check_ks(ks)
+    ks = check_ks(ks)
     counts = torch.bincount(t2i, minlength=ni)
     if ni and int(counts.min()) == 0:
         missing = torch.nonzero(counts == 0).flatten()[:5].tolist()
@@ -207,9 +207,9 @@ def retrieval_chance(text_to_image, n_images: int, ks: Sequence[int] = (1, 5, 10
     nt = t2i.shape[0]
     m = np.bincount(t2i, minlength=n_images).astype(np.float64)
     out: dict[str, float] = {}
-    for k in _check_ks(ks):
+    for k in check_ks(ks):
         out[f"t2i_recall@{k}"] = min(k, n_images) / n_images
-    for k in _check_ks(ks):
+    for k in check_ks(ks):
         miss = np.ones_like(m)
         for i in range(min(k, nt)):
             miss *= np.clip((nt - m - i) / (nt - i), 0.0, 1.0)

@@ -9,7 +9,6 @@ only for a setting that routes the text tower).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -17,17 +16,17 @@ import numpy as np
 import torch
 
 from ...errors import DataError
-from ...fetch import _stderr
+from ...log import Log, log_stderr
 from ...patchers.api import patch_info, patched
-from ..image_pass import ImagePass, SettingRun, finish, resolve_settings, run_image_pass, run_labels, throughput
-from ..report import EvalInterrupted
+from ..vision.image_pass import ImagePass, SettingRun, finish, resolve_settings, run_image_pass, run_labels, throughput
+from ..run.report import EvalInterrupted
+from ..run.timing import Stopwatch
 from .captions import CaptionSet
-from .metrics import _check_ks, retrieval_chance, retrieval_recall, zeroshot_accuracy, zeroshot_classifier
+from .metrics import check_ks, retrieval_chance, retrieval_recall, zeroshot_accuracy, zeroshot_classifier
 from .prompts import resolve_templates
 
 __all__ = ["run_zeroshot_eval", "run_retrieval_eval"]
 
-Log = Callable[[str], None]
 
 
 def _image_pass(bundle, images, settings, towers, batch_size: int, warmup: bool, progress, ranks=None, store=None) -> ImagePass:
@@ -44,9 +43,9 @@ def _image_pass(bundle, images, settings, towers, batch_size: int, warmup: bool,
 
 def _text_pass(bundle, texts: list[str], settings, towers, text_batch_size: int) -> tuple[torch.Tensor, float, list[torch.Tensor | None]]:
     """Dense text embeddings, and per setting the patched ones when that setting routes the text tower."""
-    t0 = time.perf_counter()
-    dense = bundle.encode_text(texts, batch_size=text_batch_size)
-    secs = time.perf_counter() - t0
+    with Stopwatch() as sw:
+        dense = bundle.encode_text(texts, batch_size=text_batch_size)
+    secs = sw.seconds
     per = []
     for m, o in settings:
         with patched(bundle.model, m, towers=towers, **o):
@@ -91,7 +90,7 @@ def run_zeroshot_eval(
     progress: Callable[[int, int], None] | None = None,
     ranks=None,
     store=None,
-    log: Log = _stderr,
+    log: Log = log_stderr,
 ) -> dict[str, Any]:
     """Zero-shot classification, dense vs patched image tower, on the same images in one run.
 
@@ -132,7 +131,7 @@ def run_zeroshot_eval(
     names = list(classnames)
     if len(names) < int(labels.max()) + 1:
         raise DataError(f"{len(names)} class names, but the set has labels up to {int(labels.max())}")
-    ks = _check_ks(ks)
+    ks = check_ks(ks)
     prompts = [t.replace("{}", c) for c in names for t in templates]
     log(f"zero-shot classifier: {len(names)} classes x {len(templates)} templates = {len(prompts)} prompts ...")
     text, text_s, per_text = _text_or_interrupt(_text_pass, bundle, prompts, settings, towers, text_batch_size)
@@ -172,7 +171,7 @@ def run_retrieval_eval(
     progress: Callable[[int, int], None] | None = None,
     ranks=None,
     store=None,
-    log: Log = _stderr,
+    log: Log = log_stderr,
 ) -> dict[str, Any]:
     """Image<->text retrieval recall@k, dense vs patched image tower, on the same images in one run.
 
@@ -204,7 +203,7 @@ def run_retrieval_eval(
             ``"n_images_planned"``), or ``None`` before the first batch finished.
     """
     settings, given = resolve_settings(settings, bundle.model, towers)
-    ks = _check_ks(ks)
+    ks = check_ks(ks)
     texts, t2i = captions.texts, captions.text_to_image
     log(f"text embeddings of {len(texts)} captions ...")
     text, text_s, per_text = _text_or_interrupt(_text_pass, bundle, texts, settings, towers, text_batch_size)

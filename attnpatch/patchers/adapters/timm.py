@@ -13,17 +13,21 @@ prefix that FNA always keeps as landmarks.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 
 from ...errors import UnsupportedModelError
-from ..registry import ModelGeometry
-from ..runtime import PatchHandle, block_refusal, input_hook, refuse_calls, run_layer, undo_class_swap, wrap_blocks
-from .blocks import timm_block_forwards
+from ..adapter import PreprocessConfig
+from ..contract import ModelGeometry
+from ..features import input_device, patch_side, square_grid, vit_features
+from ..class_swap import block_refusal, refuse_calls, undo_class_swap, wrap_blocks
+from ..runtime import PatchHandle, input_hook, run_layer
+from .hf.images import image_processor_config
 
-__all__ = ["TimmAdapter", "attention_modules"]
+__all__ = ["TimmAdapter", "attention_modules", "timm_block_forwards", "data_config_preprocess"]
 
 _PATCHED_CLASSES: dict[type, type] = {}
 _BLOCK_CLASSES: dict[type, type] = {}
@@ -92,6 +96,59 @@ def _block_of(model: torch.nn.Module, name: str) -> torch.nn.Module | None:
     return model.get_submodule(parent) if parent else None
 
 
+# --------------------------------------------------------------------------- block forward (token merging)
+
+
+def _timm_block(self, hook, x: torch.Tensor, attn_mask: torch.Tensor | None = None, is_causal: bool = False) -> torch.Tensor:
+    """timm ``Block.forward`` with ``x = hook(x)`` between the attention and the MLP branch (``x`` ``[B, N, C]``)."""
+    x = x + self.drop_path1(self.ls1(self.attn(self.norm1(x), attn_mask=attn_mask, is_causal=is_causal)))
+    x = hook(x)
+    return x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
+
+
+def timm_block_forwards() -> dict[type, Callable[..., Any]]:
+    """``{timm.models.vision_transformer.Block: forward}``: the block forwards a method with a block hook (ToMe)
+    runs (:func:`~attnpatch.patchers.class_swap.wrap_blocks`); other timm block kinds are not split.
+    ``hook`` returning ``x`` gives what timm's own forward gives."""
+    try:
+        from timm.models.vision_transformer import Block
+    except ImportError:  # pragma: no cover
+        return {}
+    return {Block: _timm_block}
+
+
+# --------------------------------------------------------------------------- what the evals ask
+
+_IMAGENET_MEAN = (0.485, 0.456, 0.406)
+_IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+def data_config_preprocess(cfg: Mapping[str, Any]) -> PreprocessConfig:
+    """:class:`~attnpatch.patchers.adapter.PreprocessConfig` of a timm data config (``timm.data.resolve_data_config``:
+    ``input_size``, ``interpolation``, ``mean``, ``std``, ``crop_pct``, ``crop_mode``) as the eval's preprocessing
+    reads it: resize to ``input_size / crop_pct`` (``crop_pct`` 0.875 when not given), centre crop ``input_size``,
+    ImageNet mean / std where not given.
+
+    Raises:
+        UnsupportedModelError: no ``input_size`` in ``cfg``.
+    """
+    if "input_size" not in cfg:
+        raise UnsupportedModelError(f"timm data config without 'input_size' (keys: {sorted(cfg)}); pass timm.data.resolve_data_config(...)")
+    keep = {k: cfg[k] for k in ("input_size", "interpolation", "mean", "std", "crop_pct", "crop_mode") if k in cfg}
+    crop_pct = float(keep.get("crop_pct") or 0.875)
+    side = int(keep["input_size"][-1])
+    return PreprocessConfig(
+        library="timm", resolution=side, resize={"scale_size": int(side / crop_pct)}, crop=side,
+        interpolation=keep.get("interpolation"), mean=tuple(float(v) for v in keep.get("mean", _IMAGENET_MEAN)),
+        std=tuple(float(v) for v in keep.get("std", _IMAGENET_STD)), native=keep,
+    )
+
+
+def _need_vision(model: torch.nn.Module, tower: str, what: str) -> None:
+    if tower != "vision":
+        raise UnsupportedModelError(f"{type(model).__name__}: a timm ViT has one tower, 'vision', not {tower!r}, so no {what} there")
+
+
 class TimmAdapter:
     """Adapter for timm models built of ``timm.layers.Attention`` modules (``VisionTransformer`` and relatives)."""
 
@@ -134,16 +191,16 @@ class TimmAdapter:
 
     @staticmethod
     def features(handle: PatchHandle) -> dict[str, str]:
-        """None of :data:`~attnpatch.patchers.registry.MODEL_FEATURES` (a timm ``Attention`` is plain softmax attention)."""
+        """None of :data:`~attnpatch.patchers.contract.MODEL_FEATURES` (a timm ``Attention`` is plain softmax attention)."""
         return {}
 
     @staticmethod
-    def geometry(handle: PatchHandle) -> ModelGeometry:
-        """Routed layers, heads and head size of the attention modules."""
-        mods = attention_modules(handle.model)
+    def geometry(model: torch.nn.Module, towers: tuple[str, ...], kind: str) -> ModelGeometry:
+        """Layers, heads and head size of the attention modules (the one tower), read from the model."""
+        mods = attention_modules(model)
         heads = int(mods[0][1].num_heads) if mods else None
         head_dim = int(mods[0][1].head_dim) if mods else None
-        return ModelGeometry(num_layers=len(mods), heads=heads, kv_heads=heads, head_dim=head_dim, kind=handle.kind)
+        return ModelGeometry(num_layers=len(mods), heads=heads, kv_heads=heads, head_dim=head_dim, kind=kind)
 
     @staticmethod
     def prefix_tokens(model: torch.nn.Module, kind: str) -> int:
@@ -206,3 +263,108 @@ class TimmAdapter:
     def restore(handle: PatchHandle, undo: Any) -> None:
         """Swap the original classes back, remove the hooks and the bindings."""
         undo_class_swap(undo)
+
+
+    # ------------------------------------------------------------------ what the evals ask
+
+    @staticmethod
+    def patch_size(model: torch.nn.Module, tower: str = "vision") -> int:
+        """Side in pixels of the square patches: ``model.patch_embed.patch_size``.
+
+        Raises:
+            UnsupportedModelError: ``tower`` is not ``"vision"``, or the model has no ``patch_embed.patch_size``
+                (the message names the model).
+        """
+        _need_vision(model, tower, "patch size")
+        p = getattr(getattr(model, "patch_embed", None), "patch_size", None)
+        if p is None:
+            raise UnsupportedModelError(f"{type(model).__name__}: no patch_embed.patch_size, so its patch size is unknown")
+        return patch_side(p)
+
+    @staticmethod
+    def grid(model: torch.nn.Module, resolution: int, tower: str = "vision") -> tuple[int, int]:
+        """``(rows, columns)`` of patches on a square ``resolution``-pixel input.
+
+        Raises:
+            UnsupportedModelError: see :meth:`patch_size`; OptionError: ``resolution`` below one patch.
+        """
+        return square_grid(resolution, TimmAdapter.patch_size(model, tower))
+
+    @staticmethod
+    def token_count(model: torch.nn.Module, resolution: int, tower: str = "vision") -> int:
+        """Tokens the attention sees on a square ``resolution``-pixel input: patches + ``num_prefix_tokens``
+        (CLS + registers).
+
+        Raises:
+            UnsupportedModelError: see :meth:`patch_size`; OptionError: ``resolution`` below one patch.
+        """
+        rows, cols = TimmAdapter.grid(model, resolution, tower)
+        return rows * cols + TimmAdapter.prefix_tokens(model, "vision")
+
+    @staticmethod
+    def feature_prefix_tokens(model: torch.nn.Module) -> int:
+        """Leading tokens :meth:`encode` leaves out of the patch mean: ``model.num_prefix_tokens`` (CLS + registers; 1 when not said)."""
+        return int(getattr(model, "num_prefix_tokens", 1))
+
+    @staticmethod
+    def preprocess_config(model: torch.nn.Module, processor: Any = None) -> PreprocessConfig:
+        """The model's image preprocessing: of ``processor`` where given (a timm data config dict, or a Hugging Face
+        image processor, as the catalogue's timm DINOv2 comes with: :func:`~attnpatch.patchers.adapters.hf.images.image_processor_config`),
+        else of ``timm.data.resolve_data_config(model=model)`` (the model's ``pretrained_cfg``).
+
+        Raises:
+            UnsupportedModelError: a ``processor`` of neither kind, or a data config without ``input_size``.
+        """
+        if processor is None:
+            from timm.data import resolve_data_config
+
+            return data_config_preprocess(resolve_data_config({}, model=model))
+        if isinstance(processor, Mapping):
+            return data_config_preprocess(processor)
+        return image_processor_config(processor)
+
+    @staticmethod
+    @torch.no_grad()
+    def encode(
+        model: torch.nn.Module, pixel_values: torch.Tensor, layers: Sequence[int] = ()
+    ) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
+        """Final CLS token and mean patch token (and, with ``layers``, intermediate CLS tokens) of a timm ViT:
+        ``forward_features`` (after the final norm); intermediate CLS tokens are ``blocks[i]``'s outputs through ``norm``.
+
+        Args:
+            model: a timm ``VisionTransformer``.
+            pixel_values: ``[B, 3, H, W]`` (moved to the model's device and weight dtype).
+            layers: block indices whose output CLS token is returned as well.
+
+        Returns:
+            See :func:`~attnpatch.patchers.features.vit_features` (prefix: :meth:`feature_prefix_tokens`).
+
+        Raises:
+            UnsupportedModelError: a model without ``forward_features``, or ``layers`` without ``blocks``.
+        """
+        if not hasattr(model, "forward_features"):
+            raise UnsupportedModelError(f"cannot encode images with a {type(model).__name__}: expected a timm ViT (forward_features)")
+        x = pixel_values.to(input_device(model), next(model.parameters()).dtype)
+        blocks = list(getattr(model, "blocks", None) or []) if layers else []
+        norm = getattr(model, "norm", None) if layers else None
+        return vit_features(model, lambda: model.forward_features(x), prefix=TimmAdapter.feature_prefix_tokens(model),
+                            blocks=blocks, norm=norm, layers=tuple(layers))
+
+    @staticmethod
+    def embed_image(model: torch.nn.Module, pixel_values: torch.Tensor) -> torch.Tensor:
+        """A timm ViT is an image encoder, not a dual encoder: refused (use :meth:`encode`).
+
+        Raises:
+            UnsupportedModelError: always.
+        """
+        raise UnsupportedModelError(f"{type(model).__name__} is a timm image encoder, not a dual encoder: it has no "
+                                    "projected image embedding (use encode for its features)")
+
+    @staticmethod
+    def embed_text(model: torch.nn.Module, tokens: Any) -> torch.Tensor:
+        """A timm ViT has no text tower: refused.
+
+        Raises:
+            UnsupportedModelError: always.
+        """
+        raise UnsupportedModelError(f"{type(model).__name__} is a timm image encoder: it has no text tower")

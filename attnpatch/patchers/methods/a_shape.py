@@ -2,6 +2,15 @@
 (MInference's "A-shape"; the math: :mod:`attnpatch.attention.streaming`).
 
 Decoding steps (one query) run the model's own attention.
+
+Chunked prefill: a prompt fed in pieces on a KV cache (each call's queries at ``q_offset = `` the cache length)
+keeps, for every query, the same keys as the prompt in one call: the initial tokens and the window are counted
+in absolute positions, so the outputs agree with the one-call prefill to float rounding; the exact-limit
+shortcut (``window >= q_offset + Lq``) also uses the absolute length.
+
+``kernel`` (:data:`~attnpatch.attention.flex.KERNEL_CHOICES`): the same kept set runs either as the blocked gather
+path or as a FlexAttention ``BlockMask`` (:mod:`attnpatch.attention.flex_patterns`); ``"auto"`` picks flex on CUDA
+and the gather path on the CPU unless :data:`attnpatch.attention.streaming.CPU_FLEX_MIN_KEYS` says otherwise.
 """
 
 from __future__ import annotations
@@ -11,10 +20,12 @@ from typing import Any
 
 import torch
 
+from ...attention.flex import KERNEL_CHOICES
 from ...attention.streaming import A_BLOCK, a_shape_attention, a_shape_kept_pairs, a_shape_recall
 from ...options import check_fields, opt, options_of
 from ..bench_hook import BenchCase, BenchInputs, sdpa
-from ..registry import ExactLimit, Knob, Method, register_method
+from ..contract import ExactLimit, Knob, Method
+from ..registry import register_method
 from ..state import LayerContext, LayerRecord
 
 __all__ = ["AShapeConfig", "a_shape_forward", "a_shape_bench", "A_SHAPE"]
@@ -30,12 +41,16 @@ class AShapeConfig:
         window: keys ending at each query, itself included (the local window).  ``window >= N`` keeps every
             causal key: exact attention, computed through the blocked code for calls of at most ``A_BLOCK`` (256)
             queries and handed to the model's own attention (the same result, faster) for longer ones.
+        kernel: ``"auto"``, ``"flex"`` or ``"gather"`` (the module docstring); the same kept keys either way.
     """
 
     init_tokens: int = field(default=128, metadata=opt(
         "int", "initial keys every query attends to, from the sequence's first real token (tokens)", low=0))
     window: int = field(default=1024, metadata=opt(
         "int", "local window: keys ending at each query, itself included (tokens); >= N is exact", low=1))
+    kernel: str = field(default="auto", metadata=opt(
+        "str", "how the kept keys are attended: flex = a FlexAttention BlockMask (compiled per length bucket), gather "
+        "= the blocked PyTorch path; auto = flex on CUDA, the measured faster one on the CPU", choices=KERNEL_CHOICES))
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -55,7 +70,7 @@ def a_shape_forward(
         return None, LayerRecord(ctx.layer, "dense:window>=N", lq, lk)
     out, kept = a_shape_attention(
         q, k, v, init_tokens=cfg.init_tokens, window=cfg.window, scale=ctx.scale, q_offset=ctx.q_offset,
-        key_valid=ctx.key_valid, return_counts=ctx.record,
+        key_valid=ctx.key_valid, return_counts=ctx.record, kernel=cfg.kernel,
     )
     rec = LayerRecord(ctx.layer, "dense:window>=N" if exact else "sparse", lq, lk)
     if kept is not None:
@@ -74,7 +89,8 @@ def a_shape_bench(cfg: AShapeConfig, q: torch.Tensor, k: torch.Tensor, v: torch.
     def call():
         if cfg.window >= n and n > A_BLOCK:  # as the forward: the model's own attention
             return sdpa(q, k, v, scale=inputs.scale, causal=True)
-        return a_shape_attention(q, k, v, init_tokens=cfg.init_tokens, window=cfg.window, scale=inputs.scale)[0]
+        return a_shape_attention(q, k, v, init_tokens=cfg.init_tokens, window=cfg.window, scale=inputs.scale,
+                                 kernel=cfg.kernel)[0]
 
     def stats() -> dict[str, Any]:
         kept = a_shape_kept_pairs(n, q_offset=0, init_tokens=cfg.init_tokens, window=cfg.window)
@@ -89,7 +105,7 @@ def _config(options: dict[str, Any]) -> AShapeConfig:
 
 
 def _knob(t: float, n: int) -> dict[str, Any]:
-    """The main knob at position ``t`` in [0, 1] for ``n`` tokens (see :class:`~attnpatch.patchers.registry.Knob`)."""
+    """The main knob at position ``t`` in [0, 1] for ``n`` tokens (see :class:`~attnpatch.patchers.contract.Knob`)."""
     return {"window": max(1, round(t * n))}
 
 

@@ -16,7 +16,8 @@ from ...attention.anchor import AnchorConfig, anchor_attention, select_stripes
 from ...errors import OptionError
 from ..bench_hook import BenchCase, BenchInputs
 from ...options import options_of
-from ..registry import ExactLimit, Knob, Method, ModelGeometry, Preset, register_method
+from ..contract import ExactLimit, Knob, Method, ModelGeometry, Preset
+from ..registry import register_method
 from ..state import LayerContext, LayerRecord
 
 __all__ = ["ANCHOR", "anchor_forward", "anchor_bench"]
@@ -105,17 +106,17 @@ def _every_key(tokens: int) -> dict[str, Any]:
 
 
 def _knob(t: float, n: int) -> dict[str, Any]:
-    """The main knob at position ``t`` in [0, 1] for ``n`` tokens (see :class:`~attnpatch.patchers.registry.Knob`)."""
+    """The main knob at position ``t`` in [0, 1] for ``n`` tokens (see :class:`~attnpatch.patchers.contract.Knob`)."""
     return {"theta": 30.0 * t}
 
 
-#: Named option sets (``patch(model, "anchor_attention", preset=...)``); measured speed and accuracy of each: README
-#: ("AnchorAttention presets") and BENCHMARKS.md.
+#: Named option sets (``patch(model, "anchor_attention", preset=...)``); what each is for: docs/methods.md; measured
+#: speed and accuracy of each: BENCHMARKS.md ("The presets").
 PRESETS = {
     "accurate": Preset(
         dict(theta=12.0, pool_stride=2, dense_last=256, min_recall=0.9, min_len=512, select_dtype="float32"),
-        "accuracy first: finer pooling than the defaults and sparse from 512 tokens; NIAH accuracy not below dense; "
-        "slower than dense on CPU up to 16k",
+        "accuracy first: finer pooling than the defaults and sparse from 512 tokens; trades speed for NIAH accuracy "
+        "(measured: BENCHMARKS.md)",
     ),
     "fast": Preset(
         dict(theta=8.0, pool_stride=8, dense_last=64, min_recall=0.75, min_len="auto-fast", select_dtype="auto"),

@@ -2,7 +2,7 @@
 (the math: :mod:`attnpatch.attention.anchorformer`).
 
 Anchors are ``m`` tokens chosen in every layer from that layer's keys (heads concatenated) by a
-landmark strategy (FNA's :func:`~attnpatch.attention.nystrom.select_landmarks`; CLS and registers
+landmark strategy (FNA's :func:`~attnpatch.attention.landmarks.select_landmarks`; CLS and registers
 always anchors); no state across layers.  ``m >= N`` runs exact attention here, in this file, and
 records ``"dense:m>=N"``: the bipartite product itself is not exact for any ``m``.
 """
@@ -15,10 +15,12 @@ from typing import Any
 import torch
 
 from ...attention.anchorformer import anchor_bipartite_attention
-from ...attention.nystrom import STRATEGIES, exact_attention, select_landmarks
+from ...attention.exact import exact_attention
+from ...attention.landmarks import STRATEGIES, select_landmarks
 from ...errors import OptionError
 from ...options import check_fields, opt, options_of
-from ..registry import ExactLimit, Knob, Method, register_method
+from ..contract import ExactLimit, Knob, Method
+from ..registry import register_method
 from ..state import LayerContext, LayerRecord
 from ._shared import repeat_kv, say
 
@@ -87,7 +89,7 @@ def _every_token(tokens: int) -> dict[str, Any]:
 
 
 def _knob(t: float, n: int) -> dict[str, Any]:
-    """The main knob at position ``t`` in [0, 1] for ``n`` tokens (see :class:`~attnpatch.patchers.registry.Knob`)."""
+    """The main knob at position ``t`` in [0, 1] for ``n`` tokens (see :class:`~attnpatch.patchers.contract.Knob`)."""
     return {"m": max(1, round(n ** t))}
 
 

@@ -3,6 +3,18 @@
 Each query block keeps the key blocks that carry a ``threshold`` share of its estimated attention mass
 (strided antidiagonal scores), always the first and the diagonal block, and attends to them exactly.
 Decoding steps and prompts shorter than ``min_len`` run the model's exact attention.
+
+Chunked prefill: a prompt fed in pieces on a KV cache is one call per piece (``q_offset = `` the cache length).
+``min_len`` is compared with the prompt's length so far, ``q_offset + Lq`` (the absolute position after the
+call's last query), not with the piece's length: a piece runs sparse exactly when a one-call prefill of the
+prompt up to the piece's end would.  Each piece's query blocks start at its first query and its cached keys are
+split into blocks ending there (:func:`~attnpatch.attention.block_topk.block_geometry`), so with pieces of a
+multiple of ``block_size`` tokens the query blocks are those of the one-call prefill.
+
+``kernel`` (:data:`~attnpatch.attention.flex.KERNEL_CHOICES`): the kept blocks run either as AnchorAttention's
+stripe attention (the gather path: the compiled CPU kernel for float32 where it builds) or as a FlexAttention
+``BlockMask`` (:mod:`attnpatch.attention.flex_patterns`); ``"auto"`` picks flex on CUDA and the gather path on the
+CPU unless :data:`attnpatch.attention.block_topk.CPU_FLEX_MIN_KEYS` says otherwise.
 """
 
 from __future__ import annotations
@@ -13,10 +25,12 @@ from typing import Any
 import torch
 
 from ...attention.block_topk import block_topk_attention, block_topk_keep
+from ...attention.flex import KERNEL_CHOICES
 from ...errors import OptionError
 from ...options import check_fields, opt, options_of
 from ..bench_hook import BenchCase, BenchInputs
-from ..registry import ExactLimit, Knob, Method, register_method
+from ..contract import ExactLimit, Knob, Method
+from ..registry import register_method
 from ..state import LayerContext, LayerRecord
 
 __all__ = ["BLOCK_TOPK", "BlockTopkConfig", "block_topk_forward", "block_topk_bench"]
@@ -33,12 +47,14 @@ class BlockTopkConfig:
             must divide ``block_size``.
         threshold: share of each query block's estimated attention mass its kept key blocks must cover
             (the paper's 0.9; 1 keeps every causal block: exact attention through the sparse code path).
-        min_len: prompts (calls) with fewer queries run the model's exact attention.
+        min_len: calls whose last query sits before absolute position ``min_len - 1`` (``q_offset + Lq < min_len``:
+            the prompt so far is shorter) run the model's exact attention.
+        kernel: ``"auto"``, ``"flex"`` or ``"gather"`` (the module docstring); the same kept blocks either way.
 
     Which outputs depend on which tokens: a query block's kept blocks are chosen from all of its queries,
     so the output at position ``i`` depends on the tokens up to the end of ``i``'s block (never later);
-    ``min_len`` depends on the call's length.  A left-padded sequence is computed as if alone; a prompt
-    continued on a cache is its own call (blocks counted from its first query).
+    ``min_len`` depends on the prompt's length up to the call's last query.  A left-padded sequence is computed as
+    if alone; a prompt continued on a cache is its own call (blocks counted from its first query).
     """
 
     block_size: int = field(default=128, metadata=opt(
@@ -50,7 +66,11 @@ class BlockTopkConfig:
         "float", "share of each query block's estimated attention mass the kept key blocks cover (1 = every causal "
         "block, exact)", low=0.0, high=1.0, rule="must be a number in [0, 1]"))
     min_len: int = field(default=1024, metadata=opt(
-        "int", "prompts shorter than this run exact attention (tokens)", low=0, rule="must be an integer >= 0 (tokens)"))
+        "int", "prompts shorter than this run exact attention (tokens; a call on a cache counts the cached tokens too)",
+        low=0, rule="must be an integer >= 0 (tokens)"))
+    kernel: str = field(default="auto", metadata=opt(
+        "str", "how the kept blocks are attended: flex = a FlexAttention BlockMask (compiled per length bucket), gather "
+        "= the stripe attention; auto = flex on CUDA, the measured faster one on the CPU", choices=KERNEL_CHOICES))
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -66,12 +86,13 @@ def block_topk_forward(
     lq, lk = q.shape[2], k.shape[2]
     if lq == 1:
         return None, LayerRecord(layer, "dense:decode", lq, lk)
-    if lq < cfg.min_len:
+    if ctx.q_offset + lq < cfg.min_len:  # the prompt so far, cached tokens included (chunked prefill)
         return None, LayerRecord(layer, "dense:short", lq, lk)
     recall = bool(ctx.state is not None and ctx.state.recall)
     out, st = block_topk_attention(
         q, k, v, scale=ctx.scale, block_size=cfg.block_size, stride=cfg.stride, threshold=cfg.threshold,
         q_offset=ctx.q_offset, key_valid=ctx.key_valid, return_stats=ctx.record, compute_recall=recall,
+        kernel=cfg.kernel,
     )
     rec = LayerRecord(layer, "sparse", lq, lk)
     if st is not None:
@@ -89,7 +110,7 @@ def block_topk_bench(cfg: BlockTopkConfig, q: torch.Tensor, k: torch.Tensor, v: 
     kw = dict(scale=scale, block_size=cfg.block_size, stride=cfg.stride, threshold=cfg.threshold)
 
     def call():
-        return block_topk_attention(q, k, v, **kw)[0]
+        return block_topk_attention(q, k, v, kernel=cfg.kernel, **kw)[0]
 
     def select():
         return block_topk_keep(q, k, **kw)
@@ -117,7 +138,7 @@ def _every_block(tokens: int) -> dict[str, Any]:
 
 
 def _knob(t: float, n: int) -> dict[str, Any]:
-    """The main knob at position ``t`` in [0, 1] for ``n`` tokens (see :class:`~attnpatch.patchers.registry.Knob`)."""
+    """The main knob at position ``t`` in [0, 1] for ``n`` tokens (see :class:`~attnpatch.patchers.contract.Knob`)."""
     return {"threshold": t}
 
 

@@ -6,7 +6,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...options import options_of
-from ..registry import Method, register_method
+from ..contract import Method
+from ..registry import register_method
 from ..state import LayerContext, LayerRecord
 
 __all__ = ["DenseConfig", "dense_forward", "DENSE"]

@@ -14,13 +14,16 @@ from typing import Any
 
 import torch
 
-from ...attention.nystrom import PINV_MODES, STRATEGIES, exact_attention, nystrom_attention, select_landmarks
+from ...attention.exact import exact_attention
+from ...attention.landmarks import STRATEGIES, select_landmarks
+from ...attention.nystrom import PINV_MODES, nystrom_attention
 from ...attention.nystrom_local import nystrom_local_attention, window_keys
 from ...attention.sinks import massive_tokens
 from ...errors import OptionError
 from ..bench_hook import BenchCase, BenchInputs
 from ...options import check_fields, opt, options_of
-from ..registry import ExactLimit, Knob, Method, ModelGeometry, Preset, register_method
+from ..contract import ExactLimit, Knob, Method, ModelGeometry, Preset
+from ..registry import register_method
 from ..state import LayerContext, LayerRecord
 from ._shared import repeat_kv, say
 
@@ -29,7 +32,7 @@ __all__ = ["FNA", "FNAConfig", "FEATURES", "fna_forward", "fna_core", "fna_bench
 FEATURES = ("keys", "hidden")
 
 #: ``min_tokens="auto"``: the token count (CLS and registers included) from which FNA's defaults are faster than the
-#: model's exact attention end to end, by device type (CPU: measured on dinov2-small, README "FNA presets"); a device
+#: model's exact attention end to end, by device type (CPU: measured on dinov2-small, BENCHMARKS.md); a device
 #: type not listed approximates every image.  The environment variable ``ATTNPATCH_FNA_BREAK_EVEN`` (tokens) overrides it
 #: on every device (a machine whose break-even differs; the test suite sets 0 so that tiny models are approximated).
 BREAK_EVEN: dict[str, int] = {"cpu": 600}
@@ -308,12 +311,12 @@ def _every_token(tokens: int) -> dict[str, Any]:
 
 
 def _knob(t: float, n: int) -> dict[str, Any]:
-    """The main knob at position ``t`` in [0, 1] for ``n`` tokens (see :class:`~attnpatch.patchers.registry.Knob`)."""
+    """The main knob at position ``t`` in [0, 1] for ``n`` tokens (see :class:`~attnpatch.patchers.contract.Knob`)."""
     return {"s": max(1, round(n ** t))}
 
 
-#: Named option sets (``patch(model, "fna", preset=...)``); measured speed and CLS cosine of each: README ("FNA presets")
-#: and BENCHMARKS.md.
+#: Named option sets (``patch(model, "fna", preset=...)``); what each is for: docs/methods.md ("FNA presets"); measured
+#: speed and CLS cosine of each: BENCHMARKS.md ("FNA presets").
 PRESETS = {
     "accurate": Preset(
         dict(s=64, sample_layer="auto", local_window=0, window_until=None, min_tokens="auto"),
@@ -323,7 +326,7 @@ PRESETS = {
     "fast": Preset(
         dict(s=64, sample_layer=0, local_window=1, window_tile=4, window_until="auto", min_tokens=2048),
         "every layer approximated: the first half with the exact local window (Nyström + window), the second half "
-        "plain FNA; exact below 2048 tokens (slower than exact at 1025 on CPU), faster than the defaults at 4097",
+        "plain FNA; exact below 2048 tokens; pays at large token counts (measured: BENCHMARKS.md)",
     ),
     "every-layer": Preset(
         dict(s=64, sample_layer=0, local_window=1, window_tile=4, window_until=None, min_tokens=2048),

@@ -8,7 +8,8 @@ from typing import Any
 import torch
 
 from ...errors import OptionError
-from ..registry import ExactLimit, Knob, Method, ModelGeometry, register_method
+from ..contract import ExactLimit, Knob, Method, ModelGeometry
+from ..registry import register_method
 from ..state import LayerContext, LayerRecord
 from .fna import FNA, FNAConfig, check_fna, exact_reason, fna_core
 from .sink_mask import NO_SINKS, SINK_MASK, SinkMaskConfig, check_sink, sink_mask_forward, sinks_of
@@ -66,7 +67,7 @@ def _exact(tokens: int) -> dict[str, Any]:
 assert not set(FNA.options) & set(SINK_MASK.options)
 
 def _knob(t: float, n: int) -> dict[str, Any]:
-    """The main knob at position ``t`` in [0, 1] for ``n`` tokens (see :class:`~attnpatch.patchers.registry.Knob`)."""
+    """The main knob at position ``t`` in [0, 1] for ``n`` tokens (see :class:`~attnpatch.patchers.contract.Knob`)."""
     return {"s": max(1, round(n ** t))}
 
 

@@ -12,11 +12,12 @@ from typing import Any
 
 import torch
 
-from ...attention.nystrom import exact_attention
+from ...attention.exact import exact_attention
 from ...attention.nystromformer import nystromformer_attention
 from ...errors import OptionError
 from ...options import check_fields, opt, options_of
-from ..registry import ExactLimit, Knob, Method, register_method
+from ..contract import ExactLimit, Knob, Method
+from ..registry import register_method
 from ..state import LayerContext, LayerRecord
 from ._shared import repeat_kv, say
 
@@ -83,7 +84,7 @@ def _every_token(tokens: int) -> dict[str, Any]:
 
 
 def _knob(t: float, n: int) -> dict[str, Any]:
-    """The main knob at position ``t`` in [0, 1] for ``n`` tokens (see :class:`~attnpatch.patchers.registry.Knob`)."""
+    """The main knob at position ``t`` in [0, 1] for ``n`` tokens (see :class:`~attnpatch.patchers.contract.Knob`)."""
     return {"s": max(1, round(n ** t))}
 
 

@@ -15,7 +15,8 @@ import torch
 from ...attention.linear import exact_pairs, relu_linear_attention
 from ...errors import OptionError
 from ...options import check_fields, opt, options_of
-from ..registry import ExactLimit, Knob, Method, ModelGeometry, register_method
+from ..contract import ExactLimit, Knob, Method, ModelGeometry
+from ..registry import register_method
 from ..state import LayerContext, LayerRecord
 
 __all__ = ["RELU_LINEAR", "ReluLinearConfig", "relu_linear_forward", "linear_layers"]
@@ -95,7 +96,7 @@ def _every_key_local(tokens: int) -> dict[str, Any]:
 
 
 def _knob(t: float, n: int) -> dict[str, Any]:
-    """The main knob at position ``t`` in [0, 1] for ``n`` tokens (see :class:`~attnpatch.patchers.registry.Knob`)."""
+    """The main knob at position ``t`` in [0, 1] for ``n`` tokens (see :class:`~attnpatch.patchers.contract.Knob`)."""
     return {"local_window": round(t * n)}
 
 

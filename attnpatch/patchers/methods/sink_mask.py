@@ -13,11 +13,12 @@ from typing import Any
 
 import torch
 
-from ...attention.nystrom import exact_attention
+from ...attention.exact import exact_attention
 from ...attention.sinks import attention_sinks, massive_tokens
 from ...errors import OptionError
 from ...options import check_fields, opt, options_of
-from ..registry import ExactLimit, Method, ModelGeometry, register_method
+from ..contract import ExactLimit, Method, ModelGeometry
+from ..registry import register_method
 from ..state import LayerContext, LayerRecord
 from ._shared import repeat_kv
 

@@ -23,7 +23,8 @@ import torch
 from ...attention.merge import apply_merge, bipartite_merge, merge_plan, proportional_attention
 from ...options import check_fields, opt, options_of
 from ..bench_hook import BenchCase, BenchInputs
-from ..registry import ExactLimit, Knob, Method, register_method
+from ..contract import ExactLimit, Knob, Method
+from ..registry import register_method
 from ..state import LayerContext, LayerRecord
 from ._shared import repeat_kv
 
@@ -122,7 +123,7 @@ def _no_merge(tokens: int) -> dict[str, Any]:
 
 
 def _knob(t: float, n: int) -> dict[str, Any]:
-    """The main knob at position ``t`` in [0, 1] for ``n`` tokens (see :class:`~attnpatch.patchers.registry.Knob`)."""
+    """The main knob at position ``t`` in [0, 1] for ``n`` tokens (see :class:`~attnpatch.patchers.contract.Knob`)."""
     return {"r": round((1.0 - t) * (n // 8))}
 
 

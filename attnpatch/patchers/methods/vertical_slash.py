@@ -2,6 +2,17 @@
 :mod:`attnpatch.attention.vertical_slash`).
 
 Decoding steps (one query) run the model's own attention.
+
+Chunked prefill: a prompt fed in pieces on a KV cache is one call per piece (``q_offset = `` the cache length):
+each piece estimates its own pattern from its own last ``last_q`` queries against every key so far, so a piece
+keeps what a ``chunk`` of its length would keep in one call, not what the whole prompt in one call keeps (with
+``chunk=None`` that call's pattern comes from the prompt's last queries).  The exact-limit shortcut
+(``vertical >= q_offset + Lq``) uses the absolute length.
+
+``kernel`` (:data:`~attnpatch.attention.flex.KERNEL_CHOICES`): the kept columns and diagonals run either as the
+gather path or as a FlexAttention ``BlockMask`` (:mod:`attnpatch.attention.flex_patterns`); ``"auto"`` picks flex
+on CUDA and the gather path on the CPU unless :data:`attnpatch.attention.vertical_slash.CPU_FLEX_MIN_KEYS` says
+otherwise.
 """
 
 from __future__ import annotations
@@ -11,10 +22,13 @@ from typing import Any
 
 import torch
 
-from ...attention.vertical_slash import BLOCK, vertical_slash_attention, vertical_slash_pattern, vertical_slash_recall
+from ...attention.column_diagonal import BLOCK
+from ...attention.flex import KERNEL_CHOICES
+from ...attention.vertical_slash import vertical_slash_attention, vertical_slash_pattern, vertical_slash_recall
 from ...options import check_fields, opt, options_of
 from ..bench_hook import BenchCase, BenchInputs, sdpa
-from ..registry import ExactLimit, Knob, Method, register_method
+from ..contract import ExactLimit, Knob, Method
+from ..registry import register_method
 from ..state import LayerContext, LayerRecord
 
 __all__ = ["VerticalSlashConfig", "vertical_slash_forward", "vertical_slash_bench", "VERTICAL_SLASH"]
@@ -36,6 +50,7 @@ class VerticalSlashConfig:
             output depends on the tokens up to the end of its chunk, so with ``None`` every output of a
             prefill depends on its last ``last_q`` tokens (fine for generation, not for scoring each position
             of a text in one pass); a prompt continued on a cache is its own call, chunks counted from its first query.
+        kernel: ``"auto"``, ``"flex"`` or ``"gather"`` (the module docstring); the same kept keys either way.
     """
 
     vertical: int = field(default=1000, metadata=opt(
@@ -47,6 +62,9 @@ class VerticalSlashConfig:
     chunk: int | None = field(default=None, metadata=opt(
         "int", "queries per selection chunk (tokens); none: the whole call (outputs then depend on its last tokens)",
         nullable=True, low=1))
+    kernel: str = field(default="auto", metadata=opt(
+        "str", "how the kept keys are attended: flex = a FlexAttention BlockMask (compiled per length bucket), gather "
+        "= the blocked PyTorch path; auto = flex on CUDA, the measured faster one on the CPU", choices=KERNEL_CHOICES))
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -68,7 +86,7 @@ def vertical_slash_forward(
         return None, LayerRecord(ctx.layer, mode, lq, lk)
     out, kept = vertical_slash_attention(
         q, k, v, vertical=cfg.vertical, slash=cfg.slash, last_q=cfg.last_q, chunk=cfg.chunk, scale=ctx.scale,
-        q_offset=ctx.q_offset, key_valid=ctx.key_valid, return_counts=ctx.record,
+        q_offset=ctx.q_offset, key_valid=ctx.key_valid, return_counts=ctx.record, kernel=cfg.kernel,
     )
     rec = LayerRecord(ctx.layer, mode, lq, lk)
     if kept is not None:
@@ -86,7 +104,8 @@ def vertical_slash_bench(cfg: VerticalSlashConfig, q: torch.Tensor, k: torch.Ten
     """One causal layer, the whole call timed; the pattern estimation of the (first) chunk alone as ``select_seconds``;
     the sparsity (skipped causal pairs) from one more untimed call."""
     n, scale = q.shape[2], inputs.scale
-    kw = dict(vertical=cfg.vertical, slash=cfg.slash, last_q=cfg.last_q, chunk=cfg.chunk, scale=scale)
+    kw = dict(vertical=cfg.vertical, slash=cfg.slash, last_q=cfg.last_q, chunk=cfg.chunk, scale=scale,
+              kernel=cfg.kernel)
 
     exact = cfg.vertical >= n or cfg.slash >= n
 
@@ -118,7 +137,7 @@ def _config(options: dict[str, Any]) -> VerticalSlashConfig:
 
 
 def _knob(t: float, n: int) -> dict[str, Any]:
-    """The main knob at position ``t`` in [0, 1] for ``n`` tokens (see :class:`~attnpatch.patchers.registry.Knob`)."""
+    """The main knob at position ``t`` in [0, 1] for ``n`` tokens (see :class:`~attnpatch.patchers.contract.Knob`)."""
     return {"vertical": max(1, round(t * n)), "slash": max(1, round(t * n))}
 
 

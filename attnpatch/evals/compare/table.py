@@ -1,0 +1,110 @@
+"""The table and the plot of :mod:`attnpatch.evals.compare`: the rows and columns of a compare result
+(:func:`compare_rows`, :func:`compare_columns`) and metric vs speed-up with its Pareto front (:func:`plot_pareto`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from ..run.report import Column
+
+__all__ = ["compare_rows", "compare_columns", "pareto_front", "plot_pareto"]
+
+
+def _fmt_value(v: Any) -> str:
+    return f"{v:g}" if isinstance(v, float) else str(v)
+
+
+def compare_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """Table rows of a compare result (dense first): the result's rows with text columns for options and match."""
+    out = []
+    for r in result["rows"]:
+        row = dict(r)
+        row["options_text"] = ", ".join(f"{k}={_fmt_value(v)}" for k, v in r.get("shown_options", {}).items())
+        if r.get("note"):
+            row["options_text"] += f" [{r['note']}]"
+        mi = r.get("match")
+        if mi is None:
+            row["match_text"] = ""
+        elif mi["status"] in ("matched", "closest"):
+            key = mi.get("key", "")
+            row["match_text"] = f"{key} {mi['reached']:.3g}" + (" (closest)" if mi["status"] == "closest" else "")
+        elif mi["status"] == "not matched":
+            row["match_text"] = "not matched"
+        else:
+            row["match_text"] = ""
+        out.append(row)
+    return out
+
+
+def compare_columns(result: dict[str, Any]) -> list[Column]:
+    """The table columns of a compare result (metric and fidelity titled after the eval)."""
+    cols = [
+        Column("method", "method"), Column("options_text", "options"),
+        Column("metric", result.get("metric_label", "metric"), "f3" if result.get("metric") == "cls_cosine" else "pct"),
+    ]
+    if result.get("fidelity") != result.get("metric"):
+        cols.append(Column("fidelity", result.get("fidelity_label", "fidelity"), "f3"))
+    cols += [Column("sparsity", "sparsity", "pct"), Column("knob_tokens", "landmarks")]
+    if result.get("match"):
+        cols.append(Column("match_text", "matched"))
+    cols += [Column("seconds", "time", "s"), Column("speedup", "speed-up", "x")]
+    return cols
+
+
+def pareto_front(points: Sequence[tuple[float, float]]) -> list[int]:
+    """Indices of the points not dominated in (x, y), both maximised, sorted by x ascending.
+
+    A point is dominated when another is at least as good in both and better in one.
+    """
+    idx = []
+    for i, (x, y) in enumerate(points):
+        dominated = any(
+            (x2 >= x and y2 >= y) and (x2 > x or y2 > y) for j, (x2, y2) in enumerate(points) if j != i
+        )
+        if not dominated:
+            idx.append(i)
+    return sorted(idx, key=lambda i: (points[i][0], -points[i][1]))
+
+
+def plot_pareto(result: dict[str, Any], path: str | Path, title: str | None = None) -> Path:
+    """Draw the eval's metric (y) against the speed-up over dense (x) as a PNG: one labelled point per
+    setting, dense marked, and the Pareto front (settings not dominated in (speed-up, metric)) as a step line.
+
+    Rows without a metric or a speed-up are left out.  Returns the path written.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in compare_rows(result) if r.get("metric") is not None and r.get("speedup") is not None]
+    pts = [(float(r["speedup"]), float(r["metric"])) for r in rows]
+    fig, ax = plt.subplots(figsize=(7, 5), dpi=120)
+    try:
+        front = pareto_front(pts)
+        if front:
+            fx, fy = [pts[i][0] for i in front], [pts[i][1] for i in front]
+            ax.step(fx, fy, where="pre", color="tab:orange", lw=1.5, label="Pareto front", zorder=1)
+            ax.plot(fx, fy, "o", ms=13, mfc="none", mec="tab:orange", mew=1.5, zorder=1)  # visible with a single front point too
+        for (x, y), r in zip(pts, rows):
+            dense = bool(r.get("baseline"))
+            ax.scatter([x], [y], marker="*" if dense else "o", s=140 if dense else 40, color="black" if dense else "tab:blue", zorder=2)
+            label = r["method"] + (f" ({r['options_text']})" if r.get("options_text") else "")
+            ax.annotate(label, (x, y), textcoords="offset points", xytext=(5, 5), fontsize=7)
+        ax.axvline(1.0, color="grey", lw=0.6, ls="--")
+        ax.set_xlabel("speed-up over dense (x)")
+        ax.set_ylabel(result.get("metric_label", "metric"))
+        m = result.get("match") or []
+        matched = ", ".join(f"{x['key']}={x['value']:g}" for x in m)
+        ax.set_title(title or f"{result.get('eval', '')}" + (f" — matched {matched}" if matched else ""), fontsize=9)
+        ax.legend(loc="best", fontsize=8)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(p)
+    finally:
+        plt.close(fig)
+    return p

@@ -1,0 +1,100 @@
+"""What the evals need from a Hugging Face model besides the patch: its image processor described, the keyword that
+lets a ViT take another input size, and the projected embedding of a dual encoder's output.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ....errors import UnsupportedModelError
+from ...adapter import PreprocessConfig
+
+__all__ = ["image_processor_config", "interpolate_kwargs", "pooled"]
+
+
+def _field(size: Any, key: str) -> Any:
+    if size is None:
+        return None
+    if isinstance(size, Mapping):
+        return size.get(key)
+    return getattr(size, key, None)
+
+
+def _resample_name(resample: Any) -> str | None:
+    """A PIL resampling filter (enum or int) as a lower-case name (``"bicubic"``); ``None`` when not given."""
+    if resample is None:
+        return None
+    name = getattr(resample, "name", None)
+    if name is None:
+        try:
+            from PIL import Image
+
+            name = Image.Resampling(int(resample)).name
+        except (ImportError, ValueError, TypeError):
+            return str(resample)
+    return str(name).lower()
+
+
+def image_processor_config(processor: Any) -> PreprocessConfig:
+    """:class:`~attnpatch.patchers.adapter.PreprocessConfig` of a Hugging Face image processor (or of a processor
+    holding one as ``image_processor``, e.g. ``CLIPProcessor``), as the eval's preprocessing reads it: resize
+    target, centre crop, resample filter, mean / std (0 / 1 with ``do_normalize=False``).
+
+    Raises:
+        UnsupportedModelError: ``processor`` is not a Hugging Face image processor.
+    """
+    proc = getattr(processor, "image_processor", None) or processor
+    if isinstance(proc, Mapping) or not callable(proc) or not hasattr(proc, "size"):
+        raise UnsupportedModelError(f"expected a Hugging Face image processor, got {type(processor).__name__}")
+    size = proc.size
+    crop = getattr(proc, "crop_size", None)
+    do_crop = bool(getattr(proc, "do_center_crop", False)) and crop is not None
+    mean = tuple(float(v) for v in (getattr(proc, "image_mean", None) or (0.0, 0.0, 0.0)))
+    std = tuple(float(v) for v in (getattr(proc, "image_std", None) or (1.0, 1.0, 1.0)))
+    if not getattr(proc, "do_normalize", True):
+        mean, std = (0.0, 0.0, 0.0), (1.0, 1.0, 1.0)
+    shortest, height, width = _field(size, "shortest_edge"), _field(size, "height"), _field(size, "width")
+    resize = {k: v for k, v in (("shortest_edge", shortest), ("height", height), ("width", width)) if v}
+    crop_h, crop_w = (_field(crop, "height"), _field(crop, "width")) if do_crop else (None, None)
+    if do_crop:
+        side = int(crop_h) if crop_h and crop_h == crop_w else None
+    else:
+        side = int(height) if height and height == width else None
+    return PreprocessConfig(
+        library="hf", resolution=side, resize=resize, crop=int(crop_h) if do_crop and crop_h and crop_h == crop_w else None,
+        interpolation=_resample_name(getattr(proc, "resample", None)), mean=mean, std=std, native=proc,
+    )
+
+
+def interpolate_kwargs(model: torch.nn.Module, x: torch.Tensor) -> dict[str, bool]:
+    """``{"interpolate_pos_encoding": True}`` for a transformers ViT whose forward takes it (ViT, CLIP, SigLIP) on
+    images ``x`` ``[B, 3, H, W]`` of another size than its configured ``image_size``, else ``{}`` (DINOv2
+    interpolates on its own)."""
+    size = getattr(getattr(model, "config", None), "image_size", None)
+    if size is None or tuple(x.shape[-2:]) == ((size, size) if isinstance(size, int) else tuple(size)):
+        return {}
+    try:
+        takes = "interpolate_pos_encoding" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):  # pragma: no cover
+        return {}
+    return {"interpolate_pos_encoding": True} if takes else {}
+
+
+def pooled(out: Any) -> torch.Tensor:
+    """The projected embedding ``[B, D]`` from ``get_*_features`` (a tensor, or an output whose ``pooler_output``,
+    ``image_embeds`` or ``text_embeds`` holds it).
+
+    Raises:
+        UnsupportedModelError: none of them is a tensor.
+    """
+    if isinstance(out, torch.Tensor):
+        return out
+    for key in ("pooler_output", "image_embeds", "text_embeds"):
+        val = getattr(out, key, None)
+        if isinstance(val, torch.Tensor):
+            return val
+    raise UnsupportedModelError(f"cannot find the embedding in a {type(out).__name__} (no pooler_output)")

@@ -1,0 +1,241 @@
+"""The documents: README.md (the front door), docs/*.md and BENCHMARKS.md.
+
+Every relative link resolves (file and heading anchor, by GitHub's slug rules); no document states a test count;
+the README keeps the commands CI and users run; the pages name public import paths only; and
+``benchmarks/make_benchmarks.py render`` reproduces the committed BENCHMARKS.md byte for byte, keeping its
+hand-written parts.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+DOCS = sorted([*REPO.glob("*.md"), *(REPO / "docs").glob("*.md")])
+PAGES = sorted((REPO / "docs").glob("*.md"))
+
+
+# --------------------------------------------------------------------------- links and anchors
+
+FENCE = re.compile(r"^\s*(```|~~~)")
+LINK = re.compile(r"!?\[(?:[^\]\\]|\\.)*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
+INLINE_CODE = re.compile(r"(`+)(?:(?!\1).)+?\1")
+
+
+def _prose_lines(text: str):
+    """(line number, line) outside fenced code blocks, with inline code spans blanked out."""
+    fenced = False
+    for i, line in enumerate(text.splitlines(), 1):
+        if FENCE.match(line):
+            fenced = not fenced
+            continue
+        if not fenced:
+            yield i, INLINE_CODE.sub(lambda m: " " * len(m.group(0)), line)
+
+
+def github_anchors(text: str) -> set[str]:
+    """The anchors GitHub gives the headings of ``text``: the heading's text (formatting and links reduced to their
+    text) in lower case, every character that is not a letter, digit, '_', '-' or space removed, spaces turned into
+    '-'; a repeated anchor gets '-1', '-2', ... in order."""
+    anchors: set[str] = set()
+    counts: dict[str, int] = {}
+    fenced = False
+    for line in text.splitlines():
+        if FENCE.match(line):
+            fenced = not fenced
+            continue
+        m = None if fenced else re.match(r"^ {0,3}#{1,6}[ \t]+(.*?)(?:[ \t]+#+)?[ \t]*$", line)
+        if not m:
+            continue
+        title = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", m.group(1))  # a link counts as its text
+        title = re.sub(r"<[^>]+>", "", title).replace("\\", "")
+        chars = [c for c in title.strip().lower() if c.isalnum() or c in "_- "]
+        base = "".join(chars).replace(" ", "-")
+        n = counts.get(base, 0)
+        counts[base] = n + 1
+        anchors.add(base if n == 0 else f"{base}-{n}")
+    return anchors
+
+
+def broken_links(page: Path, root: Path = REPO) -> list[str]:
+    """Every relative link of ``page`` whose file does not exist or whose ``#anchor`` is no heading of its target."""
+    text = page.read_text()
+    bad = []
+    for lineno, line in _prose_lines(text):
+        for m in LINK.finditer(line):
+            target = m.group(1)
+            if re.match(r"^[a-z][a-z0-9+.-]*:", target, re.I):  # http:, https:, mailto:, ...
+                continue
+            path, _, anchor = target.partition("#")
+            dest = (page.parent / path).resolve() if path else page
+            where = f"{page.relative_to(root)}:{lineno}: {target}"
+            if not dest.exists():
+                bad.append(f"{where}: no such file")
+            elif anchor and dest.suffix == ".md" and anchor not in github_anchors(dest.read_text()):
+                bad.append(f"{where}: no heading with this anchor in {dest.relative_to(root)}")
+    return bad
+
+
+def test_the_documents_exist():
+    names = {p.relative_to(REPO).as_posix() for p in DOCS}
+    for name in ("README.md", "BENCHMARKS.md", "docs/methods.md", "docs/cli.md", "docs/claims.md", "docs/extending.md"):
+        assert name in names
+
+
+@pytest.mark.parametrize("page", DOCS, ids=lambda p: p.relative_to(REPO).as_posix())
+def test_every_relative_link_resolves(page):
+    assert broken_links(page) == []
+
+
+def test_the_link_checker_finds_broken_links(tmp_path):
+    (tmp_path / "other.md").write_text("# Other\n\n## Some heading: `code`, and more!\n\n## Twice\n\n## Twice\n")
+    page = tmp_path / "page.md"
+    good = ("[a](other.md) [b](other.md#some-heading-code-and-more) [c](other.md#twice-1) [d](#local--heading) "
+            "[e](https://example.com/x#y) `[f](missing.md)`\n\n```\n[g](missing.md)\n```\n")
+    page.write_text("# Page\n\n## Local — heading\n\n" + good)
+    assert broken_links(page, tmp_path) == []
+    page.write_text("# Page\n\n## Local — heading\n\n" + good + "[h](missing.md) [i](other.md#twice-2) [j](#nowhere)\n")
+    bad = broken_links(page, tmp_path)
+    assert len(bad) == 3 and "missing.md: no such file" in bad[0]
+    assert "other.md#twice-2: no heading" in bad[1] and "#nowhere: no heading" in bad[2]
+
+
+def test_github_anchor_rules():
+    text = ("# attnpatch\n## `tune`: the cheapest setting that meets a target\n## FNA's break-even (`min_tokens=auto`)\n"
+            "## AnchorFormer against Nyström: per-layer errors\n## Device: cpu\n## Device: cpu\n"
+            "```\n## not a heading\n```\n### anchor_attention under the competitor\n")
+    assert github_anchors(text) == {
+        "attnpatch", "tune-the-cheapest-setting-that-meets-a-target", "fnas-break-even-min_tokensauto",
+        "anchorformer-against-nyström-per-layer-errors", "device-cpu", "device-cpu-1",
+        "anchor_attention-under-the-competitor"}
+
+
+# --------------------------------------------------------------------------- what the documents say
+
+#: A stated test count ("1,844 tests", "1844 passed", "the test count"): it goes stale with every test added.
+TEST_COUNT = re.compile(r"\b\d[\d,]*\s+(?:tests|passed|skipped)\b|\btests?[ -]count\b", re.I)
+
+
+def test_no_document_states_a_test_count():
+    # the phrase the README used to carry, and phrases that are not a count
+    assert TEST_COUNT.search("**Tests** (1,844 tests, 23 of them skipped in a clone with no `../shared/data`")
+    assert TEST_COUNT.search("1844 passed, 23 skipped in 480s")
+    for fine in ("the `slow` ones run the real checkpoints", "2-process runs", "ran beside a test run",
+                 "about 8 min on 2 CPU cores", "the data-parallel tests start 2-process runs"):
+        assert not TEST_COUNT.search(fine)
+    found = [f"{p.relative_to(REPO)}:{i}: {m.group(0)!r}" for p in DOCS
+             for i, line in enumerate(p.read_text().splitlines(), 1) for m in TEST_COUNT.finditer(line)]
+    assert found == []
+
+
+def test_every_page_starts_with_a_table_of_contents():
+    for page in [*PAGES, REPO / "BENCHMARKS.md"]:
+        text = page.read_text()
+        first_section = text.find("\n## ")
+        assert "**Contents**" in text[:first_section], f"{page.relative_to(REPO)}: no table of contents before its first section"
+
+
+def _bash_blocks(text: str) -> str:
+    return "\n".join(re.findall(r"```bash\n(.*?)```", text, re.S))
+
+
+def test_readme_keeps_the_two_commands():
+    """CI runs the test command written in the README (``.ci/run``), and the main job's command is the README's."""
+    readme = (REPO / "README.md").read_text()
+    ci = [ln.strip() for ln in (REPO / ".ci" / "run").read_text().splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+    assert ci[-1] == "python -m pytest -q"
+    commands = _bash_blocks(readme).splitlines()
+    assert ci[-1] in commands
+    assert ("attnpatch eval ruler --model smollm2-135m-instruct --method anchor_attention --lengths 1024 2048 4096 "
+            "--samples 3") in commands
+    assert len(readme.splitlines()) <= 320, "README.md is the front door: details go to docs/, measurements to BENCHMARKS.md"
+
+
+def test_readme_method_table_names_every_method():
+    import attnpatch
+
+    readme = (REPO / "README.md").read_text()
+    section = readme[readme.index("## Methods"):]
+    section = section[:section.index("\n## ", 1)]
+    rows = {m.group(1) for m in re.finditer(r"^\| `([^`]+)` \|", section, re.M)}
+    names = {m["name"] for m in attnpatch.list_methods() if not m["name"].startswith(("contract_", "throwaway"))}
+    assert names <= rows, f"methods missing from the README's table: {sorted(names - rows)}"
+
+
+#: Import paths of attnpatch/evals/ the documents may name (the rest is internal and moves).
+PUBLIC_EVALS = re.compile(r"attnpatch\.evals\.(?:recall(?:\.attention_recall)?|bench(?:\.(?:bench_attention|bench_vision_model|bench_causal_lm))?)\b")
+
+
+def test_docs_name_no_internal_evals_module():
+    found = []
+    for page in [REPO / "README.md", *PAGES]:
+        for i, line in enumerate(page.read_text().splitlines(), 1):
+            for m in re.finditer(r"attnpatch[./]evals[./][\w./]*", line):
+                if not PUBLIC_EVALS.fullmatch(m.group(0).rstrip(".")):
+                    found.append(f"{page.relative_to(REPO)}:{i}: {m.group(0)}")
+    assert found == []
+
+
+# --------------------------------------------------------------------------- BENCHMARKS.md and its renderer
+
+
+def _make_benchmarks():
+    spec = importlib.util.spec_from_file_location("make_benchmarks", REPO / "benchmarks" / "make_benchmarks.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_render_reproduces_the_committed_benchmarks(tmp_path):
+    out = tmp_path / "BENCHMARKS.md"
+    before = (REPO / "BENCHMARKS.md").read_bytes()
+    subprocess.run([sys.executable, str(REPO / "benchmarks" / "make_benchmarks.py"), "render", "--output", str(out)],
+                   check=True, cwd=tmp_path, capture_output=True)
+    assert (REPO / "BENCHMARKS.md").read_bytes() == before, "render --output must not touch BENCHMARKS.md"
+    assert out.read_bytes() == before, "BENCHMARKS.md is stale: run `python benchmarks/make_benchmarks.py render`"
+
+
+def test_render_keeps_hand_written_text_and_renders_each_results_folder(tmp_path):
+    mb = _make_benchmarks()
+    results = tmp_path / "results"
+    (results / "cuda").mkdir(parents=True)
+    (results / "claims").mkdir()
+    fna = json.loads((REPO / "benchmarks" / "results" / "cpu" / "fna.json").read_text())
+    (results / "cuda" / "fna.json").write_text(json.dumps({**fna, "note": "A note on this run."}))
+    (results / "claims" / "other.json").write_text("{}")  # a folder of files render has no section for
+    template = ("# Benchmarks\n\n<!-- generated:toc -->\nstale\n<!-- /generated:toc -->\n\n## Hand-written\n\n"
+                "Kept as it is: [link](#hand-written).\n\n<!-- generated:cuda -->\nstale\n<!-- /generated:cuda -->\n\n"
+                "## Also hand-written\n\n| a | b |\n|---|---|\n| 1 | 2 |\n")
+    text = mb.render(template, results)
+    assert "stale" not in text
+    assert "## Hand-written\n\nKept as it is: [link](#hand-written).\n\n<!-- generated:cuda -->\n## Device: cuda\n" in text
+    assert "### FNA attention vs SDPA (non-causal, one layer)" in text and "A note on this run." in text
+    assert text.endswith("<!-- /generated:cuda -->\n\n## Also hand-written\n\n| a | b |\n|---|---|\n| 1 | 2 |\n")
+    assert "Device: claims" not in text
+    assert "- [Device: cuda](#device-cuda)\n  - [FNA attention vs SDPA" in text
+    assert mb.render(text, results) == text  # idempotent: a second render changes nothing
+    # a results folder without a block in the document gets one at the end
+    shutil.copytree(results / "cuda", results / "tpu")
+    appended = mb.render(text, results)
+    assert "## Also hand-written\n\n| a | b |\n|---|---|\n| 1 | 2 |\n\n<!-- generated:tpu -->\n## Device: tpu\n" in appended
+    assert appended.endswith("<!-- /generated:tpu -->\n") and "- [Device: tpu](#device-tpu)" in appended
+    # an empty document gets the title, the table of contents and the intro
+    fresh = mb.render(mb.DEFAULT_TEMPLATE, results)
+    assert fresh.startswith("# Benchmarks\n\n<!-- generated:toc -->\n**Contents**") and "## Device: cuda" in fresh
+
+
+def test_render_check_option_reports_a_stale_file(tmp_path):
+    """``render --check`` exits 0 on the committed file; the test does not write BENCHMARKS.md."""
+    before = (REPO / "BENCHMARKS.md").read_bytes()
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "make_benchmarks.py"), "render", "--check"],
+                          cwd=tmp_path, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert (REPO / "BENCHMARKS.md").read_bytes() == before

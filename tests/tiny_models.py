@@ -1,0 +1,184 @@
+"""The tiny random models of the tests, one factory per family, each with the defaults most tests use.
+
+Every factory takes keyword overrides for the config values a test needs otherwise, and ``seed``: the
+``torch.manual_seed`` run right before the weights are initialised (``None``: the global generator as it is,
+for tests that never seeded).  Nothing here downloads: every model is built from a config with random weights.
+
+Imported as ``from tiny_models import tiny_dinov2`` (pytest puts ``tests/`` on ``sys.path`` through the
+rootdir-level ``conftest.py``, as for ``throwaway_method``).  Not named ``models``: ``tests/`` comes first on
+``sys.path``, so a generic name would shadow any installed top-level ``models`` package a dependency imports.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+# --------------------------------------------------------------------------- Hugging Face DINOv2
+
+#: A 4-layer DINOv2, 4 heads of 16, 70 px at patch 14: 25 patches + CLS = 26 tokens.  (``intermediate_size`` is
+#: not a Dinov2Config field, ``mlp_ratio`` sets the MLP width; it is passed as the tests always passed it.)
+DINOV2 = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, intermediate_size=128, image_size=70, patch_size=14)
+
+#: The narrow variant several tests use (hidden 32, 2 heads): ``tiny_dinov2(**NARROW_DINOV2, num_hidden_layers=2, image_size=56)``.
+NARROW_DINOV2 = dict(hidden_size=32, num_attention_heads=2, intermediate_size=64)
+
+
+def dinov2_config(registers: int = 0, **overrides: Any):
+    """A ``Dinov2Config`` (``Dinov2WithRegistersConfig`` with ``registers`` register tokens) of :data:`DINOV2` updated by
+    ``overrides``; an override of ``None`` leaves that field out (``intermediate_size=None``: the config as written
+    without it)."""
+    from transformers import Dinov2Config, Dinov2WithRegistersConfig
+
+    kw = {k: v for k, v in {**DINOV2, **overrides}.items() if v is not None}
+    if registers:
+        return Dinov2WithRegistersConfig(num_register_tokens=registers, **kw)
+    return Dinov2Config(**kw)
+
+
+def tiny_dinov2(registers: int = 0, *, seed: int | None = 0, **overrides: Any):
+    """A random ``Dinov2Model`` (``Dinov2WithRegistersModel`` with ``registers`` > 0) of :func:`dinov2_config`, in eval mode."""
+    from transformers import Dinov2Model, Dinov2WithRegistersModel
+
+    cfg = dinov2_config(registers, **overrides)
+    if seed is not None:
+        torch.manual_seed(seed)
+    return (Dinov2WithRegistersModel if registers else Dinov2Model)(cfg).eval()
+
+
+# --------------------------------------------------------------------------- Hugging Face ViT
+
+#: A 2-layer transformers ViT, hidden 32, 2 heads, 32 px at patch 8 (16 patches + CLS = 17 tokens).
+HF_VIT = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, image_size=32, patch_size=8)
+
+
+def tiny_hf_vit(*, seed: int | None = 0, add_pooling_layer: bool = False, **overrides: Any):
+    """A random ``ViTModel`` of :data:`HF_VIT` updated by ``overrides`` (no pooling layer unless asked), in eval mode."""
+    from transformers import ViTConfig, ViTModel
+
+    cfg = ViTConfig(**{**HF_VIT, **overrides})
+    if seed is not None:
+        torch.manual_seed(seed)
+    return ViTModel(cfg, add_pooling_layer=add_pooling_layer).eval()
+
+
+# --------------------------------------------------------------------------- Hugging Face causal LMs
+
+#: A 2-layer Llama / Qwen2 / Qwen3: hidden 64, 4 query heads and 2 KV heads of 16, vocabulary 128.
+CAUSAL_LM = dict(
+    vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, attn_implementation="sdpa",
+)
+
+
+def _causal_lm_classes(kind: str):
+    from transformers import (
+        LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
+    )
+
+    return {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+            "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[kind]
+
+
+def causal_lm_config(kind: str = "llama", **overrides: Any):
+    """The config of ``kind`` (``"llama"``, ``"qwen2"``, ``"qwen3"``): :data:`CAUSAL_LM` updated by ``overrides``."""
+    return _causal_lm_classes(kind)[0](**{**CAUSAL_LM, **overrides})
+
+
+def tiny_causal_lm(kind: str = "llama", seed: int | None = 0, layers: int = 2, vocab: int = 128, *, sharpen: float = 6.0,
+                   **overrides: Any):
+    """A randomly initialised Llama / Qwen2 / Qwen3 of a few hundred thousand parameters, in eval mode.
+
+    ``sharpen`` multiplies every layer's q and k projection weights (random init gives near-uniform attention, so
+    thresholds would select nothing); 1.0 leaves the weights as initialised.
+    """
+    cfg = causal_lm_config(kind, num_hidden_layers=layers, vocab_size=vocab, **overrides)
+    if seed is not None:
+        torch.manual_seed(seed)
+    model = _causal_lm_classes(kind)[1](cfg).eval()
+    if sharpen != 1.0:
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.q_proj.weight.mul_(sharpen)
+                layer.self_attn.k_proj.weight.mul_(sharpen)
+    return model
+
+
+# --------------------------------------------------------------------------- Hugging Face CLIP / SigLIP
+
+#: Text tower: 2 layers, hidden 32, 4 heads, vocabulary 100, 16 positions.
+HF_CLIP_TEXT = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=100,
+                    max_position_embeddings=16)
+#: Vision tower: 3 layers, hidden 32, 4 heads, 32 px at patch 8 (16 patches + CLS for CLIP, 16 for SigLIP).
+HF_CLIP_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4, image_size=32,
+                      patch_size=8)
+
+
+def tiny_hf_clip(family: str = "clip", *, seed: int | None = 0, text: dict | None = None, vision: dict | None = None,
+                 **overrides: Any):
+    """A random ``CLIPModel`` (``family="clip"``, ``projection_dim=16`` unless overridden) or ``SiglipModel``
+    (``"siglip"``) with the towers :data:`HF_CLIP_TEXT` / :data:`HF_CLIP_VISION` updated by ``text`` / ``vision``,
+    in eval mode; ``overrides`` go to the top-level config."""
+    from transformers import CLIPConfig, CLIPModel, SiglipConfig, SiglipModel
+
+    tc, vc = {**HF_CLIP_TEXT, **(text or {})}, {**HF_CLIP_VISION, **(vision or {})}
+    if family == "clip":
+        cfg, cls = CLIPConfig(text_config=tc, vision_config=vc, **{"projection_dim": 16, **overrides}), CLIPModel
+    elif family == "siglip":
+        cfg, cls = SiglipConfig(text_config=tc, vision_config=vc, **overrides), SiglipModel
+    else:
+        raise ValueError(f"family={family!r}: 'clip' or 'siglip'")
+    if seed is not None:
+        torch.manual_seed(seed)
+    return cls(cfg).eval()
+
+
+# --------------------------------------------------------------------------- open_clip CLIP
+
+#: Image tower: 64 px at patch 8 (64 patches + CLS = 65 tokens), width 64, 4 heads of 16, 4 layers.
+OPEN_CLIP_VISION = dict(image_size=64, patch_size=8, width=64, head_width=16, layers=4)
+#: Text tower: open_clip's 77-token context and BPE vocabulary, width 32, 4 heads, 2 layers.
+OPEN_CLIP_TEXT = dict(context_length=77, vocab_size=49408, width=32, heads=4, layers=2)
+
+
+def open_clip_cfg(vision: dict | None = None, text: dict | None = None) -> dict[str, Any]:
+    """The keyword arguments of ``open_clip.model.CLIP`` (also what an ``open_clip_config.json``'s ``model_cfg``
+    holds): embed_dim 32, quick GELU, the towers :data:`OPEN_CLIP_VISION` / :data:`OPEN_CLIP_TEXT` updated by
+    ``vision`` / ``text``."""
+    return dict(embed_dim=32, vision_cfg={**OPEN_CLIP_VISION, **(vision or {})}, text_cfg={**OPEN_CLIP_TEXT, **(text or {})},
+                quick_gelu=True)
+
+
+def tiny_open_clip(*, seed: int | None = 0, vision: dict | None = None, text: dict | None = None):
+    """A random ``open_clip.model.CLIP`` of :func:`open_clip_cfg`, in eval mode."""
+    import open_clip
+
+    if seed is not None:
+        torch.manual_seed(seed)
+    return open_clip.model.CLIP(**open_clip_cfg(vision, text)).eval()
+
+
+# --------------------------------------------------------------------------- timm ViTs
+
+#: A 2-layer timm ViT, width 64, 4 heads, 48 px at patch 8 (36 patches + CLS = 37 tokens), no head.
+TIMM_VIT = dict(img_size=48, patch_size=8, embed_dim=64, depth=2, num_heads=4, num_classes=0)
+
+
+def tiny_timm_vit(*, seed: int | None = 0, **overrides: Any):
+    """A random ``timm.models.vision_transformer.VisionTransformer`` of :data:`TIMM_VIT` updated by ``overrides``, in eval mode."""
+    from timm.models.vision_transformer import VisionTransformer
+
+    if seed is not None:
+        torch.manual_seed(seed)
+    return VisionTransformer(**{**TIMM_VIT, **overrides}).eval()
+
+
+def timm_vit_tiny(*, seed: int | None = 0, **overrides: Any):
+    """timm's ``vit_tiny_patch16_224`` (width 192, 3 heads) with random weights (``pretrained=False``: nothing is
+    downloaded) at 64 px (16 patches + CLS), no head, in eval mode; ``overrides`` go to ``timm.create_model``."""
+    import timm
+
+    if seed is not None:
+        torch.manual_seed(seed)
+    return timm.create_model("vit_tiny_patch16_224", **{"pretrained": False, "img_size": 64, "num_classes": 0, **overrides}).eval()
