@@ -33,16 +33,16 @@ import contextlib
 import logging
 import os
 import re
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from .clip_bundle import ClipBundle
 from .clip_convert import hf_clip_tokenizer_from_open_clip, open_clip_to_hf
 from .errors import ModelNotFoundError, OptionError, UnsupportedModelError
 from .log import log_stderr
+from .patchers.adapters import adapter_for
 from .hub import cached_hub_file as _cached_hub_file
 from .hub import host_reachable as _host_reachable
 from .hub import hub_offline as _offline
@@ -55,126 +55,6 @@ __all__ = ["ClipBundle", "load_clip", "open_clip_to_hf", "hf_clip_tokenizer_from
 RANDOM_TAG = "random"
 RANDOM_SEED = 0
 _HF_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-
-
-@dataclass
-class ClipBundle:
-    """A dual encoder with its preprocessing, ready for zero-shot classification and retrieval.
-
-    Attributes:
-        model: the ``torch.nn.Module`` (open_clip ``CLIP`` / ``CustomTextCLIP`` or a Hugging Face
-            ``CLIPModel`` / ``SiglipModel``), in eval mode; patch it with ``attnpatch.patch``.
-        preprocess: ``list[PIL.Image] -> [B, 3, R, R]`` float32 (the model's own evaluation
-            transform: resize, center crop, normalise), an :class:`attnpatch.evals.images.Preprocess`.
-        tokenizer: ``list[str] -> token ids``: an ``[T, L]`` int64 tensor (open_clip, ``L`` = 77)
-            or a dict with ``input_ids`` / ``attention_mask`` ``[T, L]`` (Hugging Face, padded to
-            the model's maximum length).
-        kind: ``"open_clip"`` or ``"hf"``.
-        name: the name it was loaded by.
-        resolution: input side ``R`` in pixels.
-        embed_dim: dimension ``D`` of the joint embedding.
-        random_init: whether the weights are random (``ARCH:random``).
-    """
-
-    model: torch.nn.Module
-    preprocess: Callable
-    tokenizer: Callable
-    kind: str
-    name: str
-    resolution: int
-    embed_dim: int
-    random_init: bool = False
-    _interpolate: bool = field(default=False, repr=False)
-
-    @property
-    def device(self) -> torch.device:
-        """Device of the model's weights."""
-        return next(self.model.parameters()).device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        """Dtype of the model's floating-point weights."""
-        return next(p for p in self.model.parameters() if p.is_floating_point()).dtype
-
-    @torch.no_grad()
-    def encode_image(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """L2-normalised image embeddings.
-
-        Args:
-            pixel_values: ``[B, 3, R, R]`` float, as :attr:`preprocess` returns.
-
-        Returns:
-            ``[B, D]`` float32 on CPU, unit L2 norm per row.
-
-        Raises:
-            OptionError: ``pixel_values`` is not a ``[B, 3, H, W]`` tensor.
-        """
-        if not isinstance(pixel_values, torch.Tensor) or pixel_values.dim() != 4 or pixel_values.shape[1] != 3:
-            shape = tuple(pixel_values.shape) if isinstance(pixel_values, torch.Tensor) else type(pixel_values).__name__
-            raise OptionError(f"pixel_values: expected a [B, 3, H, W] tensor, got {shape}")
-        x = pixel_values.to(self.device, self.dtype)
-        if self.kind == "open_clip":
-            feats = self.model.encode_image(x)
-        else:
-            kw = {"interpolate_pos_encoding": True} if self._interpolate else {}
-            feats = _pooled(self.model.get_image_features(pixel_values=x, **kw))
-        return torch.nn.functional.normalize(feats.float(), dim=-1).cpu()
-
-    @torch.no_grad()
-    def encode_text(self, texts: Sequence[str], batch_size: int = 256) -> torch.Tensor:
-        """L2-normalised text embeddings, ``batch_size`` texts per forward call.
-
-        Args:
-            texts: the strings (tokenised with :attr:`tokenizer`; CLIP truncates at 77 tokens).
-            batch_size: texts per forward call (positive int).
-
-        Returns:
-            ``[T, D]`` float32 on CPU, unit L2 norm per row.
-
-        Raises:
-            OptionError: ``texts`` is empty or holds a non-string; ``batch_size`` not a positive int.
-        """
-        if isinstance(texts, str):
-            texts = [texts]
-        texts = list(texts)
-        if not texts:
-            raise OptionError("texts: empty list; pass at least one string")
-        bad = [type(t).__name__ for t in texts if not isinstance(t, str)]
-        if bad:
-            raise OptionError(f"texts: expected strings, got {bad[0]}")
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise OptionError(f"batch_size={batch_size!r}: must be a positive int (texts per forward call)")
-        out = []
-        for s in range(0, len(texts), batch_size):
-            tok = self.tokenizer(texts[s : s + batch_size])
-            if self.kind == "open_clip":
-                feats = self.model.encode_text(tok.to(self.device))
-            else:
-                feats = _pooled(self.model.get_text_features(**{k: v.to(self.device) for k, v in tok.items()}))
-            out.append(torch.nn.functional.normalize(feats.float(), dim=-1).cpu())
-        return torch.cat(out)
-
-    def vision_tokens(self) -> int:
-        """Tokens ``N`` of the image tower at :attr:`resolution` (patches + class token, if any)."""
-        if self.kind == "open_clip":
-            p = self.model.visual.patch_size
-            p = p[0] if isinstance(p, (tuple, list)) else p
-            return (self.resolution // int(p)) ** 2 + 1
-        vcfg = getattr(self.model.config, "vision_config", None) or self.model.config
-        p = int(vcfg.patch_size)
-        cls = 0 if "siglip" in str(getattr(vcfg, "model_type", "")) else 1
-        return (self.resolution // p) ** 2 + cls
-
-
-def _pooled(out) -> torch.Tensor:
-    """The projected embedding from ``get_*_features`` (a tensor, or an output whose ``pooler_output`` holds it)."""
-    if isinstance(out, torch.Tensor):
-        return out
-    for key in ("pooler_output", "image_embeds", "text_embeds"):
-        val = getattr(out, key, None)
-        if isinstance(val, torch.Tensor):
-            return val
-    raise UnsupportedModelError(f"cannot find the embedding in a {type(out).__name__} (no pooler_output)")
 
 
 # --------------------------------------------------------------------------- loading
@@ -352,7 +232,6 @@ def _load_hf(source: str | Path, *, device, dtype, resolution, log: Log, name: s
     embed = int(getattr(model.config, "projection_dim", 0) or getattr(tcfg, "hidden_size"))
     return ClipBundle(
         model=model, preprocess=preprocess, tokenizer=tokenizer, kind="hf", name=name, resolution=res, embed_dim=embed,
-        _interpolate=res != native,
     )
 
 
@@ -484,14 +363,11 @@ def load_clip(
 
 
 def _bundle_patch(bundle: ClipBundle) -> int | None:
+    """The image tower's patch side as its adapter tells it; ``None`` where it cannot (an open_clip timm trunk)."""
     try:
-        if bundle.kind == "open_clip":
-            p = bundle.model.visual.patch_size
-        else:
-            p = (getattr(bundle.model.config, "vision_config", None) or bundle.model.config).patch_size
-    except AttributeError:
+        return adapter_for(bundle.model).patch_size(bundle.model)
+    except UnsupportedModelError:
         return None
-    return int(p[0] if isinstance(p, (tuple, list)) else p)
 
 
 def _patch_size_hint(raw: str, path: Path) -> int | None:

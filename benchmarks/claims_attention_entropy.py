@@ -11,7 +11,7 @@ prints per layer the mean row entropy, in nats, of
 
 each also as a fraction of ``log N`` (1 = uniform over all keys), and the share of rows whose 90 %
 of mass lies on fewer than 5 % of the keys.  The accuracy lost is what ``attnpatch compare`` prints
-for ``relu_linear`` on the same model (README, "Checking the papers' claims").
+for ``relu_linear`` on the same model (docs/claims.md).
 
     python benchmarks/claims_attention_entropy.py --model dinov2-small --data ../shared/data/imagenet-det-200x5 \
         --resolution 448 --images 16 --json benchmarks/results/cpu/claims_l2vit_entropy.json

@@ -1,10 +1,10 @@
 """Every adapter through the same calls: ``adapter_for``, the geometry without patching, and what the evals ask
 (patch size, grid, token count, feature prefix, preprocessing, ``encode``, ``embed_image`` / ``embed_text``).
 
-Each answer is checked against what the eval code computes today for the same model (the frozen-feature eval's
-``encode`` / ``patch_size`` / ``token_count``, its preprocessing, ``ClipBundle``), bit for bit where it is a tensor,
-so the evals can switch to the adapters with identical numbers; where a model cannot answer, the adapter refuses
-with an ``UnsupportedModelError`` naming the model (never a silent default).  Tiny random models only.
+The evals, the bench and ``ClipBundle`` ask these calls and never branch on the model library.  Each answer is
+checked against the model itself: the token count against the query length the patched attention receives, the
+features against the model's own outputs, patch size and prefix against its config; where a model cannot answer,
+the adapter refuses with an ``UnsupportedModelError`` naming the model (never a silent default).  Tiny random models only.
 """
 
 from __future__ import annotations
@@ -229,68 +229,122 @@ def test_patch_size_refuses_instead_of_a_default():
         HFAdapter.grid(built("dinov2"), 10)
 
 
-# --------------------------------------------------------------------------- equal to the eval code of today
+# --------------------------------------------------------------------------- equal to the model's own numbers
+
+
+def _reference_patch_and_prefix(model) -> tuple[int, int]:
+    """Patch side and feature prefix read straight from the model's own config / attributes (not through an adapter)."""
+    if hasattr(model, "patch_embed"):  # timm
+        return int(model.patch_embed.patch_size[0]), int(model.num_prefix_tokens)
+    vcfg = getattr(model.config, "vision_config", None) or model.config
+    return int(vcfg.patch_size), 1 + int(getattr(vcfg, "num_register_tokens", 0) or 0)
 
 
 @pytest.mark.parametrize("name", VIT_ENCODERS + ["hf_clip"])
-def test_patch_size_token_count_and_prefix_equal_the_vision_eval(name):
-    from attnpatch.evals.vision.runner import _feature_prefix_tokens, patch_size, token_count
+def test_patch_size_grid_and_token_count_are_what_the_attention_sees(name):
+    """The token count equals the query length the patched attention receives in a real forward, at the native
+    side and at twice it; patch size and prefix equal the model's own config."""
+    from attnpatch.evals.vision.runner import patch_size, token_count
 
     model = built(name)
     adapter = adapter_for(model)
-    assert adapter.patch_size(model) == patch_size(model)
-    for side in (MODELS[name][2], 2 * MODELS[name][2]):
-        if name != "hf_clip":  # the vision eval reads ViT encoders, not dual encoders
-            assert adapter.token_count(model, side) == token_count(model, side)
-            assert adapter.feature_prefix_tokens(model) == _feature_prefix_tokens(model)
-        assert adapter.grid(model, side) == (side // patch_size(model),) * 2
+    patch, prefix = _reference_patch_and_prefix(model)
+    assert adapter.patch_size(model) == patch_size(model) == patch
+    native = MODELS[name][2]
+    for side in (native,) if name.startswith("timm") else (native, 2 * native):  # the tiny timm ViTs take their size only
+        assert adapter.grid(model, side) == (side // patch,) * 2
+        seen: list[int] = []
+        with patched(model, "dense"), attnpatch.record_stats(model, probe=lambda ctx, q, k, v: seen.append(q.shape[2])):
+            if name == "hf_clip":
+                adapter.embed_image(model, _images(side, b=1))
+            else:
+                adapter.encode(model, _images(side, b=1))
+        assert seen and set(seen) == {adapter.token_count(model, side)}, (seen, side)
+        if name != "hf_clip":  # the vision eval reads ViT encoders: its count is patches + the feature prefix
+            assert adapter.feature_prefix_tokens(model) == prefix
+            assert token_count(model, side) == (side // patch) ** 2 + prefix
 
 
-@pytest.mark.parametrize("name,kind", [("hf_clip", "hf"), ("open_clip", "open_clip")])
-def test_clip_tokens_and_embeddings_equal_the_clip_bundle(name, kind):
-    from attnpatch.clip_models import ClipBundle
-
-    model = built(name)
-    adapter = adapter_for(model)
-    ids = torch.randint(1, 100, (3, 77 if kind == "open_clip" else 16), generator=torch.Generator().manual_seed(3))
-    tokens = ids if kind == "open_clip" else {"input_ids": ids}
-    for side in (MODELS[name][2], MODELS[name][2] + 16):  # native, and another size (HF: interpolated positions)
-        bundle = ClipBundle(model=model, preprocess=None, tokenizer=lambda texts: tokens, kind=kind, name=name, resolution=side,
-                            embed_dim=32, _interpolate=side != MODELS[name][2])
-        assert adapter.token_count(model, side) == bundle.vision_tokens()
-        if kind == "open_clip" and side != MODELS[name][2]:
-            continue  # an open_clip tower is built for its size
-        x = _images(side)
-        emb = torch.nn.functional.normalize(adapter.embed_image(model, x).float(), dim=-1).cpu()
-        assert torch.equal(emb, bundle.encode_image(x))
-    text = torch.nn.functional.normalize(adapter.embed_text(model, tokens).float(), dim=-1).cpu()
-    assert torch.equal(text, bundle.encode_text(["a", "b", "c"]))
+def _reference_features(name, model, x, layers=()):
+    """CLS, patch mean and intermediate CLS tokens computed from the model's own outputs (no adapter)."""
+    _, prefix = _reference_patch_and_prefix(model)
+    with torch.no_grad():
+        if hasattr(model, "forward_features"):  # timm
+            got = {}
+            hooks = [model.blocks[i].register_forward_hook(lambda m, a, o, i=i: got.__setitem__(i, model.norm(o)[:, 0]))
+                     for i in layers]
+            h = model.forward_features(x)
+            for hk in hooks:
+                hk.remove()
+        else:
+            out = model(pixel_values=x, output_hidden_states=bool(layers))
+            h = out.last_hidden_state
+            got = {i: model.layernorm(out.hidden_states[i + 1])[:, 0] for i in layers}
+    return h[:, 0].float(), h[:, prefix:].float().mean(1), {i: v.float() for i, v in got.items()}
 
 
 @pytest.mark.parametrize("name", VIT_ENCODERS)
 @pytest.mark.parametrize("method", [None, "tome"])
-def test_encode_equals_the_vision_eval_bit_for_bit(name, method):
+def test_encode_equals_the_models_own_outputs(name, method):
     from attnpatch.evals.vision.runner import encode
 
     model = built(name)
     adapter = adapter_for(model)
     x = _images(MODELS[name][2])
     if method is None:
-        if name == "hf_vit":  # transformers' ViTModel keeps its blocks in model.layers: neither finds them (yet)
-            for fn in (encode, adapter.encode):
-                with pytest.raises(UnsupportedModelError, match="cannot find the transformer blocks of a ViTModel"):
-                    fn(model, x, (0, 1))
+        if name == "hf_vit":  # transformers' ViTModel keeps its blocks in model.layers: not found, refused
+            with pytest.raises(UnsupportedModelError, match="cannot find the transformer blocks of a ViTModel"):
+                encode(model, x, (0, 1))
         else:
-            want, got = encode(model, x, (0, 1)), adapter.encode(model, x, (0, 1))
-            assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
-            assert want[2].keys() == got[2].keys() and all(torch.equal(want[2][k], got[2][k]) for k in want[2])
-        want, got = encode(model, x), adapter.encode(model, x)
+            cls, pm, inter = encode(model, x, (0, 1))
+            ref = _reference_features(name, model, x, (0, 1))
+            torch.testing.assert_close(cls, ref[0], rtol=0, atol=1e-6)
+            torch.testing.assert_close(pm, ref[1], rtol=0, atol=1e-6)
+            assert inter.keys() == {0, 1}
+            for i in (0, 1):
+                torch.testing.assert_close(inter[i], ref[2][i], rtol=0, atol=1e-6)
+        cls, pm = encode(model, x)
+        ref = _reference_features(name, model, x)
+        torch.testing.assert_close(cls, ref[0], rtol=0, atol=1e-6)
+        torch.testing.assert_close(pm, ref[1], rtol=0, atol=1e-6)
     else:
         with patched(model, method, r=2):
-            want, got = encode(model, x), adapter.encode(model, x)
-            assert attnpatch.token_sizes(model) is not None  # merged: the patch mean weighs the sizes
-    assert len(want) == len(got) == 2
-    assert all(torch.equal(a, b) for a, b in zip(want, got))
+            cls, pm = encode(model, x)
+            sizes = attnpatch.token_sizes(model)
+            assert sizes is not None  # merged: the patch mean weighs each token by the patches it stands for
+            h = adapter_for(model)  # same adapter while patched
+            assert h is adapter
+        _, prefix = _reference_patch_and_prefix(model)
+        assert sizes[:, prefix:].sum(1).tolist() == [(MODELS[name][2] // _reference_patch_and_prefix(model)[0]) ** 2] * 2
+
+
+@pytest.mark.parametrize("name,kind", [("hf_clip", "hf"), ("open_clip", "open_clip")])
+def test_clip_bundle_embeddings_equal_the_models_own(name, kind):
+    from attnpatch.clip_models import ClipBundle
+
+    model = built(name)
+    ids = torch.randint(1, 100, (3, 77 if kind == "open_clip" else 16), generator=torch.Generator().manual_seed(3))
+    tokens = ids if kind == "open_clip" else {"input_ids": ids}
+    for side in (MODELS[name][2], MODELS[name][2] + 16):  # native, and another size (HF: interpolated positions)
+        bundle = ClipBundle(model=model, preprocess=None, tokenizer=lambda texts: tokens, kind=kind, name=name,
+                            resolution=side, embed_dim=32)
+        patch, _ = (int(model.visual.patch_size[0]), 1) if kind == "open_clip" else _reference_patch_and_prefix(model)
+        assert bundle.vision_tokens() == (side // patch) ** 2 + 1
+        if kind == "open_clip" and side != MODELS[name][2]:
+            continue  # an open_clip tower is built for its size
+        x = _images(side)
+        with torch.no_grad():
+            if kind == "open_clip":
+                want = model.encode_image(x)
+            else:
+                kw = {"interpolate_pos_encoding": True} if side != MODELS[name][2] else {}
+                out = model.get_image_features(pixel_values=x, **kw)
+                want = out if isinstance(out, torch.Tensor) else out.pooler_output
+        assert torch.equal(torch.nn.functional.normalize(want.float(), dim=-1), bundle.encode_image(x))
+    with torch.no_grad():
+        out = model.encode_text(ids) if kind == "open_clip" else model.get_text_features(input_ids=ids)
+        want = out if isinstance(out, torch.Tensor) else out.pooler_output
+    assert torch.equal(torch.nn.functional.normalize(want.float(), dim=-1), bundle.encode_text(["a", "b", "c"]))
 
 
 def test_preprocess_config_equals_the_eval_preprocessing_hf():

@@ -1,7 +1,7 @@
 """The compiled CPU kernel of AnchorAttention's stripe attention (``csrc/anchor_cpu.cpp``).
 
 Built on first use with :func:`torch.utils.cpp_extension.load` (a C++ compiler, the Python headers
-and ``ninja`` are needed; once, then cached by PyTorch under ``TORCH_EXTENSIONS_DIR``; the build time is in the README).
+and ``ninja`` are needed; once, then cached by PyTorch under ``TORCH_EXTENSIONS_DIR``; the build time is in BENCHMARKS.md).
 Where it cannot be built, :func:`stripe_kernel` returns ``None`` and says why in
 :func:`kernel_status` (a failed build also warns once); AnchorAttention's ``kernel="auto"`` then
 runs its PyTorch path.

@@ -25,7 +25,7 @@ cuSOLVER call and no host sync), so with FPS's Triton kernel (:mod:`attnpatch.at
 whole layer is CUDA-graph capturable; ``"exact"`` stays an SVD (cuSOLVER, a host sync) on every device.  The
 landmark kernel of a pretrained ViT is badly conditioned, so the exact pseudo-inverse amplifies
 the approximation error; the defaults of :class:`attnpatch.patchers.methods.fna.FNAConfig` were
-chosen by measurement (README and BENCHMARKS.md).
+chosen by measurement (docs/methods.md and BENCHMARKS.md).
 
 All functions are pure tensor functions: ``q, k, v`` are ``[batch, heads, tokens, head_dim]``.
 """

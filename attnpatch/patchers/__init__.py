@@ -3,7 +3,7 @@
 Layers, each importing only the ones below it (and :mod:`attnpatch.options`, :mod:`attnpatch.errors`,
 :mod:`attnpatch.attention`): :mod:`.state` ->
 :mod:`.bench_hook` -> :mod:`.contract` (the method contract) -> :mod:`.config_file` (saved configs) ->
-:mod:`.registry` (the registry, option validation) -> :mod:`.method_table` (the README's table) and
+:mod:`.registry` (the registry, option validation) -> :mod:`.method_table` (the table in docs/methods.md) and
 :mod:`.runtime` (what adapters call) -> :mod:`.adapter` / :mod:`.adapters` and :mod:`.methods` ->
 :mod:`.api` (the public functions).
 """

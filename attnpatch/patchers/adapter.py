@@ -127,6 +127,11 @@ class Adapter(Protocol):
         """The model's own image preprocessing (``processor``: its image processor / data config where the
         model does not carry it); raises ``UnsupportedModelError`` when it cannot tell."""
 
+    def image_pipeline(self, processor: Any, resolution: int | None) -> tuple[str, Any, dict[str, Any], tuple[float, ...], tuple[float, ...]] | None:
+        """The library's own image pipeline of ``processor`` rescaled to a square ``resolution`` (``None``: unchanged):
+        ``(kind, fn: list[PIL.Image] -> [B, 3, R, R], resize, mean, std)`` (``kind`` as :attr:`PreprocessConfig.library`), or ``None`` when ``processor`` is not of this
+        library's kind; raises ``OptionError`` when its form cannot be rescaled."""
+
     def encode(
         self, model: torch.nn.Module, pixel_values: torch.Tensor, layers: Sequence[int] = ()
     ) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:

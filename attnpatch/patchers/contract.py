@@ -6,7 +6,7 @@ token roles it reads), the options that make it exact (:class:`ExactLimit`), its
 (:class:`Knob`), named option sets (:class:`Preset`), a check of its options against the model
 (:class:`ModelGeometry`), and how to benchmark one attention layer (:mod:`.bench_hook`).  The patch,
 the adapters and the benches ask the method; none of them compares its name.  The registry of
-methods is :mod:`.registry`; saved configs are :mod:`.config_file`; the README's table is
+methods is :mod:`.registry`; saved configs are :mod:`.config_file`; the table in docs/methods.md is
 :mod:`.method_table`.
 """
 
@@ -126,7 +126,7 @@ class Preset:
 
     The preset's values replace the defaults; options given beside it win over both
     (``patch(model, "anchor_attention", preset="fast", theta=10)``).  What each preset costs and
-    keeps is measured in BENCHMARKS.md and the README, not here.
+    keeps is measured in BENCHMARKS.md and docs/methods.md, not here.
 
     Attributes:
         options: option values (validated like user options when the method registers).
@@ -171,7 +171,7 @@ class Method:
         bench_hook: ``bench_hook(config, q, k, v, inputs) -> BenchCase``: how to benchmark one
             attention layer (see :mod:`.bench_hook`); ``None`` runs the forward on a synthetic
             layer context (:func:`~attnpatch.patchers.bench_hook.default_bench`).
-        details: a paragraph for the README's method table (default: ``summary``).
+        details: a paragraph for the method table of docs/methods.md (default: ``summary``).
         small_settings: by model kind, options that make an approximate method approximate (some
             layer not dense) on inputs of a few dozen tokens: the contract battery
             (``tests/test_contract_battery.py``) runs its checks with them as well as with the

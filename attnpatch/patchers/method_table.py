@@ -1,4 +1,4 @@
-"""The README's "Methods" table, generated from the registry (:func:`methods_markdown`)."""
+"""The method table of docs/methods.md, generated from the registry (:func:`methods_markdown`)."""
 
 from __future__ import annotations
 
@@ -24,11 +24,11 @@ def _value(v: Any) -> str:
 
 
 def methods_markdown() -> str:
-    """The README's "Methods" table, generated from the registry (one row per method, sorted by name).
+    """The method table of docs/methods.md, generated from the registry (one row per method, sorted by name).
 
     Columns: method, model kinds, what it does (with its source), exactness, options with defaults (and
     the allowed values of string options).  ``attnpatch methods --markdown`` prints it; a test keeps the
-    README's copy (between ``<!-- methods:begin -->`` and ``<!-- methods:end -->``) equal to it.
+    copy in docs/methods.md (between ``<!-- methods:begin -->`` and ``<!-- methods:end -->``) equal to it.
     """
     lines = [
         "| method | model kinds | what it does | exact? | options (default) |",

@@ -8,7 +8,7 @@ them as a config file.
 
 The method contract (:class:`~.contract.Method`, :class:`~.contract.ModelGeometry`, ...) lives in
 :mod:`.contract`, the config file's reading and geometry check in :mod:`.config_file`; both are
-re-exported here, where callers imported them before the split.  The README's table is
+re-exported here, where callers imported them before the split.  The table in docs/methods.md is
 :mod:`.method_table` (above this module).
 """
 

@@ -27,7 +27,7 @@ BREAK_EVEN: dict[str, int] = {"cpu": 12288}
 
 #: ``min_len="auto-fast"``: the same for a speed setting (the ``fast`` preset's pooling and threshold, and the tuner's
 #: candidates), which skips more keys for a cheaper selection and so pays from shorter prompts.  CPU: between the
-#: lengths where the ``fast`` preset was measured slower and faster than dense end to end (README, "Presets").
+#: lengths where the ``fast`` preset was measured slower and faster than dense end to end (BENCHMARKS.md; docs/methods.md, "anchor_attention presets").
 FAST_BREAK_EVEN: dict[str, int] = {"cpu": 3072}
 
 #: The words ``min_len`` takes besides a token count, each with its table of break-even lengths by device type.
@@ -182,7 +182,7 @@ class AnchorConfig:
     the accuracy-first setting before them (``pool_stride=2``, sparse from 512 tokens); ``fast`` skips more
     keys from the shorter break-even length of ``min_len="auto-fast"`` (:data:`FAST_BREAK_EVEN`).  The
     measurements (accuracy, sparsity and recall per setting, and the speed of the defaults and of
-    settings chosen for speed) are in the README ("Methods") and BENCHMARKS.md.
+    settings chosen for speed) are in docs/methods.md and BENCHMARKS.md.
     """
 
     theta: float = field(default=12.0, metadata=opt(

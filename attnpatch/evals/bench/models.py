@@ -9,6 +9,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ...errors import OptionError
+from ...patchers.adapters import adapter_for
 from ...patchers.api import patch, record_stats, time_attention, unpatch
 from ...patchers.registry import Method, get_method, validate_options
 from .layer import setting_label
@@ -56,6 +57,7 @@ def bench_vision_model(
     Raises:
         OptionError: a resolution below the patch size, or a bad setting (also
         UnknownMethodError / UnsupportedModelError from :func:`attnpatch.patch`).
+        UnsupportedModelError: the model's adapter cannot tell its patch size.
     """
     from ..vision.images import load_image_set
     from ..vision.preprocess import make_preprocess
@@ -69,13 +71,14 @@ def bench_vision_model(
     dev = torch.device(device)
     model = model.to(dev).eval()
     rows = []
-    patch_size = _patch_size(model)
+    adapter = adapter_for(model)
+    patch_size = adapter.patch_size(model)  # raises where the adapter cannot tell it (no guessed fallback)
     small = [r for r in resolutions if r < patch_size]
     if small:
         raise OptionError(f"resolutions {small}: must be at least the patch size, {patch_size} pixels")
     for res in resolutions:
         x = make_preprocess(processor, res)(pics).to(dev)
-        tokens = _vision_tokens(model, x)
+        tokens = adapter.token_count(model, int(x.shape[-1]))
 
         def fwd():
             with torch.inference_mode():
@@ -110,25 +113,6 @@ def _exact_note(method: Method, options: dict[str, Any], tokens: int) -> str | N
     if method.exact or not method.is_exact(validate_options(method, options), tokens):
         return None
     return f"exact: {method.exact_limit_decl.text}"
-
-
-def _vision_tokens(model, x: torch.Tensor) -> int:
-    """Tokens the attention layers see (patches + CLS + registers), read from one patched forward."""
-    seen: list[int] = []
-    patch(model, "dense")
-    try:
-        with torch.inference_mode(), record_stats(model, probe=lambda ctx, q, k, v: seen.append(q.shape[2])):
-            model(x[:1])
-    finally:
-        unpatch(model)
-    return seen[0]
-
-
-def _patch_size(model) -> int:
-    cfg = getattr(model, "config", None)
-    vcfg = getattr(cfg, "vision_config", None) or cfg
-    p = getattr(vcfg, "patch_size", None) or getattr(getattr(model, "patch_embed", None), "patch_size", 1)
-    return int(p[0] if isinstance(p, (tuple, list)) else p)
 
 
 def prefill_ids(tokenizer, length: int) -> torch.Tensor:

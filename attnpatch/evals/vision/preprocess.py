@@ -2,20 +2,19 @@
 
 :func:`make_preprocess` wraps a Hugging Face image processor or a timm data config into a
 :class:`Preprocess` and can rescale it to another side ``R`` (resize and crop scale together);
-:func:`fit_resolution` rounds a side to a multiple of a ViT's patch size. Everything here is also
-importable from :mod:`attnpatch.evals.images`.
+:func:`fit_resolution` rounds a side to a multiple of a ViT's patch size. The pipelines themselves are the adapters' (:func:`attnpatch.patchers.adapters.image_pipeline`).
 """
 
 from __future__ import annotations
 
 import numbers
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ...errors import OptionError
-from ...log import log_stderr
+from ...log import Log, log_stderr
+from ...patchers.adapters import image_pipeline
 from .image_io import to_rgb
-from ...log import Log
 
 __all__ = ["Preprocess", "fit_resolution", "make_preprocess"]
 
@@ -65,14 +64,6 @@ def fit_resolution(resolution: int | None, patch: int | None, log: Log = log_std
         )
         return fitted
     return resolution
-
-
-def _field(size, key: str):
-    if size is None:
-        return None
-    if isinstance(size, Mapping):
-        return size.get(key)
-    return getattr(size, key, None)
 
 
 @dataclass
@@ -144,75 +135,5 @@ def make_preprocess(image_processor, resolution: int | None = None) -> Preproces
             ``size`` has a form whose resolution cannot be changed.
     """
     resolution = _check_resolution(resolution)
-    if isinstance(image_processor, Mapping):
-        return _timm_preprocess(dict(image_processor), resolution)
-    if not callable(image_processor) or not hasattr(image_processor, "size"):
-        raise OptionError(
-            f"image_processor: expected a Hugging Face image processor or a timm data config dict, "
-            f"got {type(image_processor).__name__}"
-        )
-    return _hf_preprocess(image_processor, resolution)
-
-
-def _hf_preprocess(proc, resolution: int | None) -> Preprocess:
-    size = proc.size
-    crop = getattr(proc, "crop_size", None)
-    do_crop = bool(getattr(proc, "do_center_crop", False)) and crop is not None
-    mean = tuple(float(v) for v in (getattr(proc, "image_mean", None) or (0.0, 0.0, 0.0)))
-    std = tuple(float(v) for v in (getattr(proc, "image_std", None) or (1.0, 1.0, 1.0)))
-    if not getattr(proc, "do_normalize", True):
-        mean, std = (0.0, 0.0, 0.0), (1.0, 1.0, 1.0)
-    kwargs: dict = {}
-    shortest, height, width = _field(size, "shortest_edge"), _field(size, "height"), _field(size, "width")
-    if resolution is None:
-        resize = {k: v for k, v in (("shortest_edge", shortest), ("height", height), ("width", width)) if v}
-    else:
-        r = resolution
-        crop_h, crop_w = _field(crop, "height"), _field(crop, "width")
-        if do_crop and shortest and crop_h and crop_h == crop_w:
-            resize = {"shortest_edge": round(r * shortest / crop_h)}
-            kwargs = {"size": dict(resize), "crop_size": {"height": r, "width": r}}
-        elif do_crop and height and width and crop_h and crop_w:
-            resize = {"height": round(r * height / crop_h), "width": round(r * width / crop_w)}
-            kwargs = {"size": dict(resize), "crop_size": {"height": r, "width": r}}
-        elif not do_crop and height and width:
-            resize = {"height": r, "width": r}
-            kwargs = {"size": dict(resize)}
-        else:
-            raise OptionError(
-                f"resolution={resolution}: cannot rescale {type(proc).__name__} with size={size!r}, "
-                f"crop_size={crop!r}, do_center_crop={getattr(proc, 'do_center_crop', None)!r}; "
-                f"use resolution=None"
-            )
-
-    def fn(images):
-        return proc(images=images, return_tensors="pt", **kwargs)["pixel_values"]
-
-    return Preprocess(kind="hf", resolution=resolution, resize=resize, mean=mean, std=std, _fn=fn)
-
-
-def _timm_preprocess(cfg: dict, resolution: int | None) -> Preprocess:
-    import torch
-    from timm.data import create_transform
-
-    if "input_size" not in cfg:
-        raise OptionError(f"timm data config without 'input_size' (keys: {sorted(cfg)}); pass timm.data.resolve_data_config(...)")
-    keep = {k: cfg[k] for k in ("input_size", "interpolation", "mean", "std", "crop_pct", "crop_mode") if k in cfg}
-    crop_pct = float(keep.get("crop_pct") or 0.875)
-    if resolution is None:
-        side = keep["input_size"][-1]
-        resize = {"scale_size": int(side / crop_pct)}
-    else:
-        scale = round(resolution / crop_pct)
-        keep["input_size"] = (3, resolution, resolution)
-        # timm sizes the resize step as floor(R / crop_pct); this crop_pct makes it exactly `scale`
-        keep["crop_pct"] = resolution / (scale + 0.5)
-        resize = {"scale_size": scale}
-    tf = create_transform(**keep, is_training=False)
-
-    def fn(images):
-        return torch.stack([tf(im) for im in images])
-
-    mean = tuple(float(v) for v in keep.get("mean", (0.485, 0.456, 0.406)))
-    std = tuple(float(v) for v in keep.get("std", (0.229, 0.224, 0.225)))
-    return Preprocess(kind="timm", resolution=resolution, resize=resize, mean=mean, std=std, _fn=fn)
+    kind, fn, resize, mean, std = image_pipeline(image_processor, resolution)
+    return Preprocess(kind=kind, resolution=resolution, resize=resize, mean=mean, std=std, _fn=fn)

@@ -26,12 +26,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from ...errors import DataError, OptionError, UnsupportedModelError
-from ...patchers.api import is_patched, patched, record_stats, token_sizes
+from ...errors import DataError, OptionError
+from ...patchers.adapters import adapter_for
+from ...patchers.api import patched, record_stats
 from ...patchers.registry import get_method
 from .image_pass import ImagePass, finish, resolve_settings, run_image_pass, run_labels, throughput
-from .image_pass import count_sampled_at  # noqa: F401  (defined here before; importable from here still)
-from ..run.devices import input_device
 from ..run.distributed import Ranks
 from ..run.report import EvalInterrupted
 from ..run.resume import BatchStore
@@ -41,118 +40,45 @@ __all__ = ["TASKS", "encode", "patch_size", "token_count", "run_feature_eval"]
 TASKS = ("fidelity", "knn", "linear_probe", "retrieval")
 
 
-def _feature_prefix_tokens(model: torch.nn.Module) -> int:
-    """Leading tokens this eval leaves out of the mean patch token: slot 0, which :func:`encode`
-    always reads as the image feature, plus any register tokens.
-
-    Not :func:`attnpatch.patchers.api.prefix_tokens` (the special tokens the adapters give the
-    methods): the two agree on ViTs with a class token (DINOv2, CLIP, timm), but a SigLIP vision
-    tower has no class token, so the adapters count 0 while slot 0 here is its first patch, read
-    as the feature and kept out of the mean (and counted once more by :func:`token_count`).
-    """
-    if hasattr(model, "num_prefix_tokens"):  # timm
-        return int(model.num_prefix_tokens)
-    cfg = getattr(model, "config", None)
-    vcfg = getattr(cfg, "vision_config", None) or cfg
-    return 1 + int(getattr(vcfg, "num_register_tokens", 0) or 0)
-
-
-def _blocks_and_norm(model: torch.nn.Module) -> tuple[list[torch.nn.Module], torch.nn.Module | None]:
-    if type(model).__module__.startswith("timm.") and hasattr(model, "blocks"):
-        return list(model.blocks), getattr(model, "norm", None)
-    enc = getattr(model, "encoder", None)
-    layers = getattr(enc, "layer", None) or getattr(enc, "layers", None)
-    return list(layers or []), getattr(model, "layernorm", None) or getattr(model, "post_layernorm", None)
-
-
-@torch.no_grad()
 def encode(
     model: torch.nn.Module, pixel_values: torch.Tensor, layers: Sequence[int] = ()
 ) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
-    """Final CLS token and mean patch token of a ViT encoder (and, optionally, intermediate CLS tokens).
+    """Final CLS token and mean patch token (and, with ``layers``, intermediate CLS tokens) of a ViT encoder,
+    as the model's adapter reads them (:meth:`~attnpatch.patchers.adapter.Adapter.encode`).
 
     Args:
-        model: a Hugging Face DINOv2-style model (``last_hidden_state`` after the final norm) or a
-            timm ``VisionTransformer`` (``forward_features``).
+        model: a single-tower vision encoder any adapter handles (transformers DINOv2 / ViT / CLIP vision, timm ViT).
         pixel_values: ``[B, 3, H, W]``.
-        layers: block indices whose output CLS token (passed through the model's final norm, as
-            DINOv2's ``get_intermediate_layers(norm=True)``) is returned as well.
+        layers: block indices whose output CLS token (through the model's final norm) is returned as well.
 
     Returns:
-        ``(cls [B, C], patch_mean [B, C])`` float32 on CPU; register tokens are excluded from the
-        mean, and on a model whose patch merged tokens (``tome``) each token weighs its size
-        (:func:`attnpatch.token_sizes`), so the mean is over the input patches.  With ``layers``: ``(cls, patch_mean, {layer: cls_l [B, C]})``.
+        ``(cls [B, C], patch_mean [B, C])`` float32 on CPU (with ``layers``: ``(cls, patch_mean, {layer: [B, C]})``).
 
     Raises:
-        UnsupportedModelError: a model of neither kind, or ``layers`` on a model whose blocks are not found.
+        UnsupportedModelError: no adapter handles the model, or it is not a single-tower vision encoder.
     """
-    x = pixel_values.to(input_device(model), next(model.parameters()).dtype)
-    hooks, got = [], {}
-    if layers:
-        blocks, norm = _blocks_and_norm(model)
-        if not blocks:
-            raise UnsupportedModelError(f"cannot find the transformer blocks of a {type(model).__name__} for layers={list(layers)}")
-        for li in layers:
-            def hook(module, args, out, li=li):
-                h = out[0] if isinstance(out, tuple) else out
-                got[li] = (norm(h) if norm is not None else h)[:, 0].float().cpu()
-
-            hooks.append(blocks[li].register_forward_hook(hook))
-    try:
-        if hasattr(model, "forward_features") and type(model).__module__.startswith("timm."):
-            h = model.forward_features(x)
-        else:
-            try:
-                from transformers import PreTrainedModel
-            except ImportError:  # pragma: no cover
-                PreTrainedModel = ()  # noqa: N806
-            if not isinstance(model, PreTrainedModel):
-                raise UnsupportedModelError(f"cannot encode images with a {type(model).__name__}: expected a transformers ViT or a timm ViT")
-            h = model(pixel_values=x, **_interpolate_kwargs(model, x)).last_hidden_state
-    finally:
-        for hk in hooks:
-            hk.remove()
-    p = _feature_prefix_tokens(model)
-    sizes = token_sizes(model) if is_patched(model) else None
-    if sizes is not None and sizes.shape == h.shape[:2]:  # merged tokens (ToMe): each weighs the tokens it stands for
-        w = sizes[:, p:].to(h.device, torch.float32)[..., None]
-        pm = ((h[:, p:].float() * w).sum(1) / w.sum(1).clamp_min(1e-12)).cpu()
-    else:
-        pm = h[:, p:].float().mean(1).cpu()
-    cls = h[:, 0].float().cpu()
-    return (cls, pm, got) if layers else (cls, pm)
+    return adapter_for(model).encode(model, pixel_values, layers)
 
 
-def _interpolate_kwargs(model: torch.nn.Module, x: torch.Tensor) -> dict[str, bool]:
-    """``interpolate_pos_encoding=True`` for a transformers ViT whose forward takes it (ViT, CLIP, SigLIP) on images of
-    another size than its configured ``image_size``; DINOv2 interpolates on its own."""
-    import inspect
+def patch_size(model: torch.nn.Module) -> int:
+    """Side in pixels of the vision tower's square patches, as its adapter reads it.
 
-    size = getattr(getattr(model, "config", None), "image_size", None)
-    if size is None or tuple(x.shape[-2:]) == ((size, size) if isinstance(size, int) else tuple(size)):
-        return {}
-    try:
-        takes = "interpolate_pos_encoding" in inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):  # pragma: no cover
-        return {}
-    return {"interpolate_pos_encoding": True} if takes else {}
-
-
-def patch_size(model: torch.nn.Module) -> int | None:
-    """Side in pixels of the model's square patches (``config.patch_size``, or timm's
-    ``patch_embed.patch_size``); ``None`` when the model does not say."""
-    cfg = getattr(model, "config", None)
-    patch = getattr(getattr(cfg, "vision_config", None) or cfg, "patch_size", None)
-    if patch is None and hasattr(model, "patch_embed"):
-        patch = model.patch_embed.patch_size
-    if patch is None:
-        return None
-    return int(patch[0] if isinstance(patch, (tuple, list)) else patch)
+    Raises:
+        UnsupportedModelError: no adapter handles the model, or it cannot tell the patch size.
+    """
+    return adapter_for(model).patch_size(model)
 
 
 def token_count(model: torch.nn.Module, resolution: int) -> int:
-    """Tokens ``N`` a square ``resolution`` input gives (patches + CLS + registers)."""
-    return (resolution // patch_size(model)) ** 2 + _feature_prefix_tokens(model)
+    """Tokens of a square ``resolution`` input as this eval records them: patches plus the leading tokens
+    :func:`encode` leaves out of the patch mean (CLS and registers; a SigLIP tower's first patch).
+
+    Raises:
+        UnsupportedModelError: see :func:`patch_size`; OptionError: ``resolution`` below one patch.
+    """
+    adapter = adapter_for(model)
+    rows, cols = adapter.grid(model, resolution)
+    return rows * cols + adapter.feature_prefix_tokens(model)
 
 
 def _cos(a: torch.Tensor, b: torch.Tensor) -> np.ndarray:

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import torch
 
-from ...errors import UnsupportedModelError
+from ...errors import OptionError, UnsupportedModelError
 from ..adapter import Adapter, PreprocessConfig
 from .hf import HFAdapter
 from .open_clip import OpenClipAdapter
 from .timm import TimmAdapter
 
-__all__ = ["ADAPTERS", "Adapter", "PreprocessConfig", "HFAdapter", "TimmAdapter", "OpenClipAdapter", "adapter_for", "detect", "supported_text"]
+__all__ = ["ADAPTERS", "Adapter", "PreprocessConfig", "HFAdapter", "TimmAdapter", "OpenClipAdapter", "adapter_for", "detect", "image_pipeline", "supported_text"]
 
 #: Every adapter, tried in this order; the first whose ``detect`` returns a kind handles the model.
 ADAPTERS: tuple[Adapter, ...] = (
@@ -54,3 +54,19 @@ def adapter_for(model: torch.nn.Module) -> Adapter:
             f"no attnpatch adapter handles a {type(model).__module__}.{type(model).__name__}: supported are {supported_text()}"
         )
     return found[0]
+
+
+def image_pipeline(processor, resolution: int | None):
+    """``(library, fn, resize, mean, std)``: the pipeline of the first adapter of :data:`ADAPTERS` that knows
+    ``processor`` (:meth:`~attnpatch.patchers.adapter.Adapter.image_pipeline`).
+
+    Raises:
+        OptionError: no adapter knows it (the message names its type), or its form cannot be rescaled.
+    """
+    for adapter in ADAPTERS:
+        got = adapter.image_pipeline(processor, resolution)
+        if got is not None:
+            return got
+    raise OptionError(
+        f"image_processor: expected a Hugging Face image processor or a timm data config dict, got {type(processor).__name__}"
+    )

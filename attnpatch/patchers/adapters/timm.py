@@ -19,7 +19,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from ...errors import UnsupportedModelError
+from ...errors import OptionError, UnsupportedModelError
 from ..adapter import PreprocessConfig
 from ..contract import ModelGeometry
 from ..features import input_device, patch_side, square_grid, vit_features
@@ -27,7 +27,7 @@ from ..class_swap import block_refusal, refuse_calls, undo_class_swap, wrap_bloc
 from ..runtime import PatchHandle, input_hook, run_layer
 from .hf.images import image_processor_config
 
-__all__ = ["TimmAdapter", "attention_modules", "timm_block_forwards", "data_config_preprocess"]
+__all__ = ["TimmAdapter", "attention_modules", "timm_block_forwards", "data_config_preprocess", "timm_image_pipeline"]
 
 _PATCHED_CLASSES: dict[type, type] = {}
 _BLOCK_CLASSES: dict[type, type] = {}
@@ -324,6 +324,11 @@ class TimmAdapter:
         return image_processor_config(processor)
 
     @staticmethod
+    def image_pipeline(processor: Any, resolution: int | None):
+        """timm's eval transform of a data config: :func:`timm_image_pipeline` (``None`` for anything else)."""
+        return timm_image_pipeline(processor, resolution)
+
+    @staticmethod
     @torch.no_grad()
     def encode(
         model: torch.nn.Module, pixel_values: torch.Tensor, layers: Sequence[int] = ()
@@ -368,3 +373,41 @@ class TimmAdapter:
             UnsupportedModelError: always.
         """
         raise UnsupportedModelError(f"{type(model).__name__} is a timm image encoder: it has no text tower")
+
+
+def timm_image_pipeline(cfg: Any, resolution: int | None) -> tuple[str, Callable, dict[str, Any], tuple[float, ...], tuple[float, ...]] | None:
+    """timm's own eval transform (``timm.data.create_transform``) of the data config ``cfg``
+    (``timm.data.resolve_data_config``), rescaled to a square side ``resolution`` (``None``: unchanged) with the
+    same crop fraction: the scale size becomes ``round(R / crop_pct)``, timm's interpolation and ``crop_mode`` kept.
+
+    Returns:
+        ``("timm", fn, resize, mean, std)`` as :func:`~attnpatch.patchers.adapters.hf.images.hf_image_pipeline`; ``None``
+        when ``cfg`` is not a mapping.
+
+    Raises:
+        OptionError: a config without ``input_size``.
+    """
+    if not isinstance(cfg, Mapping):
+        return None
+    from timm.data import create_transform
+
+    cfg = dict(cfg)
+    if "input_size" not in cfg:
+        raise OptionError(f"timm data config without 'input_size' (keys: {sorted(cfg)}); pass timm.data.resolve_data_config(...)")
+    keep = {k: cfg[k] for k in ("input_size", "interpolation", "mean", "std", "crop_pct", "crop_mode") if k in cfg}
+    crop_pct = float(keep.get("crop_pct") or 0.875)
+    if resolution is None:
+        resize = {"scale_size": int(keep["input_size"][-1] / crop_pct)}
+    else:
+        scale = round(resolution / crop_pct)
+        keep["input_size"] = (3, resolution, resolution)
+        keep["crop_pct"] = resolution / (scale + 0.5)  # timm sizes the resize step as floor(R / crop_pct): exactly `scale`
+        resize = {"scale_size": scale}
+    tf = create_transform(**keep, is_training=False)
+
+    def fn(images):
+        return torch.stack([tf(im) for im in images])
+
+    mean = tuple(float(v) for v in keep.get("mean", (0.485, 0.456, 0.406)))
+    std = tuple(float(v) for v in keep.get("std", (0.229, 0.224, 0.225)))
+    return "timm", fn, resize, mean, std

@@ -2,7 +2,7 @@
 
 What each option does is declared once, on the fields of
 :class:`~attnpatch.attention.anchor.AnchorConfig` (kind, default, help, range); how the defaults were chosen and what they
-cost and keep is measured in BENCHMARKS.md and the README.
+cost and keep is measured in BENCHMARKS.md and docs/methods.md.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Landmark indices are sampled once per forward call (at ``sample_layer``) and kept in the
 per-forward :class:`~attnpatch.patchers.state.ForwardState`, so later layers reuse them.  What
 each option does is declared once on :class:`FNAConfig`; how the defaults were chosen, and the
-accuracy and speed they give, is measured in BENCHMARKS.md and the README.
+accuracy and speed they give, is measured in BENCHMARKS.md and docs/methods.md.
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ class FNAConfig:
 
     The defaults were chosen by measurement on the offline ``dinov2-small``; the sweeps (sample
     layer, pseudo-inverse, landmark features and strategy; final-CLS cosine to dense and
-    teacher-forced layer error) are in BENCHMARKS.md and the README.
+    teacher-forced layer error) are in BENCHMARKS.md and docs/methods.md.
     """
 
     s: int = field(default=64, metadata=opt(

@@ -10,10 +10,10 @@ from typing import Any
 
 import torch
 
-from ....errors import UnsupportedModelError
+from ....errors import OptionError, UnsupportedModelError
 from ...adapter import PreprocessConfig
 
-__all__ = ["image_processor_config", "interpolate_kwargs", "pooled"]
+__all__ = ["image_processor_config", "hf_image_pipeline", "interpolate_kwargs", "pooled"]
 
 
 def _field(size: Any, key: str) -> Any:
@@ -98,3 +98,54 @@ def pooled(out: Any) -> torch.Tensor:
         if isinstance(val, torch.Tensor):
             return val
     raise UnsupportedModelError(f"cannot find the embedding in a {type(out).__name__} (no pooler_output)")
+
+
+def hf_image_pipeline(proc: Any, resolution: int | None) -> tuple[str, Any, dict[str, Any], tuple[float, ...], tuple[float, ...]] | None:
+    """The Hugging Face image processor ``proc``'s own pipeline, rescaled to a square side ``resolution`` (``None``:
+    unchanged), with the same crop fraction: a ``shortest_edge`` or ``height``/``width`` resize with a centre crop
+    gets the resize target ``round(R * resize / crop)`` and the crop ``R``; a resize straight to ``height``/``width``
+    without a crop gets ``R x R``.
+
+    Returns:
+        ``(kind, fn, resize, mean, std)``: ``"hf"``, ``fn(list[PIL.Image]) -> [B, 3, R, R]``, what the resize step targets, and the
+        normalisation; ``None`` when ``proc`` is not a Hugging Face image processor.
+
+    Raises:
+        OptionError: a ``size`` / ``crop_size`` form whose resolution cannot be changed (names both).
+    """
+    if isinstance(proc, Mapping) or not callable(proc) or not hasattr(proc, "size"):
+        return None
+    size = proc.size
+    crop = getattr(proc, "crop_size", None)
+    do_crop = bool(getattr(proc, "do_center_crop", False)) and crop is not None
+    mean = tuple(float(v) for v in (getattr(proc, "image_mean", None) or (0.0, 0.0, 0.0)))
+    std = tuple(float(v) for v in (getattr(proc, "image_std", None) or (1.0, 1.0, 1.0)))
+    if not getattr(proc, "do_normalize", True):
+        mean, std = (0.0, 0.0, 0.0), (1.0, 1.0, 1.0)
+    kwargs: dict = {}
+    shortest, height, width = _field(size, "shortest_edge"), _field(size, "height"), _field(size, "width")
+    if resolution is None:
+        resize = {k: v for k, v in (("shortest_edge", shortest), ("height", height), ("width", width)) if v}
+    else:
+        r = resolution
+        crop_h, crop_w = _field(crop, "height"), _field(crop, "width")
+        if do_crop and shortest and crop_h and crop_h == crop_w:
+            resize = {"shortest_edge": round(r * shortest / crop_h)}
+            kwargs = {"size": dict(resize), "crop_size": {"height": r, "width": r}}
+        elif do_crop and height and width and crop_h and crop_w:
+            resize = {"height": round(r * height / crop_h), "width": round(r * width / crop_w)}
+            kwargs = {"size": dict(resize), "crop_size": {"height": r, "width": r}}
+        elif not do_crop and height and width:
+            resize = {"height": r, "width": r}
+            kwargs = {"size": dict(resize)}
+        else:
+            raise OptionError(
+                f"resolution={resolution}: cannot rescale {type(proc).__name__} with size={size!r}, "
+                f"crop_size={crop!r}, do_center_crop={getattr(proc, 'do_center_crop', None)!r}; "
+                f"use resolution=None"
+            )
+
+    def fn(images):
+        return proc(images=images, return_tensors="pt", **kwargs)["pixel_values"]
+
+    return "hf", fn, resize, mean, std

@@ -271,6 +271,12 @@ class OpenClipAdapter:
         )
 
     @staticmethod
+    def image_pipeline(processor: Any, resolution: int | None) -> None:
+        """open_clip builds its transform with the model (``create_model_and_transforms``): no pipeline from a
+        processor here (``None``)."""
+        return None
+
+    @staticmethod
     def encode(
         model: torch.nn.Module, pixel_values: torch.Tensor, layers: Sequence[int] = ()
     ) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
