@@ -115,13 +115,11 @@ def hf_image_pipeline(proc: Any, resolution: int | None) -> tuple[str, Any, dict
     """
     if isinstance(proc, Mapping) or not callable(proc) or not hasattr(proc, "size"):
         return None
+    described = image_processor_config(proc)
+    mean, std = described.mean, described.std
     size = proc.size
     crop = getattr(proc, "crop_size", None)
     do_crop = bool(getattr(proc, "do_center_crop", False)) and crop is not None
-    mean = tuple(float(v) for v in (getattr(proc, "image_mean", None) or (0.0, 0.0, 0.0)))
-    std = tuple(float(v) for v in (getattr(proc, "image_std", None) or (1.0, 1.0, 1.0)))
-    if not getattr(proc, "do_normalize", True):
-        mean, std = (0.0, 0.0, 0.0), (1.0, 1.0, 1.0)
     kwargs: dict = {}
     shortest, height, width = _field(size, "shortest_edge"), _field(size, "height"), _field(size, "width")
     if resolution is None:
