@@ -126,7 +126,7 @@ def test_min_tokens_runs_the_models_own_attention_below_it_and_says_so(monkeypat
     assert {r.mode for r in rec.forwards[0].values()} == {"fna"}
     assert FNAConfig().min_tokens == "auto" and FNAConfig().min_tokens_on("cpu") == 0  # the suite's override
     monkeypatch.delenv("ATTNPATCH_FNA_BREAK_EVEN")
-    assert FNAConfig().min_tokens_on("cpu") == BREAK_EVEN["cpu"] == 600 and FNAConfig().min_tokens_on("meta") == 0
+    assert FNAConfig().min_tokens_on("cpu") == BREAK_EVEN["cpu"] == 600 and FNAConfig().min_tokens_on("meta") is None
     assert FNAConfig(min_tokens=5).min_tokens_on("cpu") == 5
     with pytest.raises(OptionError, match="min_tokens"):
         FNAConfig(min_tokens=-1)

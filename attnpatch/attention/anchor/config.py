@@ -21,8 +21,8 @@ _LAYERS = "name model layers"  # why dense_layers / dense_heads do not apply to 
 #: ``min_len="auto"``: the prompt length (tokens) from which the defaults' sparse prefill is faster than the fused dense
 #: attention, by device type.  CPU: between the lengths where the defaults were measured not faster (SmolLM2-135M at
 #: 8k) and faster (Qwen2.5-Coder-0.5B at 16k) than dense end to end (BENCHMARKS.md, "The defaults' break-even length");
-#: on a device type not listed (CUDA: the PyTorch path was slower than SDPA at every measured length) ``"auto"``
-#: never runs sparse.
+#: a device type not listed is calibrated at first use by the patch (:func:`attnpatch.patchers.methods.anchor_attention.resolved`);
+#: called directly, ``"auto"`` on such a device never runs sparse.
 BREAK_EVEN: dict[str, int] = {"cpu": 12288}
 
 #: ``min_len="auto-fast"``: the same for a speed setting (the ``fast`` preset's pooling and threshold, and the tuner's
@@ -31,7 +31,7 @@ BREAK_EVEN: dict[str, int] = {"cpu": 12288}
 FAST_BREAK_EVEN: dict[str, int] = {"cpu": 3072}
 
 #: The words ``min_len`` takes besides a token count, each with its table of break-even lengths by device type.
-_BREAK_EVEN_BY_WORD: dict[str, dict[str, int]] = {"auto": BREAK_EVEN, "auto-fast": FAST_BREAK_EVEN}
+BREAK_EVEN_BY_WORD: dict[str, dict[str, int]] = {"auto": BREAK_EVEN, "auto-fast": FAST_BREAK_EVEN}
 
 
 @functools.lru_cache(maxsize=None)
@@ -197,7 +197,7 @@ class AnchorConfig:
     min_len: int | str = field(default="auto", metadata=opt(
         "int_or_auto", "prompts shorter than this run dense (tokens; 'auto' = the device's measured break-even length "
         "of the defaults, where their sparse prefill starts to pay; 'auto-fast' = the same for the fast preset)",
-        choices=tuple(_BREAK_EVEN_BY_WORD), low=0, rule="must be 'auto', 'auto-fast' or an integer >= 0 (tokens)"))
+        choices=tuple(BREAK_EVEN_BY_WORD), low=0, rule="must be 'auto', 'auto-fast' or an integer >= 0 (tokens)"))
     pool_stride: int | None = field(default=8, metadata=opt(
         "int", "queries averaged per pool for stripe selection (tokens; None = block_size as in the paper, 1 = per query; "
         "must divide block_size)", nullable=True, low=1, rule="must be None or an integer >= 1"))
@@ -239,7 +239,7 @@ class AnchorConfig:
         :data:`FAST_BREAK_EVEN`; ``sys.maxsize`` where the device type has no break-even: every prompt dense)."""
         if isinstance(self.min_len, int):
             return self.min_len
-        return _BREAK_EVEN_BY_WORD[self.min_len].get(torch.device(device).type, sys.maxsize)
+        return BREAK_EVEN_BY_WORD[self.min_len].get(torch.device(device).type, sys.maxsize)
 
     def select_dtype_on(self, device: torch.device | str) -> str:
         """``select_dtype`` on ``device``: ``"auto"`` resolved by :func:`bfloat16_is_faster`."""

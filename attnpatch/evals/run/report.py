@@ -11,6 +11,8 @@ from typing import Any, Sequence
 
 import torch
 
+from ...patchers.break_even import resolved_break_evens
+
 __all__ = [
     "Column", "RULER_COLUMNS", "BENCH_ATTENTION_COLUMNS", "BENCH_VISION_COLUMNS", "BENCH_LM_COLUMNS", "VISION_COLUMNS", "ZEROSHOT_COLUMNS", "CLIP_RETRIEVAL_COLUMNS", "vision_rows", "clip_rows",
     "rows_to_markdown", "print_table", "write_json", "write_text", "machine_info", "EvalInterrupted",
@@ -251,8 +253,12 @@ def write_json(path: str | os.PathLike, result: dict[str, Any]) -> Path:
     """Write ``result`` as indented JSON (creating parent folders); returns the path.
 
     The file is written under a temporary name next to it and renamed into place, so an
-    interrupted write never leaves a half-written file (an earlier version stays whole).
+    interrupted write never leaves a half-written file (an earlier version stays whole).  A run's result (a dict
+    with ``"machine"``) also records under ``"break_even"`` every break-even length this process resolved
+    (:func:`attnpatch.patchers.break_even.resolved_break_evens`: value, where it came from, and for what).
     """
+    if isinstance(result, dict) and "machine" in result:
+        result = {**result, "break_even": resolved_break_evens()}
     return write_text(path, json.dumps(result, indent=2, default=_jsonable))
 
 

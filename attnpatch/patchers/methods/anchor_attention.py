@@ -7,20 +7,87 @@ cost and keep is measured in BENCHMARKS.md and docs/methods.md.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import sys
 from typing import Any
 
 import torch
 
 from ...attention.anchor import AnchorConfig, anchor_attention, select_stripes
+from ...attention.anchor.config import BREAK_EVEN_BY_WORD
 from ...errors import OptionError
 from ..bench_hook import BenchCase, BenchInputs
 from ...options import options_of
 from ..contract import ExactLimit, Knob, Method, ModelGeometry, Preset
+from ..break_even import resolve_break_even
 from ..registry import register_method
 from ..state import LayerContext, LayerRecord
 
-__all__ = ["ANCHOR", "anchor_forward", "anchor_bench"]
+__all__ = ["ANCHOR", "anchor_forward", "anchor_bench", "synthetic_prefill", "calibration_case", "resolved"]
+
+
+#: Prompt lengths (tokens) the calibration of ``min_len="auto"`` / ``"auto-fast"`` tries on a device type without a table.
+CALIBRATION_LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+_NOT_SPEED = ("min_len", "dense_layers", "dense_heads")  # options a one-layer calibration does not depend on
+
+
+def synthetic_prefill(n: int, heads: int, kv_heads: int, head_dim: int, *, dtype: torch.dtype, device, seed: int = 0):
+    """The documented synthetic prefill input of the break-even calibration: ``q`` ``[1, heads, n, D]``, ``k, v``
+    ``[1, kv_heads, n, D]``, in logit units (scale ``D ** -0.5``): standard normal scores (std 1) between queries and
+    keys, plus a shared direction every query carries with logit +20 on the attention sink (key 0) and +15 on one key
+    in 64 (vertical stripes); values standard normal.  A sparse method's speed depends on its data: with the
+    defaults' ``theta`` the stripes, the initial block and the local window are kept and the rest is skipped, as on
+    the prefill layers captured from real models (BENCHMARKS.md).
+    """
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    q = torch.randn(1, heads, n, head_dim, generator=g)
+    k = torch.randn(1, kv_heads, n, head_dim, generator=g)
+    v = torch.randn(1, kv_heads, n, head_dim, generator=g)
+    u = torch.randn(head_dim, generator=g)
+    u = u / u.norm()
+    root = head_dim ** 0.5
+    q = q - (q @ u)[..., None] * u + root * u  # q . u = sqrt(D): a key's component c along u adds c to the logit
+    k = k - (k @ u)[..., None] * u
+    k[:, :, ::64] += 15.0 * u
+    k[:, :, 0] += 5.0 * u
+    return q.to(device, dtype), k.to(device, dtype), v.to(device, dtype)
+
+
+def calibration_case(cfg: AnchorConfig, q: torch.Tensor, k: torch.Tensor):
+    """``n -> (anchor_call, sdpa_call)`` on :func:`synthetic_prefill` of ``q`` / ``k``'s geometry, dtype and device:
+    the method's layer (sparse at every length) and the model's own causal attention (SDPA, grouped-query keys as they are)."""
+    heads, kv_heads, d = q.shape[1], k.shape[1], q.shape[-1]
+    sparse = dataclasses.replace(cfg, min_len=0)
+
+    def case(n: int):
+        qq, kk, vv = synthetic_prefill(n, heads, kv_heads, d, dtype=q.dtype, device=q.device)
+
+        def anchor_call():
+            return anchor_attention(qq, kk, vv, sparse, scale=d ** -0.5)[0]
+
+        def sdpa_call():
+            return torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, is_causal=True, scale=d ** -0.5,
+                                                                    enable_gqa=heads != kv_heads)
+
+        return anchor_call, sdpa_call
+
+    return case
+
+
+def resolved(cfg: AnchorConfig, q: torch.Tensor, k: torch.Tensor) -> AnchorConfig:
+    """``cfg`` with ``min_len`` a token count for a call on ``q`` / ``k``: a word (``"auto"``, ``"auto-fast"``)
+    resolves through :func:`~attnpatch.patchers.break_even.resolve_break_even` (``ATTNPATCH_ANCHOR_BREAK_EVEN``, else
+    the word's table for the device type, else calibrated on this device once; a length that never pays: every
+    prompt dense)."""
+    if isinstance(cfg.min_len, int):
+        return cfg
+    found = resolve_break_even(
+        "anchor_attention", {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in _NOT_SPEED}, q, k,
+        table=BREAK_EVEN_BY_WORD[cfg.min_len], env="ATTNPATCH_ANCHOR_BREAK_EVEN", lengths=CALIBRATION_LENGTHS,
+        case=calibration_case(cfg, q, k),
+    )
+    return dataclasses.replace(cfg, min_len=sys.maxsize if found.tokens is None else found.tokens)
 
 
 def anchor_forward(
@@ -31,7 +98,8 @@ def anchor_forward(
     lq, lk = q.shape[2], k.shape[2]
     if lq == 1:
         return None, LayerRecord(layer, "dense:decode", lq, lk)
-    if lq < cfg.min_len_on(q.device):
+    cfg = resolved(cfg, q, k)
+    if lq < cfg.min_len:
         return None, LayerRecord(layer, "dense:short", lq, lk)
     if layer in cfg.dense_layers:
         return None, LayerRecord(layer, "dense:layer", lq, lk)
@@ -74,6 +142,7 @@ def anchor_bench(cfg: AnchorConfig, q: torch.Tensor, k: torch.Tensor, v: torch.T
     layer runs dense: ``N < min_len`` or ``theta = inf``); sparsity and recall (exact softmax mass on the kept keys)
     measured outside the timed calls."""
     n, scale = q.shape[2], inputs.scale
+    cfg = resolved(cfg, q, k)
 
     def call():
         return anchor_attention(q, k, v, cfg, scale=scale)[0]
@@ -89,7 +158,7 @@ def anchor_bench(cfg: AnchorConfig, q: torch.Tensor, k: torch.Tensor, v: torch.T
             "recall_min_head": float(st.recall.min()),
         }
 
-    short = n < cfg.min_len_on(q.device)
+    short = n < cfg.min_len
     if short or cfg.theta == math.inf:
         note = "ran dense: N < min_len" if short else "ran dense: theta = inf"
         return BenchCase(call=call, extra=lambda t, ref: {"select_seconds": None}, stats=stats, note=note)

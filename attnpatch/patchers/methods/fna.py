@@ -9,6 +9,8 @@ accuracy and speed they give, is measured in BENCHMARKS.md and docs/methods.md.
 from __future__ import annotations
 
 import os
+import sys
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,17 +25,18 @@ from ...errors import OptionError
 from ..bench_hook import BenchCase, BenchInputs
 from ...options import check_fields, opt, options_of
 from ..contract import ExactLimit, Knob, Method, ModelGeometry, Preset
+from ..break_even import resolve_break_even
 from ..registry import register_method
 from ..state import LayerContext, LayerRecord
 from ._shared import repeat_kv, say
 
-__all__ = ["FNA", "FNAConfig", "FEATURES", "fna_forward", "fna_core", "fna_bench", "check_fna", "exact_reason"]
+__all__ = ["FNA", "FNAConfig", "FEATURES", "fna_forward", "fna_core", "fna_bench", "check_fna", "exact_reason", "min_tokens_for", "calibration_case"]
 
 FEATURES = ("keys", "hidden")
 
 #: ``min_tokens="auto"``: the token count (CLS and registers included) from which FNA's defaults are faster than the
 #: model's exact attention end to end, by device type (CPU: measured on dinov2-small, BENCHMARKS.md); a device
-#: type not listed approximates every image.  The environment variable ``ATTNPATCH_FNA_BREAK_EVEN`` (tokens) overrides it
+#: type not listed is calibrated at first use (:func:`min_tokens_for`).  The environment variable ``ATTNPATCH_FNA_BREAK_EVEN`` (tokens) overrides it
 #: on every device (a machine whose break-even differs; the test suite sets 0 so that tiny models are approximated).
 BREAK_EVEN: dict[str, int] = {"cpu": 600}
 _ACROSS = "act across layers"
@@ -127,14 +130,15 @@ class FNAConfig:
         "int_or_auto", "images with fewer tokens run exact attention ('auto' = the device's break-even length, where "
         "the approximation starts to pay)", low=0, rule="must be 'auto' or an integer >= 0 (tokens)"))
 
-    def min_tokens_on(self, device: torch.device | str) -> int:
-        """``min_tokens`` on ``device`` (``"auto"`` through :data:`BREAK_EVEN`; where the device type has none, 0)."""
+    def min_tokens_on(self, device: torch.device | str) -> int | None:
+        """``min_tokens`` on ``device`` from the option, ``ATTNPATCH_FNA_BREAK_EVEN`` or :data:`BREAK_EVEN`;
+        ``None`` where the device type has no measured value (the patch then calibrates it: :func:`min_tokens_for`)."""
         if self.min_tokens != "auto":
             return int(self.min_tokens)
         env = os.environ.get("ATTNPATCH_FNA_BREAK_EVEN")
         if env is not None:
             return int(env)
-        return BREAK_EVEN.get(torch.device(device).type, 0)
+        return BREAK_EVEN.get(torch.device(device).type)
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -202,10 +206,57 @@ def _approximate(cfg: FNAConfig, q, k, v, landmarks, *, scale, prefix, window, k
                              key_keep=key_keep, renormalize=renormalize)
 
 
-def exact_reason(cfg: FNAConfig, n: int, ctx: LayerContext, device) -> str | None:
-    """Why a call of ``n`` tokens runs exact attention whatever the layer (``"dense:short"``: below ``min_tokens``;
-    ``"dense:s>=N"``: every token would be a landmark, said once), or ``None``; shared with ``fna+sink_mask``."""
-    if n < cfg.min_tokens_on(device):
+#: Lengths (tokens: square patch grids plus the class token) the calibration of ``min_tokens="auto"`` tries.
+CALIBRATION_LENGTHS = (257, 577, 1025, 2305, 4097, 9217, 16385, 36865, 65537)
+#: The options the layer's speed depends on (the key of a calibrated break-even).
+_SPEED_OPTIONS = ("s", "strategy", "features", "pinv", "rtol", "newton_iters", "local_window", "window_tile")
+
+
+def calibration_case(cfg: FNAConfig, q: torch.Tensor, k: torch.Tensor):
+    """``n -> (fna_call, sdpa_call)`` for the break-even calibration, on the documented synthetic input: standard
+    normal ``q, k, v`` ``[1, H, n, D]`` (seed 0) of ``q``'s heads, head size, dtype and device (FNA's cost does not
+    depend on the values).  ``fna_call`` is one whole layer, landmark sampling included (a model samples once per
+    forward, so this is the layer's cost at most); ``sdpa_call`` the model's own bidirectional attention."""
+    heads, d = q.shape[1], q.shape[-1]
+    scale = d ** -0.5
+
+    def case(n: int):
+        g = torch.Generator(device="cpu").manual_seed(0)
+        qq, kk, vv = (torch.randn(1, heads, n, d, generator=g).to(q.device, q.dtype) for _ in range(3))
+        feats = kk.transpose(1, 2).reshape(1, n, heads * d)
+        cfg0 = dataclasses.replace(cfg, min_tokens=0)
+
+        def fna_call():
+            lm = select_landmarks(feats, cfg0.s, prefix=1, strategy=cfg0.strategy, seed=cfg0.seed)
+            return _approximate(cfg0, qq, kk, vv, lm, scale=scale, prefix=1, window=cfg0.local_window > 0)
+
+        def sdpa_call():
+            return torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, scale=scale)
+
+        return fna_call, sdpa_call
+
+    return case
+
+
+def min_tokens_for(cfg: FNAConfig, q: torch.Tensor, k: torch.Tensor) -> int:
+    """``min_tokens`` for a call on ``q`` / ``k``: the option where it is a count; ``"auto"``: the break-even length
+    (:func:`~attnpatch.patchers.break_even.resolve_break_even`: ``ATTNPATCH_FNA_BREAK_EVEN``, else :data:`BREAK_EVEN`
+    for the device type, else calibrated on this device once); a length that never pays: every image exact."""
+    if cfg.min_tokens != "auto":
+        return int(cfg.min_tokens)
+    found = resolve_break_even(
+        "fna", {n: getattr(cfg, n) for n in _SPEED_OPTIONS}, q, k, table=BREAK_EVEN, env="ATTNPATCH_FNA_BREAK_EVEN",
+        lengths=[n for n in CALIBRATION_LENGTHS if n > cfg.s], case=calibration_case(cfg, q, k),
+    )
+    return sys.maxsize if found.tokens is None else found.tokens
+
+
+def exact_reason(cfg: FNAConfig, q: torch.Tensor, k: torch.Tensor, ctx: LayerContext) -> str | None:
+    """Why a call on ``q`` ``[B, H, N, D]`` runs exact attention whatever the layer (``"dense:short"``: below
+    ``min_tokens``, :func:`min_tokens_for`; ``"dense:s>=N"``: every token would be a landmark, said once), or
+    ``None``; shared with ``fna+sink_mask``."""
+    n = q.shape[2]
+    if n < min_tokens_for(cfg, q, k):
         return "dense:short"
     if cfg.s >= n:
         say(ctx, f"fna: s={cfg.s} >= N={n} tokens, so Nyström attention is exact attention; running exact attention")
@@ -254,7 +305,7 @@ def fna_core(cfg: FNAConfig, q, k, v, ctx: LayerContext, key_keep=None, renormal
 def fna_forward(cfg: FNAConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: LayerContext):
     """FNA from ``sample_layer`` on; exact attention before it and wherever ``s >= N``."""
     n = q.shape[2]
-    reason = exact_reason(cfg, n, ctx, q.device)
+    reason = exact_reason(cfg, q, k, ctx)
     if reason is not None:
         return None, LayerRecord(ctx.layer, reason, n, n)
     return fna_core(cfg, q, k, v, ctx)
@@ -272,10 +323,11 @@ def fna_bench(cfg: FNAConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     b, heads, n, d = q.shape
     kr, vr = repeat_kv(k, heads), repeat_kv(v, heads)
     prefix, scale, reuse = inputs.prefix_tokens, inputs.scale, inputs.reuse_layers
-    if n < cfg.min_tokens_on(q.device):
+    floor = min_tokens_for(cfg, q, k)
+    if n < floor:
         def exact():
             return exact_attention(q, kr, vr, scale=scale)
-        return BenchCase(call=exact, note=f"ran exact: N < min_tokens={cfg.min_tokens_on(q.device)}")
+        return BenchCase(call=exact, note=f"ran exact: N < min_tokens={floor if floor < sys.maxsize else 'never (slower at every calibrated length)'}")
     if n <= cfg.s:
         raise OptionError(f"fna s={cfg.s}: every length must exceed s (got N={n})")
     feats = kr.transpose(1, 2).reshape(b, n, heads * d)

@@ -48,7 +48,7 @@ def fna_sink_forward(cfg: FNASinkConfig, q: torch.Tensor, k: torch.Tensor, v: to
     """FNA in every patched layer; sink tokens masked (in Nyström form) in the last ``mask_layers`` layers."""
     sinks = sinks_of(cfg.sink, q, k, ctx)
     n = q.shape[2]
-    reason = exact_reason(cfg.fna, n, ctx, q.device)
+    reason = exact_reason(cfg.fna, q, k, ctx)
     if reason is not None:
         if sinks is None:
             return None, LayerRecord(ctx.layer, reason, n, n)
