@@ -243,9 +243,63 @@ def render_folder(name: str, folder: Path) -> str:
                              "no sparsity pass.")
             out += [*_head(f"{what} prefill latency, dense vs AnchorAttention", r), "  ".join(notes), "",
                     *_note(r), rows_to_markdown(rows, BENCH_LM_COLUMNS), ""]
+    if "gpu_check" in data:
+        out += gpu_check_tables(data["gpu_check"])
     if not out:
         return ""
     return "\n".join([f"## Device: {name}", "", *out])
+
+
+def _cell(x, fmt: str = "{:.3f}") -> str:
+    return "–" if x is None else fmt.format(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else str(x)
+
+
+def _table(header: list[str], rows: list[list]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header), *("| " + " | ".join(r) + " |" for r in rows), ""]
+
+
+def gpu_check_tables(r: dict) -> list[str]:
+    """The tables of ``benchmarks/gpu_check.py``'s ``gpu_check.json``: exactness checks, FNA and the FlexAttention
+    baselines against SDPA (flash), and the calibrated break-even lengths; a section that failed shows its error."""
+    m = r["machine"]
+    out = ["### GPU check (`benchmarks/gpu_check.py`)", "",
+           f"*Measured {r['date']} on {m.get('cuda') or m.get('cpu')}; torch {m['torch']}, triton {m.get('triton')}, "
+           f"transformers {m['transformers']}, Python {m['python']}; {r['dtype']}; SDPA restricted to the flash backend.*", ""]
+    for name in ("checks", "fna", "break_even", "flex"):
+        sec = r.get(name)
+        if isinstance(sec, dict) and "error" in sec:
+            out += [f"`{name}` failed: `{sec['error']}`", ""]
+    if isinstance(r.get("checks"), list):
+        out += ["Exactness on the device (relative Frobenius error against float64; FPS: share of equal landmark indices):", ""]
+        out += _table(["check", "dtype", "value", "limit", "ok"],
+                      [[c["check"], c["dtype"], _cell(c.get("rel_err", c.get("agreement")), "{:.2e}"), _cell(c["limit"], "{:g}"),
+                        "yes" if c["ok"] else "**no**"] for c in r["checks"]])
+    if isinstance(r.get("fna"), list):
+        out += ["FNA `s = 64`, one layer (batch 1, 6 heads of 64), against SDPA; `graph`: the same layer replayed from a "
+                "CUDA graph; target: the issue's ratio at that length.", ""]
+        out += _table(["N", "SDPA ms", "FNA ms", "vs SDPA", "graph ms", "graph vs SDPA", "target", "peak extra (MiB)"],
+                      [[str(x["N"]), _cell(x.get("sdpa_ms")), _cell(x.get("fna_ms")), _cell(x.get("speedup"), "{:.2f}x"),
+                        _cell(x.get("fna_graph_ms")), _cell(x.get("speedup_graph"), "{:.2f}x"),
+                        _cell(x.get("target"), "≥ {:g}x"),
+                        _cell(None if x.get("peak_extra_fna") is None else x["peak_extra_fna"] / 2**20, "{:.1f}")]
+                       for x in r["fna"] if "skipped" not in x])
+    if isinstance(r.get("break_even"), list):
+        out += ["Break-even lengths calibrated on the device (`min_tokens=\"auto\"`, `min_len=\"auto\"` / `\"auto-fast\"`; "
+                "`never`: slower than SDPA at every length measured):", ""]
+        out += _table(["method", "heads / KV heads × dim", "dtype", "break-even", "source", "lengths measured"],
+                      [[b["method"], f"{b['heads']} / {b['kv_heads']} × {b['head_dim']}", b["dtype"],
+                        "never" if b["tokens"] is None else str(b["tokens"]), b["source"],
+                        ", ".join(f"{t[0]}: {t[2] / t[1]:.2f}x" for t in b.get("timings", []))] for b in r["break_even"]])
+    if isinstance(r.get("flex"), list):
+        out += ["The block-sparse baselines with `kernel=\"flex\"` (32 heads, 8 KV heads of 128; about half of the causal "
+                "pairs kept) against causal SDPA; `compile`: the first call of the length bucket.", ""]
+        out += _table(["method", "N", "density", "SDPA ms", "flex ms", "vs SDPA", "compile s", "peak extra (MiB)"],
+                      [[x["method"], str(x["N"]), _cell(x.get("density")), _cell(x.get("sdpa_ms")), _cell(x.get("flex_ms")),
+                        _cell(x.get("speedup"), "{:.2f}x") if "error" not in x else f"error: {x['error'][:60]}",
+                        _cell(x.get("compile_s"), "{:.1f}"),
+                        _cell(None if x.get("peak_extra_flex") is None else x["peak_extra_flex"] / 2**20, "{:.1f}")]
+                       for x in r["flex"] if "skipped" not in x])
+    return out
 
 
 def render_intro(folder_names: list[str]) -> str:
@@ -259,10 +313,12 @@ def render_intro(folder_names: list[str]) -> str:
            "files) and `render` keeps it verbatim.", ""]
     if "cuda" not in folder_names:
         out += ["No generated GPU tables yet (`benchmarks/results/cuda/` is empty; the one GPU run so far is the "
-                "hand-written [On a GPU](#on-a-gpu-nvidia-h200-2026-11-30) entry).  On a GPU machine, "
-                "`python benchmarks/make_benchmarks.py run --device cuda --long` writes `benchmarks/results/cuda/` "
-                "(FNA up to N = 65536; the captured AnchorAttention inputs up to 32k) and `render` adds its tables "
-                "to the `generated:cuda` block.", ""]
+                "hand-written [On a GPU](#on-a-gpu-nvidia-h200-2026-11-30) entry, which predates the GPU kernels: see "
+                "[The GPU check](#the-gpu-check-prepared-not-yet-run-on-a-gpu-2026-12-03)).  On a GPU machine, "
+                "`PYTHONPATH=. python benchmarks/gpu_check.py` (at most about 8 minutes) writes "
+                "`benchmarks/results/cuda/gpu_check.json`, and `python benchmarks/make_benchmarks.py run --device cuda "
+                "--long` the full tables (FNA up to N = 65536; the captured AnchorAttention inputs up to 32k); `render` "
+                "adds both to the `generated:cuda` block.", ""]
     return "\n".join(out)
 
 

@@ -323,3 +323,28 @@ def test_fna_layer_cuda_graph_and_no_sync(window, monkeypatch):
     monkeypatch.setattr(ny, "MATMUL_PINV_DEVICES", ("cuda", "cpu"))
     cpu = layer(q.cpu().float(), k.cpu().float(), v.cpu().float(), landmarks().cpu())
     assert ((out.cpu().float() - cpu).norm() / cpu.norm()).item() < 2e-2
+
+
+@needs_triton_here
+def test_the_fna_method_reads_nothing_back_with_a_numeric_sample_layer(monkeypatch):
+    """In a patched model, the fna method's own code (landmark bookkeeping, the layer) issues no host read once
+    ``sample_layer`` is a number: which images are approximated is known on the host.  ``"auto"`` reads back the
+    massive-token test, which the test sees (so it can fail)."""
+    import attnpatch
+    from tiny_models import tiny_dinov2
+
+    monkeypatch.setattr(ny, "MATMUL_PINV_DEVICES", ("cuda", "cpu"))  # the CUDA path's pseudo-inverse
+    monkeypatch.setattr("attnpatch.attention.landmarks.FPS_KERNEL", "triton")
+    model = tiny_dinov2().to(DEV)
+    x = _randn(2, 3, 70, 70, seed=1).to(DEV)
+
+    def reads(**opts):
+        with torch.no_grad(), attnpatch.patched(model, "fna", s=8, min_tokens=0, **opts):
+            model(pixel_values=x)  # warm (Triton compile on CUDA)
+            with _HostReads() as mode:
+                model(pixel_values=x)
+        return [r for r in mode.reads if f"methods{os.sep}fna.py" in r or f"attention{os.sep}" in r]
+
+    assert reads(sample_layer=0) == []
+    assert reads(sample_layer=2) == []
+    assert any("fna.py" in r for r in reads(sample_layer="auto"))

@@ -166,8 +166,13 @@ def _landmark_features(cfg: FNAConfig, k: torch.Tensor, ctx: LayerContext) -> to
     return ctx.hidden
 
 
-def _fna_landmarks(cfg: FNAConfig, k: torch.Tensor, ctx: LayerContext) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """``(landmarks [B, s] or None, active [B] bool)`` for this layer; updates the per-forward state."""
+def _fna_landmarks(cfg: FNAConfig, k: torch.Tensor, ctx: LayerContext) -> tuple[torch.Tensor | None, torch.Tensor, bool]:
+    """``(landmarks [B, s] or None, active [B] bool, every row active)`` for this layer; updates the per-forward state.
+
+    With a numeric ``sample_layer`` (and no ``resample``) which rows are active is known on the host: nothing is
+    read back from the device, so on CUDA the layers run without a host sync.  ``sample_layer="auto"`` reads the
+    massive-token test back in each layer until every image has sampled.
+    """
     b = k.shape[0]
     st = ctx.shared("fna")
     active = st.get("active")
@@ -176,6 +181,18 @@ def _fna_landmarks(cfg: FNAConfig, k: torch.Tensor, ctx: LayerContext) -> tuple[
         st["active"] = active
         st["landmarks"] = torch.zeros(b, cfg.s, dtype=torch.long, device=k.device)
         st["sampled_at"] = torch.full((b,), -1, dtype=torch.long)
+        st["all_active"] = False
+    if st["all_active"] and not cfg.resample:
+        return st["landmarks"], active.clone(), True
+    if cfg.sample_layer != "auto" and not cfg.resample:  # every row samples at sample_layer, at once
+        if ctx.layer < cfg.sample_layer:
+            return None, active.clone(), False
+        st["landmarks"].copy_(select_landmarks(_landmark_features(cfg, k, ctx), cfg.s, prefix=ctx.prefix_tokens,
+                                               strategy=cfg.strategy, seed=cfg.seed))
+        st["sampled_at"].fill_(ctx.layer)
+        active.fill_(True)
+        st["all_active"] = True
+        return st["landmarks"], active.clone(), True
     if cfg.sample_layer == "auto":
         fallback = ctx.num_layers // 2 if cfg.auto_fallback == "auto" else cfg.auto_fallback
         trigger = ~active
@@ -193,7 +210,8 @@ def _fna_landmarks(cfg: FNAConfig, k: torch.Tensor, ctx: LayerContext) -> tuple[
         st["landmarks"][rows] = select_landmarks(feats, cfg.s, prefix=ctx.prefix_tokens, strategy=cfg.strategy, seed=cfg.seed)
         st["sampled_at"][rows.cpu()] = ctx.layer
         active |= trigger
-    return (st["landmarks"] if bool(active.any()) else None), active.clone()
+    st["all_active"] = every = bool(active.all())
+    return (st["landmarks"] if every or bool(active.any()) else None), active.clone(), every
 
 
 def _approximate(cfg: FNAConfig, q, k, v, landmarks, *, scale, prefix, window, key_keep=None, renormalize=False):
@@ -269,7 +287,7 @@ def fna_core(cfg: FNAConfig, q, k, v, ctx: LayerContext, key_keep=None, renormal
     b, h, n, _ = q.shape
     k, v = repeat_kv(k, h), repeat_kv(v, h)
     rec = LayerRecord(ctx.layer, mode, n, n)
-    landmarks, active = _fna_landmarks(cfg, k, ctx)
+    landmarks, active, every = _fna_landmarks(cfg, k, ctx)
     if landmarks is None:
         if key_keep is None:
             rec.mode = "dense:before_sample"
@@ -280,7 +298,7 @@ def fna_core(cfg: FNAConfig, q, k, v, ctx: LayerContext, key_keep=None, renormal
     if window:
         rec.mode = mode + "+window"
     kw = dict(scale=ctx.scale, prefix=ctx.prefix_tokens, window=window, renormalize=renormalize)
-    if bool(active.all()):
+    if every:  # known on the host: no read-back
         out = _approximate(cfg, q, k, v, landmarks, key_keep=key_keep, **kw)
     else:
         out = exact_attention(q, k, v, scale=ctx.scale, key_keep=key_keep, renormalize=renormalize)
