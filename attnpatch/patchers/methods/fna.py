@@ -64,7 +64,8 @@ class FNAConfig:
             concatenated; every adapter has them) or ``"hidden"`` (the attention layer's input
             hidden states).
         pinv: pseudo-inverse of the landmark kernel: ``"rtol"`` (regularised: singular values
-            below ``rtol`` x the largest dropped), ``"newton"`` (Newton-Schulz), ``"exact"``
+            below ``rtol`` x the largest dropped; on CUDA a smooth cut-off at ``rtol`` from batched products,
+            :func:`~attnpatch.attention.pinv_matmul.landmark_pinv_matmul`), ``"newton"`` (Newton-Schulz), ``"exact"``
             (unregularised; amplifies the Nyström error).
         rtol: relative singular-value cut-off of ``pinv="rtol"``.
         newton_iters: iterations of ``pinv="newton"``.
@@ -104,7 +105,8 @@ class FNAConfig:
         choices=FEATURES, model_scope=_ACROSS))
     pinv: str = field(default="rtol", metadata=opt(
         "str", "pseudo-inverse of the s x s landmark kernel (rtol: singular values below rtol x the largest dropped, "
-        "float32 eigendecomposition of A^T A; newton: Newton-Schulz; exact: float64 SVD, unregularised)", choices=PINV_MODES))
+        "float32 eigendecomposition of A^T A on the CPU, a smooth cut-off from batched products on CUDA; newton: "
+        "Newton-Schulz; exact: float64 SVD, unregularised)", choices=PINV_MODES))
     rtol: float = field(default=1e-2, metadata=opt(
         "float", "relative singular-value cut-off of pinv=rtol", low=0.0, high=1.0, low_open=True, high_open=True,
         rule="must be in (0, 1)"))
