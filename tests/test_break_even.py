@@ -26,6 +26,7 @@ def fresh(monkeypatch, tmp_path):
 def _fresh(monkeypatch, tmp_path):
     monkeypatch.setenv("ATTNPATCH_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(break_even, "_RESOLVED", {})
+    monkeypatch.setattr(break_even, "_USED", {})
     return tmp_path
 
 
@@ -122,6 +123,7 @@ def test_table_env_cache_and_calibration(monkeypatch, fresh):
 def _fixed_calibration(monkeypatch, tokens):
     """Calibrations answer ``tokens``, as in a new process on a machine without a cache file."""
     monkeypatch.setattr(break_even, "_RESOLVED", {})
+    monkeypatch.setattr(break_even, "_USED", {})
     break_even.cache_file().unlink(missing_ok=True)
     seen = []
 
@@ -222,3 +224,6 @@ def test_result_json_records_the_break_evens(tmp_path):
     assert got == [{**break_even.break_even_key("anchor_attention", got[0]["setting"], q, k), "tokens": 12288,
                     "source": "table:cpu", "timings": []}]
     assert "break_even" not in json.loads(write_json(tmp_path / "p.json", {"rows": []}).read_text())
+    break_even.begin_run()  # a new command: a new record (the measurements stay cached)
+    assert json.loads(write_json(tmp_path / "r2.json", {"machine": {}}).read_text())["break_even"] == []
+    assert break_even._RESOLVED

@@ -1,6 +1,6 @@
 """Layering of the package: every module imports on its own, the static import graph has no cycle,
 and inside ``attnpatch.patchers`` imports only point down (state/options -> bench_hook -> contract -> config_file -> registry ->
-runtime -> methods / adapters -> api -> the package); the adapters never import the public API."""
+runtime / break_even -> methods / adapters -> api -> the package); the adapters never import the public API."""
 
 from __future__ import annotations
 
@@ -121,7 +121,7 @@ def _rank(name: str) -> int | None:
         return 3
     if rest == "registry":
         return 4
-    if rest in ("runtime", "adapter", "class_swap", "features", "method_table") or rest.startswith("methods"):
+    if rest in ("runtime", "adapter", "class_swap", "features", "method_table", "break_even") or rest.startswith("methods"):
         return 5
     if rest.startswith("adapters"):
         return 6

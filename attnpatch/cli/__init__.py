@@ -14,6 +14,7 @@ import sys
 from typing import Sequence
 
 from ..errors import AttnpatchError
+from ..patchers.break_even import begin_run
 from . import bench, clip, compare, methods, ruler, sinks, tune, vision
 
 # The handlers and shared helpers stay importable (and patchable) as ``attnpatch.cli.<name>``; a patch
@@ -51,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``attnpatch`` console script; returns the exit status (2 on a usage or input error)."""
     args = build_parser().parse_args(argv)
+    begin_run()  # the result JSON lists the break-even lengths this command resolved
     try:
         return args.func(args)
     except AttnpatchError as exc:

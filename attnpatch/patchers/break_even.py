@@ -16,8 +16,8 @@ file is ``<cache>/break_even.json`` (:func:`attnpatch.fetch.cache_dir`: ``$ATTNP
 override or redo a calibration.  Under a multi-process launch one process measures while holding a lock on the
 cache (the others wait for it and read its result), so the ranks of a data-parallel run never measure at once.
 
-Every value resolved in this process is listed by :func:`resolved_break_evens`, which the result JSONs record
-(``"break_even"``: value and source).
+Every value a run asked for is listed by :func:`resolved_break_evens`, which the result JSONs record
+(``"break_even"``: value and source; the CLI starts a new list per command: :func:`begin_run`).
 """
 
 from __future__ import annotations
@@ -35,13 +35,14 @@ import torch
 
 from .runtime import sync
 
-__all__ = ["BUDGET_SECONDS", "BreakEven", "break_even_key", "calibrate", "device_name", "resolve_break_even",
-           "resolved_break_evens", "cache_file"]
+__all__ = ["BUDGET_SECONDS", "BreakEven", "begin_run", "break_even_key", "calibrate", "device_name",
+           "resolve_break_even", "resolved_break_evens", "cache_file"]
 
 #: Wall-clock budget of one calibration (seconds): lengths whose estimated cost would pass it are not measured.
 BUDGET_SECONDS = float(os.environ.get("ATTNPATCH_CALIBRATION_SECONDS", "10"))
 
 _RESOLVED: dict[str, "BreakEven"] = {}  # this process's answers (a memo, like functools.lru_cache), by key
+_USED: dict[str, None] = {}  # the keys asked for since begin_run(), in order
 
 
 @dataclass(frozen=True)
@@ -88,9 +89,16 @@ def cache_file() -> Path:
     return cache_dir() / "break_even.json"
 
 
+def begin_run() -> None:
+    """Start a new record of the break-evens a run asks for (the CLI calls it once per command; the measurements
+    themselves stay cached for the process)."""
+    _USED.clear()
+
+
 def resolved_break_evens() -> list[dict[str, Any]]:
-    """Every break-even resolved in this process (:meth:`BreakEven.as_dict`), in the order resolved."""
-    return [b.as_dict() for b in _RESOLVED.values()]
+    """Every break-even asked for since :func:`begin_run` (since the process started, without one), as
+    :meth:`BreakEven.as_dict`, in the order first asked."""
+    return [_RESOLVED[k].as_dict() for k in _USED if k in _RESOLVED]
 
 
 def _median_seconds(fn: Callable[[], Any], device: torch.device, repeats: int) -> float:
@@ -223,6 +231,7 @@ def resolve_break_even(
     """
     key = break_even_key(method, setting, q, k)
     memo = json.dumps(key, sort_keys=True, default=str)
+    _USED[memo] = None
     if os.environ.get(env) is not None:
         found = BreakEven(_parse_env(env, os.environ[env]), f"env:{env}", key)
         _RESOLVED[memo] = found

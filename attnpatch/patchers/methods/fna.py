@@ -35,9 +35,9 @@ __all__ = ["FNA", "FNAConfig", "FEATURES", "fna_forward", "fna_core", "fna_bench
 FEATURES = ("keys", "hidden")
 
 #: ``min_tokens="auto"``: the token count (CLS and registers included) from which FNA's defaults are faster than the
-#: model's exact attention end to end, by device type (CPU: measured on dinov2-small, BENCHMARKS.md); a device
-#: type not listed is calibrated at first use (:func:`min_tokens_for`).  The environment variable ``ATTNPATCH_FNA_BREAK_EVEN`` (tokens) overrides it
-#: on every device (a machine whose break-even differs; the test suite sets 0 so that tiny models are approximated).
+#: model's exact attention end to end, by device type (CPU: measured on dinov2-small, BENCHMARKS.md); other device
+#: types are calibrated at first use (:func:`min_tokens_for`).  ``ATTNPATCH_FNA_BREAK_EVEN`` (tokens) overrides it on
+#: every device (the test suite sets 0 so that tiny models are approximated).
 BREAK_EVEN: dict[str, int] = {"cpu": 600}
 _ACROSS = "act across layers"
 _LAYER_RULE = "must be 'auto' or a layer index >= 0"
@@ -228,15 +228,13 @@ def _approximate(cfg: FNAConfig, q, k, v, landmarks, *, scale, prefix, window, k
 
 #: Lengths (tokens: square patch grids plus the class token) the calibration of ``min_tokens="auto"`` tries.
 CALIBRATION_LENGTHS = (257, 577, 1025, 2305, 4097, 9217, 16385, 36865, 65537)
-#: The options the layer's speed depends on (the key of a calibrated break-even).
 _SPEED_OPTIONS = ("s", "strategy", "features", "pinv", "rtol", "newton_iters", "local_window", "window_tile")
 
 
 def calibration_case(cfg: FNAConfig, q: torch.Tensor, k: torch.Tensor):
-    """``n -> (fna_call, sdpa_call)`` for the break-even calibration, on the documented synthetic input: standard
-    normal ``q, k, v`` ``[1, H, n, D]`` (seed 0) of ``q``'s heads, head size, dtype and device (FNA's cost does not
-    depend on the values).  ``fna_call`` is one whole layer, landmark sampling included (a model samples once per
-    forward, so this is the layer's cost at most); ``sdpa_call`` the model's own bidirectional attention."""
+    """``n -> (fna_call, sdpa_call)`` for the break-even calibration on standard normal ``q, k, v`` ``[1, H, n, D]``
+    (seed 0; ``q``'s heads, head size, dtype, device): one whole layer, landmark sampling included (an upper bound:
+    a model samples once per forward), against the model's own bidirectional attention (SDPA)."""
     heads, d = q.shape[1], q.shape[-1]
     scale = d ** -0.5
 
@@ -259,9 +257,8 @@ def calibration_case(cfg: FNAConfig, q: torch.Tensor, k: torch.Tensor):
 
 
 def min_tokens_for(cfg: FNAConfig, q: torch.Tensor, k: torch.Tensor) -> int:
-    """``min_tokens`` for a call on ``q`` / ``k``: the option where it is a count; ``"auto"``: the break-even length
-    (:func:`~attnpatch.patchers.break_even.resolve_break_even`: ``ATTNPATCH_FNA_BREAK_EVEN``, else :data:`BREAK_EVEN`
-    for the device type, else calibrated on this device once); a length that never pays: every image exact."""
+    """``min_tokens`` for a call on ``q`` / ``k``; ``"auto"``: :func:`~attnpatch.patchers.break_even.resolve_break_even`
+    (``ATTNPATCH_FNA_BREAK_EVEN``, :data:`BREAK_EVEN`, or calibrated once; never faster: every image exact)."""
     if cfg.min_tokens != "auto":
         return int(cfg.min_tokens)
     found = resolve_break_even(
