@@ -24,7 +24,7 @@ class ClipBundle:
         model: the ``torch.nn.Module`` (open_clip ``CLIP`` / ``CustomTextCLIP`` or a Hugging Face
             ``CLIPModel`` / ``SiglipModel``), in eval mode; patch it with ``attnpatch.patch``.
         preprocess: ``list[PIL.Image] -> [B, 3, R, R]`` float32 (the model's own evaluation
-            transform: resize, center crop, normalise), an :class:`attnpatch.evals.images.Preprocess`.
+            transform: resize, center crop, normalise), an :class:`attnpatch.evals.vision.preprocess.Preprocess`.
         tokenizer: ``list[str] -> token ids``: an ``[T, L]`` int64 tensor (open_clip, ``L`` = 77)
             or a dict with ``input_ids`` / ``attention_mask`` ``[T, L]`` (Hugging Face, padded to
             the model's maximum length).

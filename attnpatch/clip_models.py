@@ -253,7 +253,7 @@ def load_clip(
             Hugging Face models interpolate their position embeddings
             (``interpolate_pos_encoding=True``). The preprocessing follows. A side that is not a
             multiple of the image tower's patch size is rounded to the nearest multiple (``log``
-            says so; see :func:`attnpatch.evals.images.fit_resolution`); one below it is refused.
+            says so; see :func:`attnpatch.evals.vision.preprocess.fit_resolution`); one below it is refused.
         log: receives one line per step (defaults to stderr).
         resolution_flag: how messages name ``resolution`` (the CLI passes ``"--resolution"``).
 

@@ -1,7 +1,7 @@
 """The Hugging Face hub, seen from an offline-friendly loader: offline mode, reachability, the local cache.
 
 Every loader of attnpatch that may touch the hub (:mod:`attnpatch.checkpoints`,
-:mod:`attnpatch.clip_models`, :mod:`attnpatch.evals.images`, :mod:`attnpatch.evals.clip`) asks
+:mod:`attnpatch.clip_models`, :mod:`attnpatch.evals.vision.images`, :mod:`attnpatch.evals.clip`) asks
 the same three questions before it does, so that an offline machine gets a clear error at once
 instead of a minute of retries:
 

@@ -292,17 +292,14 @@ def test_encode_equals_the_models_own_outputs(name, method):
     adapter = adapter_for(model)
     x = _images(MODELS[name][2])
     if method is None:
-        if name == "hf_vit":  # transformers' ViTModel keeps its blocks in model.layers: not found, refused
-            with pytest.raises(UnsupportedModelError, match="cannot find the transformer blocks of a ViTModel"):
-                encode(model, x, (0, 1))
-        else:
-            cls, pm, inter = encode(model, x, (0, 1))
-            ref = _reference_features(name, model, x, (0, 1))
-            torch.testing.assert_close(cls, ref[0], rtol=0, atol=1e-6)
-            torch.testing.assert_close(pm, ref[1], rtol=0, atol=1e-6)
-            assert inter.keys() == {0, 1}
-            for i in (0, 1):
-                torch.testing.assert_close(inter[i], ref[2][i], rtol=0, atol=1e-6)
+        # intermediate CLS tokens: transformers' ViTModel keeps its blocks in model.layers, DINOv2 in model.encoder.layer
+        cls, pm, inter = encode(model, x, (0, 1))
+        ref = _reference_features(name, model, x, (0, 1))
+        torch.testing.assert_close(cls, ref[0], rtol=0, atol=1e-6)
+        torch.testing.assert_close(pm, ref[1], rtol=0, atol=1e-6)
+        assert inter.keys() == {0, 1}
+        for i in (0, 1):
+            torch.testing.assert_close(inter[i], ref[2][i], rtol=0, atol=1e-6)
         cls, pm = encode(model, x)
         ref = _reference_features(name, model, x)
         torch.testing.assert_close(cls, ref[0], rtol=0, atol=1e-6)
@@ -402,3 +399,29 @@ def test_preprocess_config_equals_the_clip_bundle_open_clip():
     assert cfg.library == "open_clip"
     assert (cfg.mean, cfg.std, cfg.resize, cfg.resolution) == (pre.mean, pre.std, pre.resize, pre.resolution)
     assert (cfg.crop, cfg.interpolation) == (64, "bicubic")
+
+
+def test_siglip_token_count_has_no_class_token():
+    """A SigLIP vision tower has no class token: the vision eval's token count is the patches alone (it used to add
+    one), equal to the query length the patched attention receives."""
+    from transformers import SiglipVisionConfig, SiglipVisionModel
+
+    from attnpatch.evals.vision.runner import token_count
+
+    torch.manual_seed(0)
+    model = SiglipVisionModel(SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                                 num_attention_heads=4, image_size=32, patch_size=8)).eval()
+    seen: list[int] = []
+    with patched(model, "dense"), attnpatch.record_stats(model, probe=lambda ctx, q, k, v: seen.append(q.shape[2])):
+        model(pixel_values=_images(32, b=1))
+    assert set(seen) == {16} and token_count(model, 32) == 16
+    assert adapter_for(model).feature_prefix_tokens(model) == 1  # slot 0 (a patch) is read as the feature
+
+
+def test_encode_refuses_a_classifier_output_naming_the_model():
+    from transformers import ViTConfig, ViTForImageClassification
+
+    model = ViTForImageClassification(ViTConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                                num_attention_heads=4, image_size=32, patch_size=8)).eval()
+    with pytest.raises(UnsupportedModelError, match="ViTForImageClassification.*no last_hidden_state"):
+        adapter_for(model).encode(model, _images(32))

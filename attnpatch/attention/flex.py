@@ -78,11 +78,23 @@ def flex_unavailable(q: torch.Tensor) -> str | None:
 @functools.lru_cache(maxsize=None)
 def flex_attention_compiled() -> Callable:
     """``torch.compile(flex_attention)``: static shapes, ``fullgraph=True``, its own compile cache of at most
-    :data:`RECOMPILE_LIMIT` entries (``isolate_recompiles=True``), built once per process."""
+    :data:`RECOMPILE_LIMIT` entries (``isolate_recompiles=True``; on a torch without those arguments, dynamo's
+    process-wide limit raised to at least it), built once per process."""
+    import inspect
+
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention, dynamic=False, fullgraph=True, recompile_limit=RECOMPILE_LIMIT,
-                         isolate_recompiles=True)
+    if "recompile_limit" in inspect.signature(torch.compile).parameters:
+        return torch.compile(flex_attention, dynamic=False, fullgraph=True, recompile_limit=RECOMPILE_LIMIT,
+                             isolate_recompiles=True)
+    # older torch (2.11 and before): no per-function limit; raise dynamo's process-wide one to at least ours
+    import torch._dynamo.config as dynamo_config
+
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(dynamo_config, name):
+            setattr(dynamo_config, name, max(int(getattr(dynamo_config, name)), RECOMPILE_LIMIT))
+            break
+    return torch.compile(flex_attention, dynamic=False, fullgraph=True)
 
 
 def _ordered(table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -3,7 +3,7 @@ dense vs patched image tower."""
 
 from __future__ import annotations
 
-from .args import DEFAULT_CLIP_MODEL, parse_options, positive_int, Repeatable
+from .args import DEFAULT_CLIP_MODEL, method_spec, positive_int, Repeatable
 from .output import check_outputs, image_progress, json_path, report, report_interrupted, world_note
 from .runtime import open_store, other_process_exit, rank_log, resolve_device, scale_out_args
 
@@ -25,8 +25,8 @@ def cmd_eval_clip(args) -> int:
         torch.set_num_threads(args.threads)
     zeroshot = args.eval in ("zeroshot", "clip-zeroshot")
     settings = []
-    for method in args.method:
-        opts = parse_options(args.option)
+    for spec in args.method:
+        method, opts = method_spec(spec, args.option)  # METHOD or METHOD:OPT=VALUE,..., as the other evals
         validate_options(get_method(method), opts)  # fail before loading anything
         settings.append((method, opts))
     if ranks.main:
@@ -108,7 +108,7 @@ def clip_common(q) -> None:
         help="open_clip ARCH:TAG (e.g. ViT-B-32:openai, ViT-L-14:openai), ARCH:random (random weights, offline), "
         "hf-hub:ORG/REPO, a Hugging Face id (e.g. openai/clip-vit-base-patch32) or a local directory (default: %(default)s)",
     )
-    q.add_argument("--method", nargs="+", action=Repeatable, default=["fna"], help="registered method(s); each is compared with dense in the same run")
+    q.add_argument("--method", nargs="+", action=Repeatable, default=["fna"], help="registered method(s), each METHOD or METHOD:OPT=VALUE,...; each is compared with dense in the same run")
     q.add_argument("-o", "--option", action="append", default=[], metavar="NAME=VALUE", help="method option, repeatable (e.g. -o s=64)")
     q.add_argument("--towers", nargs="+", action=Repeatable, metavar="TOWER", help="towers the patch routes: vision (default), text, or all (text takes only 'dense')")
     q.add_argument("--split", help="dataset split (default: train for a directory; zeroshot: train, clip-retrieval hub ids: test)")

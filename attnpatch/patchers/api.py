@@ -204,6 +204,10 @@ def patch(model: torch.nn.Module, method: str = "anchor_attention", *, towers: A
             if full.get("config") is None:
                 raise
             raise OptionError(f"config={full['config']!r}: {e}") from None
+    if m.prepare is not None:
+        param = next((p for p in model.parameters() if p.is_floating_point()), None)
+        if param is not None:
+            m.prepare(handle.config, geometry, param.device, param.dtype)
     handle.install()
     object.__setattr__(model, HANDLE_ATTR, handle)
     return model

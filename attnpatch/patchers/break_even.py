@@ -35,7 +35,7 @@ import torch
 
 from .runtime import sync
 
-__all__ = ["BUDGET_SECONDS", "BreakEven", "begin_run", "break_even_key", "calibrate", "device_name",
+__all__ = ["BUDGET_SECONDS", "BreakEven", "begin_run", "break_even_key", "calibrate", "device_name", "parse_env",
            "resolve_break_even", "resolved_break_evens", "cache_file"]
 
 #: Wall-clock budget of one calibration (seconds): lengths whose estimated cost would pass it are not measured.
@@ -118,7 +118,7 @@ def calibrate(
     lengths: Sequence[int],
     device: torch.device,
     *,
-    budget: float = BUDGET_SECONDS,
+    budget: float | None = None,
     repeats: int = 3,
     clock: Callable[[], float] = time.perf_counter,
     timer: Callable[[Callable[[], Any], torch.device, int], float] = _median_seconds,
@@ -129,7 +129,7 @@ def calibrate(
         case: ``n -> (method_call, dense_call)`` on the method's synthetic input of ``n`` tokens.
         lengths: increasing lengths to try (tokens).
         device: where the calls run (synchronised around each timed call).
-        budget: seconds; a length is measured only while the time spent, plus the estimated cost of that length
+        budget: seconds (``None``: :data:`BUDGET_SECONDS`, read at the call); a length is measured only while the time spent, plus the estimated cost of that length
             (the previous length's cost scaled by the length ratio squared), stays within it.
         repeats: timed calls per side and length (median), after one untimed warm-up call each.
         clock, timer: injectable for tests.
@@ -139,6 +139,7 @@ def calibrate(
         length (``None`` when it was not faster at the longest one measured, or nothing fit the budget), and the
         ``(length, method seconds, dense seconds)`` rows measured.
     """
+    budget = BUDGET_SECONDS if budget is None else budget
     start = clock()
     rows: list[tuple[int, float, float]] = []
     last_cost, last_n = 0.0, None
@@ -190,7 +191,8 @@ def _read(path: Path) -> list[dict[str, Any]]:
     return data if isinstance(data, list) else []
 
 
-def _parse_env(var: str, value: str) -> int | None:
+def parse_env(var: str, value: str) -> int | None:
+    """A break-even override: a token count >= 0, or ``never`` (``None``); raises ``OptionError`` naming ``var``."""
     from ..errors import OptionError
 
     if value.strip().lower() == "never":
@@ -233,7 +235,7 @@ def resolve_break_even(
     memo = json.dumps(key, sort_keys=True, default=str)
     _USED[memo] = None
     if os.environ.get(env) is not None:
-        found = BreakEven(_parse_env(env, os.environ[env]), f"env:{env}", key)
+        found = BreakEven(parse_env(env, os.environ[env]), f"env:{env}", key)
         _RESOLVED[memo] = found
         return found
     if q.device.type in table:

@@ -156,6 +156,8 @@ class Method:
         check: ``check(config, geometry)`` run at patch time against the routed attention's
             :class:`ModelGeometry` (layer and head ranges; raises
             :class:`~attnpatch.errors.OptionError`), or ``None``.
+        prepare: ``prepare(config, geometry, device, dtype)`` run at patch time after ``check``, for work that must not
+            fall inside a timed forward (resolving a break-even length, :mod:`~attnpatch.patchers.break_even`), or ``None``.
         exact: the method computes the model's own attention (``dense``): it fits every tower
             and every model feature, and keeps autograd.
         supports: the model features of :data:`MODEL_FEATURES` the method implements exactly;
@@ -200,6 +202,7 @@ class Method:
     make_config: Callable[[dict[str, Any]], Any]
     forward: Callable[..., tuple[torch.Tensor | None, LayerRecord]]
     check: Callable[[Any, ModelGeometry], None] | None = None
+    prepare: Callable[[Any, ModelGeometry, torch.device, torch.dtype], None] | None = None
     exact: bool = False
     supports: frozenset[str] = frozenset()
     causal_calls: bool = True

@@ -39,7 +39,7 @@ def bench_vision_model(
 
     Args:
         model: a ViT the patch supports (``Dinov2Model``, timm ViT, ...), in eval mode.
-        processor: its preprocessing (see :func:`attnpatch.evals.images.make_preprocess`).
+        processor: its preprocessing (see :func:`attnpatch.evals.vision.preprocess.make_preprocess`).
         settings: ``(method, options)`` pairs, e.g. ``[("fna", {"s": 64})]``.
         resolutions: square input sizes in pixels.
         batch: images per forward call.

@@ -9,7 +9,7 @@ The package splits by concern; its public names are importable from here:
   (:func:`zeroshot_classifier`, :func:`zeroshot_accuracy`, :func:`retrieval_recall`,
   :func:`retrieval_chance`).
 * :mod:`.runner` -- :func:`run_zeroshot_eval` and :func:`run_retrieval_eval`, both on the image pass
-  shared with the vision evals (:func:`attnpatch.evals.image_pass.run_image_pass`).
+  shared with the vision evals (:func:`attnpatch.evals.vision.image_pass.run_image_pass`).
 """
 
 from __future__ import annotations

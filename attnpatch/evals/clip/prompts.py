@@ -127,7 +127,7 @@ def resolve_classnames(spec: str, image_set) -> tuple[list[str], str]:
             lemmas -- else the set's own names), ``"imagenet1k"`` (:func:`imagenet_classnames`),
             ``"dataset"`` (the set's own ``class_names``: ``classes.json`` names or ``ClassLabel``
             names), or a path to a JSON list of names / a text file with one name per line.
-        image_set: the labelled set (an :class:`attnpatch.evals.images.ImageSet`).
+        image_set: the labelled set (an :class:`attnpatch.evals.vision.images.ImageSet`).
 
     Returns:
         ``(names, source)``: ``names[label]`` is the class name; ``source`` is ``"imagenet1k"``,

@@ -2,7 +2,7 @@
 
 :func:`run_zeroshot_eval` and :func:`run_retrieval_eval` compute, in one pass over the images,
 batch by batch and interleaved, the dense image embeddings and those of each patched setting
-(:func:`attnpatch.evals.image_pass.run_image_pass`; forward calls timed: images/s; preprocessing
+(:func:`attnpatch.evals.vision.image_pass.run_image_pass`; forward calls timed: images/s; preprocessing
 not timed); text embeddings are computed once with the text tower dense (again under the patch
 only for a setting that routes the text tower).
 """
@@ -97,7 +97,7 @@ def run_zeroshot_eval(
     Args:
         bundle: a :class:`attnpatch.clip_models.ClipBundle` (left unpatched).
         images: a labelled set (``len``, ``labels`` ``[N]``, ``[i] -> (PIL image, label)``), e.g.
-            :func:`attnpatch.evals.images.load_image_set`.
+            :func:`attnpatch.evals.vision.images.load_image_set`.
         classnames: ``classnames[label]`` (e.g. :func:`resolve_classnames`).
         templates: prompt templates with ``{}`` (e.g. :func:`resolve_templates`).
         settings: ``[(method, options), ...]`` compared with dense.

@@ -1,4 +1,4 @@
-"""Haystack (filler) texts for the RULER-style long-context tasks in :mod:`attnpatch.evals.ruler_tasks`.
+"""Haystack (filler) texts for the RULER-style long-context tasks in :mod:`attnpatch.evals.ruler.tasks`.
 
 Two haystacks are offered:
 

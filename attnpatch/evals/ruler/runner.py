@@ -1,6 +1,6 @@
 """RULER-style long-context eval: dense vs patched accuracy, sparsity, recall and prefill time.
 
-For every (task, context length) cell, the same prompts (:mod:`attnpatch.evals.ruler_tasks`)
+For every (task, context length) cell, the same prompts (:mod:`attnpatch.evals.ruler.tasks`)
 are answered greedily by the unpatched model and by the patched model, interleaved sample
 by sample so both see the same machine state.  Per cell the result holds: accuracy (RULER's
 string-match score) dense and patched, attention sparsity of the patched prefill, attention
@@ -116,7 +116,7 @@ def run_ruler(
         tokenizer: its tokenizer (the chat template is used when it has one).
         method: registered method name; an exact method (``"dense"``) without options is a baseline-only run (no patched columns).
         options: the method's options.
-        tasks: names from :data:`attnpatch.evals.ruler_tasks.TASKS`.
+        tasks: names from :data:`attnpatch.evals.ruler.tasks.TASKS`.
         lengths: context lengths in the model's tokens.
         num_samples: samples per (task, length) cell.
         seed: sample seed (the same prompts for every method and run).
@@ -129,12 +129,12 @@ def run_ruler(
         on_sample: called with each per-sample result dict.
         on_cell: called after each finished (task, length) cell with the result so far (same
             layout as the return value), e.g. to save partial results of a long run.
-        ranks: this process's place in a data-parallel run (:mod:`attnpatch.evals.distributed`): each process
+        ranks: this process's place in a data-parallel run (:mod:`attnpatch.evals.run.distributed`): each process
             answers its contiguous share of every cell's samples, and every process gets all of them in order,
             so the cells equal a one-process run's (prefill times aside); each cell then has ``"ranks"``, per
             process the samples it answered and its median prefill times.
         resume: the result of an earlier run of the same configuration that stopped (its JSON, read back with
-            :func:`attnpatch.evals.resume.resume_cells`): its finished cells are kept and not run again.
+            :func:`attnpatch.evals.run.resume.resume_cells`): its finished cells are kept and not run again.
 
     Returns:
         ``{"method", "options", "cells": [...], "settings": {...}}``; each cell has ``task``,

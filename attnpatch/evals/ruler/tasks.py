@@ -125,7 +125,7 @@ def make_samples(
             needle, cycled over the samples; default :data:`DEFAULT_DEPTHS`. Ignored by the
             other tasks (their ``depth`` is None).
         haystack: ``"repeat"`` (RULER's noise) or ``"essay"`` (public-domain prose, fetched on
-            first use; see :mod:`attnpatch.evals.haystack`). Used by NIAH and variable
+            first use; see :mod:`attnpatch.evals.ruler.haystack`). Used by NIAH and variable
             tracking; ignored by CWE and FWE.
 
     Returns:

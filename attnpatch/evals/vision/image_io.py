@@ -3,7 +3,7 @@
 :func:`check_image_files` refuses a missing, unreadable or truncated file up front, naming it;
 :func:`decode_image` names the file when an image fails later; :func:`to_rgb` is the one RGB
 conversion every image goes through (alpha onto white, 16-bit grayscale scaled, not clipped).
-Everything here is also importable from :mod:`attnpatch.evals.images`.
+The image sets that read files through it: :mod:`attnpatch.evals.vision.images`.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ interleaved batch by batch (so every setting sees the same machine state), timin
 call. A batch is kept only once every setting has finished it, so a Ctrl-C (a
 ``KeyboardInterrupt``) leaves the results of whole batches: the pass then returns what was
 finished with ``interrupted`` set, and the eval computes its result over those images and hands it
-to :func:`finish`, which raises :class:`~attnpatch.evals.report.EvalInterrupted` carrying it.
+to :func:`finish`, which raises :class:`~attnpatch.evals.run.report.EvalInterrupted` carrying it.
 """
 
 from __future__ import annotations
@@ -173,7 +173,7 @@ def run_image_pass(
     it ``after_setting(method, options, x, start, dense_value)`` (untimed, kept per batch in
     :attr:`SettingRun.extras`).
 
-    In a data-parallel run (``ranks`` of several processes, :mod:`attnpatch.evals.distributed`) each
+    In a data-parallel run (``ranks`` of several processes, :mod:`attnpatch.evals.run.distributed`) each
     process encodes its contiguous share of the batches and every process receives all of them in
     the original order, so the result is the one-process result (timings aside: ``seconds`` are the
     forward times summed over all processes, :attr:`ImagePass.ranks` has each process's own).  With a

@@ -3,9 +3,9 @@
 One pass over the images computes, batch by batch and interleaved (so every setting sees the
 same machine state), the dense features and the features of each patched setting, timing each
 forward call (seconds; landmark selection included); it is the image pass the CLIP evals use too
-(:func:`attnpatch.evals.image_pass.run_image_pass`).  From the features:
+(:func:`attnpatch.evals.vision.image_pass.run_image_pass`).  From the features:
 
-* ``knn``: leave-one-out k-NN top-1/top-5 (DINO's weighted vote, :func:`attnpatch.evals.frozen.knn_classify`);
+* ``knn``: leave-one-out k-NN top-1/top-5 (DINO's weighted vote, :func:`attnpatch.evals.vision.metrics.knn_classify`);
 * ``linear_probe``: logistic regression, stratified cross-validation;
 * ``retrieval``: image-to-image same-class retrieval, recall@1/5 and mAP@R;
 * ``fidelity``: cosine similarity of the final CLS token and of the mean patch token (patched vs
@@ -70,15 +70,13 @@ def patch_size(model: torch.nn.Module) -> int:
 
 
 def token_count(model: torch.nn.Module, resolution: int) -> int:
-    """Tokens of a square ``resolution`` input as this eval records them: patches plus the leading tokens
-    :func:`encode` leaves out of the patch mean (CLS and registers; a SigLIP tower's first patch).
+    """Tokens the attention sees on a square ``resolution`` input (patches, CLS and registers), as the model's
+    adapter counts them (:meth:`~attnpatch.patchers.adapter.Adapter.token_count`).
 
     Raises:
         UnsupportedModelError: see :func:`patch_size`; OptionError: ``resolution`` below one patch.
     """
-    adapter = adapter_for(model)
-    rows, cols = adapter.grid(model, resolution)
-    return rows * cols + adapter.feature_prefix_tokens(model)
+    return adapter_for(model).token_count(model, resolution)
 
 
 def _cos(a: torch.Tensor, b: torch.Tensor) -> np.ndarray:
@@ -137,8 +135,8 @@ def run_feature_eval(
     Args:
         model: an unpatched ViT encoder (see :func:`encode`); left unpatched.
         images: a labelled image set (``len``, ``[i] -> (PIL image, label)``, ``labels`` ``[N]``),
-            e.g. :func:`attnpatch.evals.images.load_image_set`.
-        preprocess: list of PIL images -> ``[B, 3, R, R]`` (e.g. :func:`attnpatch.evals.images.make_preprocess`).
+            e.g. :func:`attnpatch.evals.vision.images.load_image_set`.
+        preprocess: list of PIL images -> ``[B, 3, R, R]`` (e.g. :func:`attnpatch.evals.vision.preprocess.make_preprocess`).
         settings: ``[(method, options), ...]`` patched settings compared with dense.
         tasks: subset of :data:`TASKS`.
         batch_size: images per forward call.
@@ -154,10 +152,10 @@ def run_feature_eval(
         feature_layers: also collect the CLS token of these blocks' outputs (final norm applied)
             for ``return_features`` (metrics are computed on the final CLS token).
         progress: called as ``progress(images_done, images_total)``.
-        ranks: this process's place in a data-parallel run (:mod:`attnpatch.evals.distributed`): it encodes its
+        ranks: this process's place in a data-parallel run (:mod:`attnpatch.evals.run.distributed`): it encodes its
             share of the batches, every process gets all features, and the metrics (computed on every process
             from the gathered features) equal a one-process run's.
-        store: where finished batches are kept and read back from (``--resume``, :class:`~attnpatch.evals.resume.BatchStore`).
+        store: where finished batches are kept and read back from (``--resume``, :class:`~attnpatch.evals.run.resume.BatchStore`).
 
     Returns:
         ``{"n_images", "resolution" (pixels), "tokens", "batch_size", "dense": {metrics,

@@ -90,6 +90,14 @@ def resolved(cfg: AnchorConfig, q: torch.Tensor, k: torch.Tensor) -> AnchorConfi
     return dataclasses.replace(cfg, min_len=sys.maxsize if found.tokens is None else found.tokens)
 
 
+def prepare_anchor(cfg: AnchorConfig, geo: ModelGeometry, device: torch.device, dtype: torch.dtype) -> None:
+    """At patch time: resolve a ``min_len`` word for the model's heads, device and dtype (a calibration then runs here,
+    not inside the first, timed, prefill)."""
+    if not isinstance(cfg.min_len, int) and geo.heads and geo.head_dim and device.type != "meta":
+        q = torch.empty(1, geo.heads, 1, geo.head_dim, device=device, dtype=dtype)
+        resolved(cfg, q, q[:, : geo.kv_heads or geo.heads])
+
+
 def anchor_forward(
     cfg: AnchorConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: LayerContext
 ) -> tuple[torch.Tensor | None, LayerRecord]:
@@ -221,6 +229,7 @@ ANCHOR = register_method(
         make_config=_config,
         forward=anchor_forward,
         check=_check,
+        prepare=prepare_anchor,
         causal_calls=True,
         noncausal_calls=False,
         key_padding=True,

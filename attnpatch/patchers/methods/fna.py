@@ -4,6 +4,8 @@ Landmark indices are sampled once per forward call (at ``sample_layer``) and kep
 per-forward :class:`~attnpatch.patchers.state.ForwardState`, so later layers reuse them.  What
 each option does is declared once on :class:`FNAConfig`; how the defaults were chosen, and the
 accuracy and speed they give, is measured in BENCHMARKS.md and docs/methods.md.
+
+Kept whole: the config, forward, bench hook and break-even resolution of one method, each short, read together.
 """
 
 from __future__ import annotations
@@ -25,12 +27,13 @@ from ...errors import OptionError
 from ..bench_hook import BenchCase, BenchInputs
 from ...options import check_fields, opt, options_of
 from ..contract import ExactLimit, Knob, Method, ModelGeometry, Preset
-from ..break_even import resolve_break_even
+from ..break_even import parse_env, resolve_break_even
 from ..registry import register_method
 from ..state import LayerContext, LayerRecord
 from ._shared import repeat_kv, say
 
-__all__ = ["FNA", "FNAConfig", "FEATURES", "fna_forward", "fna_core", "fna_bench", "check_fna", "exact_reason", "min_tokens_for", "calibration_case"]
+__all__ = ["FNA", "FNAConfig", "FEATURES", "fna_forward", "fna_core", "fna_bench", "check_fna", "exact_reason", "min_tokens_for", "calibration_case",
+           "prepare_fna"]
 
 FEATURES = ("keys", "hidden")
 
@@ -139,7 +142,8 @@ class FNAConfig:
             return int(self.min_tokens)
         env = os.environ.get("ATTNPATCH_FNA_BREAK_EVEN")
         if env is not None:
-            return int(env)
+            found = parse_env("ATTNPATCH_FNA_BREAK_EVEN", env)
+            return sys.maxsize if found is None else found
         return BREAK_EVEN.get(torch.device(device).type)
 
     def __post_init__(self) -> None:
@@ -266,6 +270,14 @@ def min_tokens_for(cfg: FNAConfig, q: torch.Tensor, k: torch.Tensor) -> int:
         lengths=[n for n in CALIBRATION_LENGTHS if n > cfg.s], case=calibration_case(cfg, q, k),
     )
     return sys.maxsize if found.tokens is None else found.tokens
+
+
+def prepare_fna(cfg: FNAConfig, geo: ModelGeometry, device: torch.device, dtype: torch.dtype) -> None:
+    """At patch time: resolve ``min_tokens="auto"`` for the model's heads, device and dtype (a calibration then runs
+    here, not inside the first, timed, forward)."""
+    if cfg.min_tokens == "auto" and geo.heads and geo.head_dim and device.type != "meta":
+        probe = torch.empty(1, geo.heads, 1, geo.head_dim, device=device, dtype=dtype)
+        min_tokens_for(cfg, probe, probe[:, : geo.kv_heads or geo.heads])
 
 
 def exact_reason(cfg: FNAConfig, q: torch.Tensor, k: torch.Tensor, ctx: LayerContext) -> str | None:
@@ -431,6 +443,7 @@ FNA = register_method(
         make_config=_config,
         forward=fna_forward,
         check=check_fna,
+        prepare=prepare_fna,
         causal_calls=False,
         noncausal_calls=True,
         key_padding=False,

@@ -11,7 +11,7 @@ from ...errors import OptionError
 from ..contract import ExactLimit, Knob, Method, ModelGeometry
 from ..registry import register_method
 from ..state import LayerContext, LayerRecord
-from .fna import FNA, FNAConfig, check_fna, exact_reason, fna_core
+from .fna import FNA, FNAConfig, check_fna, exact_reason, fna_core, prepare_fna
 from .sink_mask import NO_SINKS, SINK_MASK, SinkMaskConfig, check_sink, sink_mask_forward, sinks_of
 
 __all__ = ["FNA_SINK_MASK", "FNASinkConfig", "fna_sink_forward"]
@@ -81,6 +81,7 @@ FNA_SINK_MASK = register_method(
         make_config=_config,
         forward=fna_sink_forward,
         check=_check,
+        prepare=lambda cfg, geo, device, dtype: prepare_fna(cfg.fna, geo, device, dtype),
         causal_calls=False,
         noncausal_calls=True,
         key_padding=False,

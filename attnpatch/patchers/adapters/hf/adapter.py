@@ -375,7 +375,7 @@ class HFAdapter:
 
         Runs ``model(pixel_values=x).last_hidden_state`` (after the final norm; ``interpolate_pos_encoding=True``
         on another size than ``config.image_size`` where the forward takes it); intermediate CLS tokens are
-        the outputs of ``encoder.layer[i]`` / ``encoder.layers[i]`` through ``layernorm`` / ``post_layernorm``.
+        the outputs of ``encoder.layer[i]`` / ``encoder.layers[i]`` / ``layers[i]`` through ``layernorm`` / ``post_layernorm``.
 
         Args:
             model: a single-tower vision model (``Dinov2Model``, ``ViTModel``, ``CLIPVisionModel``, ...).
@@ -386,18 +386,29 @@ class HFAdapter:
             See :func:`~attnpatch.patchers.features.vit_features` (prefix: :meth:`feature_prefix_tokens`).
 
         Raises:
-            UnsupportedModelError: not a single-tower vision model (a dual encoder: :meth:`embed_image`), or
-                ``layers`` where the blocks are not found.
+            UnsupportedModelError: not a single-tower vision model (a dual encoder: :meth:`embed_image`), an output
+                without ``last_hidden_state`` (a classifier head), or ``layers`` where the blocks are not found.
         """
         _need_vision(model, "vision", "encode (frozen image features)", only=True)
         x = pixel_values.to(input_device(model), next(model.parameters()).dtype)
         blocks, norm = [], None
         if layers:
             enc = getattr(model, "encoder", None)
-            found = getattr(enc, "layer", None) or getattr(enc, "layers", None)
+            found = getattr(enc, "layer", None) or getattr(enc, "layers", None) or getattr(model, "layers", None)
             blocks, norm = list(found or []), getattr(model, "layernorm", None) or getattr(model, "post_layernorm", None)
+
+        def hidden():
+            out = model(pixel_values=x, **interpolate_kwargs(model, x))
+            h = getattr(out, "last_hidden_state", None)
+            if h is None:
+                raise UnsupportedModelError(
+                    f"{type(model).__name__}: its output ({type(out).__name__}) has no last_hidden_state to read image "
+                    "features from; pass the bare encoder (e.g. model.vit / model.dinov2 of a classifier)"
+                )
+            return h
+
         return vit_features(
-            model, lambda: model(pixel_values=x, **interpolate_kwargs(model, x)).last_hidden_state,
+            model, hidden,
             prefix=HFAdapter.feature_prefix_tokens(model), blocks=blocks, norm=norm, layers=tuple(layers),
         )
 
