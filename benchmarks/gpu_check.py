@@ -12,8 +12,14 @@ warm-up excluded, median of the repeats, every timer synchronising the device):
   Nyström with every token a landmark against float64 exact attention, one FNA layer against float64 given the
   same landmarks, and each FlexAttention baseline against its
   gather path and, at its exact limit, against causal SDPA; in float32 and bfloat16 (relative Frobenius errors).
+  AnchorAttention's Triton path (``kernel="triton"``) at ``theta = inf`` against float64 causal SDPA, and against
+  the PyTorch path on the same inputs (kept sets and outputs).
 * ``fna``: one FNA layer (``s = 64``, DINOv2-S geometry: 6 heads of 64, batch 1) at N = 1025 / 4097 / 16385 /
   65537 against SDPA (flash backend on CUDA): eager, and replayed from a CUDA graph; peak extra memory.
+* ``anchor``: AnchorAttention with ``kernel="triton"``, the defaults and the ``fast`` and ``paper`` presets (each with
+  ``min_len=0``, so that every length runs sparse), on ``synthetic_prefill`` inputs (SmolLM2-135M geometry: 9 query
+  heads, 3 KV heads of 64) at 8k / 32k / 64k / 128k against causal SDPA; sparsity (and recall up to 32k), peak extra
+  memory.
 * ``flex``: ``a_shape``, ``vertical_slash``, ``block_topk`` with ``kernel="flex"`` at 8k / 32k / 128k (32 query
   heads, 8 KV heads of 128), at about half of the causal pairs kept (the settings of ``benchmarks/flex_cpu.py``)
   against causal SDPA; the compile time of each length bucket; peak extra memory.
@@ -59,10 +65,13 @@ from flex_cpu import layer_calls  # noqa: E402
 SIZES = {
     "cuda": dict(dtypes=("float32", "bfloat16"), fna=(1025, 4097, 16385, 65537), s=64, fna_heads=6, fna_dim=64,
                  flex=(8192, 32768, 131072), flex_heads=32, flex_kv=8, flex_dim=128, check_n=1024, repeats=10, density_max_n=8192,
-                 flex_methods=("a_shape", "vertical_slash", "block_topk")),
+                 flex_methods=("a_shape", "vertical_slash", "block_topk"), anchor=(8192, 32768, 65536, 131072),
+                 anchor_heads=9, anchor_kv=3, anchor_dim=64, recall_max_n=32768,
+                 anchor_settings=("defaults", "fast", "paper")),
     "dry-run": dict(dtypes=("float32",), fna=(129, 257), s=16, fna_heads=2, fna_dim=16,
                     flex=(256,), flex_heads=2, flex_kv=1, flex_dim=16, check_n=256, repeats=2, density_max_n=256,
-                    flex_methods=("a_shape",)),
+                    flex_methods=("a_shape",), anchor=(512,), anchor_heads=2, anchor_kv=1, anchor_dim=16,
+                    recall_max_n=512, anchor_settings=("defaults", "paper")),
 }
 TARGETS = {"fna": {4097: 1.0, 16385: 3.0, 65537: 8.0}, "flex_at_least": 1.0}
 
@@ -121,59 +130,107 @@ def section_checks(dev: torch.device, cfg: dict) -> list[dict]:
         ok = value == value and (value <= limit if kind == "rel_err" else value >= limit)
         rows.append({"check": name, "dtype": dtype, kind: value, "limit": limit, "ok": bool(ok)})
 
-    # FPS: one Triton launch against the explicit float64 FPS (same indices; near-ties aside)
-    x = randn(2, 513, 64, seed=1, device="cpu", dtype=torch.float32)
-    ref = farthest_point_sampling_reference(x, 32, 1)
-    got = farthest_point_sampling(x.to(dev), 32, 1, kernel="triton").cpu()
-    add("fps_triton_indices_equal_float64", "float32", float((got == ref).float().mean()), 1.0, kind="agreement")
-    # the matmul-only pseudo-inverse of a landmark kernel (float32 work; on CUDA one Triton launch) against the same
-    # filter computed in float64 on the CPU from the same input values
-    for dt in cfg["dtypes"]:
-        ql = randn(1, 2, 64, 32, seed=2, device=dev, dtype=torch.float32)
-        a = torch.softmax(ql @ ql.transpose(-1, -2) * 32 ** -0.5, -1).to(getattr(torch, dt))
-        want = landmark_pinv_matmul(a.double().cpu(), rtol=1e-2, kernel="torch")
-        add("pinv_matmul_vs_float64_same_filter", dt, rel(landmark_pinv_matmul(a, rtol=1e-2), want), 1e-3)
-    # FNA: every token a landmark on a well-conditioned kernel is exact attention; and one layer (s landmarks by
-    # the device's FPS) against the same landmarks and the same pseudo-inverse filter in float64 on the CPU
-    import attnpatch.attention.nystrom as ny
+    def check_fps():
+        # FPS: one Triton launch against the explicit float64 FPS (same indices; near-ties aside)
+        x = randn(2, 513, 64, seed=1, device="cpu", dtype=torch.float32)
+        ref = farthest_point_sampling_reference(x, 32, 1)
+        got = farthest_point_sampling(x.to(dev), 32, 1, kernel="triton").cpu()
+        add("fps_triton_indices_equal_float64", "float32", float((got == ref).float().mean()), 1.0, kind="agreement")
 
-    saved = ny.MATMUL_PINV_DEVICES
-    ny.MATMUL_PINV_DEVICES = ("cuda", "cpu")  # the CUDA path's pseudo-inverse, for the CPU reference and the dry run
-    try:
+    def check_pinv():
+        # the matmul-only pseudo-inverse of a landmark kernel (float32 work; on CUDA one Triton launch) against the same
+        # filter computed in float64 on the CPU from the same input values
+        for dt in cfg["dtypes"]:
+            ql = randn(1, 2, 64, 32, seed=2, device=dev, dtype=torch.float32)
+            a = torch.softmax(ql @ ql.transpose(-1, -2) * 32 ** -0.5, -1).to(getattr(torch, dt))
+            want = landmark_pinv_matmul(a.double().cpu(), rtol=1e-2, kernel="torch")
+            add("pinv_matmul_vs_float64_same_filter", dt, rel(landmark_pinv_matmul(a, rtol=1e-2), want), 1e-3)
+
+    def check_fna():
+        # FNA: every token a landmark on a well-conditioned kernel is exact attention; and one layer (s landmarks by
+        # the device's FPS) against the same landmarks and the same pseudo-inverse filter in float64 on the CPU
+        import attnpatch.attention.nystrom as ny
+
+        saved = ny.MATMUL_PINV_DEVICES
+        ny.MATMUL_PINV_DEVICES = ("cuda", "cpu")  # the CUDA path's pseudo-inverse, for the CPU reference and the dry run
+        try:
+            for dt in cfg["dtypes"]:
+                dtype = getattr(torch, dt)
+                q = randn(1, 2, 48, 16, seed=3, device="cpu", dtype=torch.float32) * 2.0
+                v = randn(1, 2, 48, 16, seed=4, device="cpu", dtype=torch.float32)
+                want = torch.softmax(q.double() @ q.double().transpose(-1, -2) * 0.25, -1) @ v.double()
+                got = ny.nystrom_attention(q.to(dev, dtype), q.to(dev, dtype), v.to(dev, dtype), torch.arange(48, device=dev)[None],
+                                           scale=0.25)
+                add("nystrom_all_landmarks_vs_float64_exact", dt, rel(got, want), 2e-2 if dt != "float32" else 1e-4)
+                n = cfg["check_n"] + 1
+                q, k, v = (randn(1, 2, n, 32, seed=s, device=dev, dtype=dtype) for s in (5, 6, 7))
+                lm = farthest_point_sampling(k.transpose(1, 2).reshape(1, n, 64), cfg["s"], 1)
+                got = ny.nystrom_attention(q, k, v, lm, scale=32 ** -0.5)
+                want = ny.nystrom_attention(q.double().cpu(), k.double().cpu(), v.double().cpu(), lm.cpu(), scale=32 ** -0.5)
+                add("fna_layer_vs_float64_same_landmarks", dt, rel(got, want), 3e-2 if dt != "float32" else 1e-3)
+        finally:
+            ny.MATMUL_PINV_DEVICES = saved
+
+    def check_flex():
+        # FlexAttention baselines: flex against gather, and at the exact limit against causal SDPA (float64 on the CPU)
+        n = cfg["check_n"]
         for dt in cfg["dtypes"]:
             dtype = getattr(torch, dt)
-            q = randn(1, 2, 48, 16, seed=3, device="cpu", dtype=torch.float32) * 2.0
-            v = randn(1, 2, 48, 16, seed=4, device="cpu", dtype=torch.float32)
-            want = torch.softmax(q.double() @ q.double().transpose(-1, -2) * 0.25, -1) @ v.double()
-            got = ny.nystrom_attention(q.to(dev, dtype), q.to(dev, dtype), v.to(dev, dtype), torch.arange(48, device=dev)[None],
-                                       scale=0.25)
-            add("nystrom_all_landmarks_vs_float64_exact", dt, rel(got, want), 2e-2 if dt != "float32" else 1e-4)
-            n = cfg["check_n"] + 1
-            q, k, v = (randn(1, 2, n, 32, seed=s, device=dev, dtype=dtype) for s in (5, 6, 7))
-            lm = farthest_point_sampling(k.transpose(1, 2).reshape(1, n, 64), cfg["s"], 1)
-            got = ny.nystrom_attention(q, k, v, lm, scale=32 ** -0.5)
-            want = ny.nystrom_attention(q.double().cpu(), k.double().cpu(), v.double().cpu(), lm.cpu(), scale=32 ** -0.5)
-            add("fna_layer_vs_float64_same_landmarks", dt, rel(got, want), 3e-2 if dt != "float32" else 1e-3)
-    finally:
-        ny.MATMUL_PINV_DEVICES = saved
-    # FlexAttention baselines: flex against gather, and at the exact limit against causal SDPA (float64 on the CPU)
-    n = cfg["check_n"]
+            q = randn(1, 4, n, 32, seed=6, device=dev, dtype=dtype)
+            k, v = (randn(1, 2, n, 32, seed=s, device=dev, dtype=dtype) for s in (7, 8))
+            scale = 32 ** -0.5
+            want = torch.nn.functional.scaled_dot_product_attention(
+                q.double().cpu(), k.double().cpu(), v.double().cpu(), is_causal=True, scale=scale, enable_gqa=True)
+            for method in ("a_shape", "vertical_slash", "block_topk"):
+                gather, _ = layer_calls(method, n, q, k, v, scale, "gather")
+                flex, _ = layer_calls(method, n, q, k, v, scale, "flex")
+                add(f"{method}_flex_vs_gather", dt, rel(flex(), gather().float()), 2e-2 if dt != "float32" else 1e-4)
+            from attnpatch.attention.streaming import a_shape_attention
+
+            limit = a_shape_attention(q, k, v, init_tokens=0, window=n, scale=scale, kernel="flex")[0]
+            add("a_shape_flex_exact_limit_vs_float64_sdpa", dt, rel(limit, want), 2e-2 if dt != "float32" else 1e-4)
+
+    for group in (check_fps, check_pinv, check_fna, check_flex, lambda: anchor_checks(dev, cfg, add)):
+        try:
+            group()
+        except Exception as err:  # noqa: BLE001 - recorded as a failed check; the other groups still run
+            name = getattr(group, "__name__", "check_anchor").replace("<lambda>", "check_anchor")
+            rows.append({"check": name, "dtype": "-", "error": f"{type(err).__name__}: {str(err)[:300]}", "limit": None,
+                         "ok": False})
+    return rows
+
+
+def anchor_checks(dev: torch.device, cfg: dict, add) -> None:
+    """AnchorAttention's Triton path on the device: the kernels at ``theta = inf`` (every causal key kept) against
+    float64 causal SDPA; and at a finite threshold against the PyTorch path on the same inputs: the share of equal
+    kept (block, key) bits, and the outputs."""
+    import math
+
+    from attnpatch.attention.anchor import AnchorConfig, anchor_attention
+    from attnpatch.attention.anchor.select import call_geometry, select_kept
+    from attnpatch.attention.anchor.triton_attend import attend_bits
+    from attnpatch.attention.anchor.triton_select import select_bits, unpack_bits
+
+    n, scale = cfg["check_n"], 32 ** -0.5
+    opts = dict(block_size=64, init_block=64, local_window=64, min_len=0, dense_last=32, min_recall=0.0, pool_stride=8)
     for dt in cfg["dtypes"]:
         dtype = getattr(torch, dt)
-        q = randn(1, 4, n, 32, seed=6, device=dev, dtype=dtype)
-        k, v = (randn(1, 2, n, 32, seed=s, device=dev, dtype=dtype) for s in (7, 8))
-        scale = 32 ** -0.5
+        q = randn(1, 4, n, 32, seed=20, device=dev, dtype=dtype)
+        k, v = (randn(1, 2, n, 32, seed=s, device=dev, dtype=dtype) for s in (21, 22))
+        every = AnchorConfig(**opts, theta=math.inf, kernel="triton")
+        geo = call_geometry(q, k, every, 0, None)
+        out = attend_bits(q, k, v, select_bits(q, k, every, scale, geo), geo, every, scale)
         want = torch.nn.functional.scaled_dot_product_attention(
             q.double().cpu(), k.double().cpu(), v.double().cpu(), is_causal=True, scale=scale, enable_gqa=True)
-        for method in ("a_shape", "vertical_slash", "block_topk"):
-            gather, _ = layer_calls(method, n, q, k, v, scale, "gather")
-            flex, _ = layer_calls(method, n, q, k, v, scale, "flex")
-            add(f"{method}_flex_vs_gather", dt, rel(flex(), gather().float()), 2e-2 if dt != "float32" else 1e-4)
-        from attnpatch.attention.streaming import a_shape_attention
-
-        limit = a_shape_attention(q, k, v, init_tokens=0, window=n, scale=scale, kernel="flex")[0]
-        add("a_shape_flex_exact_limit_vs_float64_sdpa", dt, rel(limit, want), 2e-2 if dt != "float32" else 1e-4)
-    return rows
+        add("anchor_triton_theta_inf_vs_float64_sdpa", dt, rel(out, want), 2e-2 if dt != "float32" else 1e-4)
+        sparse = AnchorConfig(**opts, theta=2.5, kernel="triton")
+        torch_cfg = AnchorConfig(**opts, theta=2.5, kernel="torch")
+        kept = unpack_bits(select_bits(q, k, sparse, scale, geo), n)
+        add("anchor_triton_kept_set_equals_torch", dt,
+            float((kept == select_kept(q, k, torch_cfg, scale, geo)).float().mean()), 0.999, kind="agreement")
+        got = anchor_attention(q, k, v, sparse, scale=scale)[0]
+        ref = anchor_attention(q.float(), k.float(), v.float(), torch_cfg, scale=scale)[0]
+        add("anchor_triton_vs_torch_path", dt, rel(got, ref), 2e-2 if dt != "float32" else 1e-4)
 
 
 def section_fna(dev: torch.device, cfg: dict, dtype: torch.dtype, deadline: float) -> list[dict]:
@@ -223,16 +280,17 @@ def section_flex(dev: torch.device, cfg: dict, dtype: torch.dtype, deadline: flo
         q = randn(1, h, n, d, seed=10, device=dev, dtype=dtype)
         k, v = (randn(1, hkv, n, d, seed=s, device=dev, dtype=dtype) for s in (11, 12))
 
-        def sdpa(q=q, k=k, v=v):
-            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
-                                                                    enable_gqa=h != hkv)
+        def sdpa(q=q, k=k, v=v):  # the baseline alone is held to the flash backend (the methods use masks)
+            with sdpa_context(dev):
+                return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                                                        enable_gqa=h != hkv)
 
         for method in cfg["flex_methods"]:
             if time.perf_counter() > deadline:
                 rows.append({"method": method, "N": n, "skipped": "budget"})
                 continue
             try:
-                with torch.no_grad(), sdpa_context(dev):
+                with torch.no_grad():
                     flex, density = layer_calls(method, n, q, k, v, scale, "flex")
                     with Stopwatch(dev) as first:
                         flex()  # compiles this length bucket
@@ -251,6 +309,70 @@ def section_flex(dev: torch.device, cfg: dict, dtype: torch.dtype, deadline: flo
             rows.append(row)
             print(f"{method} N={n}: sdpa {row['sdpa_ms']:.3f} ms, flex {row['flex_ms']:.3f} ms ({row['speedup']:.2f}x), "
                   f"compile {row['compile_s']:.1f} s", flush=True)
+        del q, k, v
+    return rows
+
+
+def anchor_settings(names) -> dict:
+    """``{name: AnchorConfig}``: the defaults and the named presets of the method file, each with ``min_len=0`` (sparse
+    at every length) and ``kernel="triton"``."""
+    from attnpatch.attention.anchor import AnchorConfig
+    from attnpatch.patchers.methods.anchor_attention import PRESETS
+
+    out = {}
+    for name in names:
+        options = {} if name == "defaults" else dict(PRESETS[name].options)
+        out[name] = AnchorConfig(**{**options, "min_len": 0, "kernel": "triton"})
+    return out
+
+
+def section_anchor(dev: torch.device, cfg: dict, dtype: torch.dtype, deadline: float) -> list[dict]:
+    from attnpatch.attention.anchor import anchor_attention
+    from attnpatch.patchers.methods.anchor_attention import synthetic_prefill
+
+    rows = []
+    h, hkv, d = cfg["anchor_heads"], cfg["anchor_kv"], cfg["anchor_dim"]
+    scale = d ** -0.5
+    settings = anchor_settings(cfg["anchor_settings"])
+    for n in cfg["anchor"]:
+        q, k, v = synthetic_prefill(n, h, hkv, d, dtype=dtype, device=dev)
+
+        def sdpa(q=q, k=k, v=v):  # the baseline alone is held to the flash backend (the method's dense parts use masks)
+            with sdpa_context(dev):
+                return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                                                        enable_gqa=h != hkv)
+
+        for name, acfg in settings.items():
+            if time.perf_counter() > deadline:
+                rows.append({"setting": name, "N": n, "skipped": "budget"})
+                continue
+            try:
+                with torch.no_grad():
+                    def anchor(q=q, k=k, v=v, acfg=acfg):
+                        return anchor_attention(q, k, v, acfg, scale=scale)[0]
+
+                    with Stopwatch(dev) as first:
+                        anchor()  # compiles the kernels' variants for this setting
+                    t = medians({"sdpa": sdpa, "anchor": anchor}, dev, cfg["repeats"])
+                    recall = n <= cfg["recall_max_n"]
+                    _, st = anchor_attention(q, k, v, acfg, scale=scale, return_stats=True, compute_recall=recall)
+                    row = {"setting": name, "N": n, "sdpa_ms": t["sdpa"] * 1e3, "anchor_ms": t["anchor"] * 1e3,
+                           "speedup": t["sdpa"] / t["anchor"], "first_call_s": first.seconds,
+                           "sparsity": float(1.0 - st.kept_pairs.sum() / st.causal_pairs.sum().clamp(min=1)),
+                           "recall": float(st.recall.mean()) if recall else None,
+                           "recall_min_head": float(st.recall.min()) if recall else None,
+                           "peak_extra_anchor": peak_extra(anchor, dev), "peak_extra_sdpa": peak_extra(sdpa, dev)}
+            except Exception as err:  # noqa: BLE001 - e.g. out of memory at 128k: recorded, the next row still runs
+                row = {"setting": name, "N": n, "error": f"{type(err).__name__}: {str(err)[:300]}"}
+                print(f"anchor {name} N={n}: {row['error']}", flush=True)
+                if dev.type == "cuda":
+                    torch.cuda.empty_cache()
+                rows.append(row)
+                continue
+            rows.append(row)
+            print(f"anchor {name} N={n}: sdpa {row['sdpa_ms']:.3f} ms, anchor {row['anchor_ms']:.3f} ms "
+                  f"({row['speedup']:.2f}x), sparsity {row['sparsity']:.3f}"
+                  + (f", recall {row['recall']:.4f}" if row["recall"] is not None else ""), flush=True)
         del q, k, v
     return rows
 
@@ -306,8 +428,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "cuda"), help="folder of gpu_check.json")
     ap.add_argument("--dry-run", action="store_true", help="on the CPU: Triton interpreter, tiny sizes, float32")
     ap.add_argument("--budget", type=float, default=420.0, help="seconds; sections past it are skipped (default 420)")
-    ap.add_argument("--sections", nargs="+", default=["checks", "fna", "break_even", "flex"],
-                    choices=["checks", "fna", "break_even", "flex"])
+    ap.add_argument("--sections", nargs="+", default=["checks", "fna", "break_even", "anchor", "flex"],
+                    choices=["checks", "fna", "break_even", "anchor", "flex"])
     args = ap.parse_args(argv)
     if not args.dry_run and not torch.cuda.is_available():
         print("gpu_check: no CUDA device here; run with --dry-run on the CPU", file=sys.stderr)
@@ -324,6 +446,7 @@ def main(argv=None) -> int:
     sections = {
         "checks": lambda: section_checks(dev, cfg),
         "fna": lambda: section_fna(dev, cfg, dtype, deadline),
+        "anchor": lambda: section_anchor(dev, cfg, dtype, deadline),
         "flex": lambda: section_flex(dev, cfg, dtype, deadline),
         "break_even": lambda: section_break_even(dev, cfg, dtype),
     }
@@ -347,8 +470,9 @@ def main(argv=None) -> int:
     if isinstance(checks, list):
         bad = [c for c in checks if not c["ok"]]
         for c in checks:
-            print(f"check {c['check']} [{c['dtype']}]: {c.get('rel_err', c.get('agreement')):.2e} "
-                  f"({'ok' if c['ok'] else 'FAILED'}, limit {c['limit']})")
+            value = c.get("rel_err", c.get("agreement"))
+            print(f"check {c['check']} [{c['dtype']}]: " + (c["error"] if "error" in c else f"{value:.2e}")
+                  + f" ({'ok' if c['ok'] else 'FAILED'}, limit {c['limit']})")
         status = status or (1 if bad else 0)
     print(f"gpu_check: wrote {out / 'gpu_check.json'} ({'dry run' if args.dry_run else result['machine']['cuda']}); "
           f"flex fallbacks {FLEX_STATS['fallbacks']}; exit {status}")

@@ -259,20 +259,22 @@ def _table(header: list[str], rows: list[list]) -> list[str]:
 
 
 def gpu_check_tables(r: dict) -> list[str]:
-    """The tables of ``benchmarks/gpu_check.py``'s ``gpu_check.json``: exactness checks, FNA and the FlexAttention
-    baselines against SDPA (flash), and the calibrated break-even lengths; a section that failed shows its error."""
+    """The tables of ``benchmarks/gpu_check.py``'s ``gpu_check.json``: exactness checks, FNA, AnchorAttention's Triton
+    path and the FlexAttention baselines against SDPA (flash), and the calibrated break-even lengths; a section that
+    failed shows its error."""
     m = r["machine"]
     out = ["### GPU check (`benchmarks/gpu_check.py`)", "",
            f"*Measured {r['date']} on {m.get('cuda') or m.get('cpu')}; torch {m['torch']}, triton {m.get('triton')}, "
            f"transformers {m['transformers']}, Python {m['python']}; {r['dtype']}; SDPA restricted to the flash backend.*", ""]
-    for name in ("checks", "fna", "break_even", "flex"):
+    for name in ("checks", "fna", "break_even", "anchor", "flex"):
         sec = r.get(name)
         if isinstance(sec, dict) and "error" in sec:
             out += [f"`{name}` failed: `{sec['error']}`", ""]
     if isinstance(r.get("checks"), list):
-        out += ["Exactness on the device (relative Frobenius error against float64; FPS: share of equal landmark indices):", ""]
+        out += ["Exactness on the device (relative Frobenius error against float64; FPS: share of equal landmark indices; "
+                "AnchorAttention's kept set: share of equal kept bits):", ""]
         out += _table(["check", "dtype", "value", "limit", "ok"],
-                      [[c["check"], c["dtype"], _cell(c.get("rel_err", c.get("agreement")), "{:.2e}"), _cell(c["limit"], "{:g}"),
+                      [[c["check"], c["dtype"], (c["error"][:80] if "error" in c else _cell(c.get("rel_err", c.get("agreement")), "{:.2e}")), _cell(c["limit"], "{:g}"),
                         "yes" if c["ok"] else "**no**"] for c in r["checks"]])
     if isinstance(r.get("fna"), list):
         out += ["FNA `s = 64`, one layer (batch 1, 6 heads of 64), against SDPA; `graph`: the same layer replayed from a "
@@ -290,6 +292,20 @@ def gpu_check_tables(r: dict) -> list[str]:
                       [[b["method"], f"{b['heads']} / {b['kv_heads']} × {b['head_dim']}", b["dtype"],
                         "never" if b["tokens"] is None else str(b["tokens"]), b["source"],
                         ", ".join(f"{t[0]}: {t[2] / t[1]:.2f}x" for t in b.get("timings", []))] for b in r["break_even"]])
+    if isinstance(r.get("anchor"), list):
+        out += ["AnchorAttention with `kernel=\"triton\"` (the defaults and the `fast` and `paper` presets, each with "
+                "`min_len=0`) on the synthetic prefill input (9 query heads, 3 KV heads of 64) against causal SDPA; "
+                "`first call`: the first call of the setting (Triton compilation included); recall: the exact softmax "
+                "mass on the kept keys, mean over heads (and the lowest head), where measured.", ""]
+        out += _table(["setting", "N", "sparsity", "recall (min head)", "SDPA ms", "anchor ms", "vs SDPA", "first call s",
+                       "peak extra (MiB)"],
+                      [[x["setting"], str(x["N"]), _cell(x.get("sparsity")),
+                        "–" if x.get("recall") is None else f"{x['recall']:.4f} ({x['recall_min_head']:.4f})",
+                        _cell(x.get("sdpa_ms")), _cell(x.get("anchor_ms")),
+                        _cell(x.get("speedup"), "{:.2f}x") if "error" not in x else f"error: {x['error'][:60]}",
+                        _cell(x.get("first_call_s"), "{:.1f}"),
+                        _cell(None if x.get("peak_extra_anchor") is None else x["peak_extra_anchor"] / 2**20, "{:.1f}")]
+                       for x in r["anchor"] if "skipped" not in x])
     if isinstance(r.get("flex"), list):
         out += ["The block-sparse baselines with `kernel=\"flex\"` (32 heads, 8 KV heads of 128; about half of the causal "
                 "pairs kept) against causal SDPA; `compile`: the first call of the length bucket.", ""]

@@ -23,12 +23,18 @@ def test_gpu_check_dry_run_and_its_tables(tmp_path):
     assert set(checks) == {"fps_triton_indices_equal_float64", "pinv_matmul_vs_float64_same_filter",
                            "nystrom_all_landmarks_vs_float64_exact", "fna_layer_vs_float64_same_landmarks",
                            "a_shape_flex_vs_gather", "vertical_slash_flex_vs_gather", "block_topk_flex_vs_gather",
-                           "a_shape_flex_exact_limit_vs_float64_sdpa"}
+                           "a_shape_flex_exact_limit_vs_float64_sdpa", "anchor_triton_theta_inf_vs_float64_sdpa",
+                           "anchor_triton_kept_set_equals_torch", "anchor_triton_vs_torch_path"}
     assert all(c["ok"] for c in checks.values())
     assert checks["fna_layer_vs_float64_same_landmarks"]["rel_err"] < 1e-3
     assert [x["N"] for x in r["fna"]] == [129, 257] and all(x["fna_ms"] > 0 and x["sdpa_ms"] > 0 for x in r["fna"])
     assert [(x["method"], x["N"]) for x in r["flex"]] == [("a_shape", 256)] and r["flex"][0]["flex_ms"] > 0
     assert r["flex_stats"]["fallbacks"] == 0
+    assert checks["anchor_triton_kept_set_equals_torch"]["agreement"] == 1.0
+    assert [(x["setting"], x["N"]) for x in r["anchor"]] == [("defaults", 512), ("paper", 512)]
+    assert all(x["anchor_ms"] > 0 and 0.0 <= x["sparsity"] < 1.0 and x["recall"] is not None for x in r["anchor"])
+    assert r["anchor"][1]["sparsity"] > 0.1  # the paper's setting (no dense tail, no guard) runs sparse
+    assert list(r["seconds"]) == ["checks", "fna", "break_even", "anchor", "flex"]
     assert [b["method"] for b in r["break_even"]] == ["fna", "anchor_attention", "anchor_attention"]
     assert all(b["source"] == "calibrated" and b["timings"] for b in r["break_even"])
     assert "gpu_check: wrote" in proc.stdout
@@ -40,4 +46,5 @@ def test_gpu_check_dry_run_and_its_tables(tmp_path):
         sys.path.remove(str(ROOT / "benchmarks"))
     text = "\n".join(make_benchmarks.gpu_check_tables(r))
     assert "| fna_layer_vs_float64_same_landmarks | float32 |" in text
+    assert "| paper | 512 |" in text and "AnchorAttention with `kernel=\"triton\"`" in text
     assert "| 257 |" in text and "| a_shape | 256 |" in text and "| fna | 6 / 6 × 64 | float32 |" in text

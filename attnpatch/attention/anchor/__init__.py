@@ -28,7 +28,9 @@ per query block from earlier probes only (``guard="causal"``) or once per prompt
 Modules (each re-exported here): :mod:`.config` (:class:`AnchorConfig`, :class:`AnchorStats`),
 :mod:`.select` (geometry and stripe selection), :mod:`.attend` (attention over kept stripes, dense
 causal attention), :mod:`.guard` (the recall guard), :mod:`.core` (:func:`anchor_attention`),
-:mod:`.reference` (the float64 reference), :mod:`.tiles` (tile sizes of the fast paths).
+:mod:`.reference` (the float64 reference), :mod:`.tiles` (tile sizes of the fast paths), :mod:`.triton_select` and
+:mod:`.triton_attend` (the Triton path on CUDA: selection into a bitmask on the device, attention over it, the
+guard's probes and the statistics; ``kernel="triton"``, or ``"auto"`` on CUDA).
 """
 
 from __future__ import annotations

@@ -102,7 +102,7 @@ def compiled_kernel(q: torch.Tensor, geo: CallGeometry, cfg: AnchorConfig):
             or padding inside the keys).
         RuntimeError: ``kernel="compiled"`` where the kernel cannot be built (the message says why).
     """
-    if cfg.kernel == "torch":
+    if cfg.kernel in ("torch", "triton"):
         return None
     fits = q.device.type == "cpu" and q.dtype == torch.float32 and bool(geo.key_valid.all())
     if cfg.kernel == "auto":

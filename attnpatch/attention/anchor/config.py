@@ -13,7 +13,7 @@ import torch
 from ...errors import OptionError
 from ...options import check_fields, opt
 
-_KERNELS = ("auto", "compiled", "torch")
+_KERNELS = ("auto", "compiled", "torch", "triton")
 _GUARDS = ("global", "causal")
 _SELECT_DTYPES = ("float32", "bfloat16", "auto")
 _LAYERS = "name model layers"  # why dense_layers / dense_heads do not apply to a one-layer benchmark
@@ -120,12 +120,17 @@ class AnchorConfig:
             them it is emulated and many times slower.  ``"auto"``: ``"bfloat16"`` where
             :func:`bfloat16_is_faster` measures it faster on the input's device type, else ``"float32"``.
             The anchors, the recall guard and the attention itself stay in the input precision.
-        kernel: how the attention over kept stripes runs.  ``"auto"``: the compiled CPU kernel
-            (:mod:`attnpatch.attention.cpu_kernel`, built on first use) for float32 CPU tensors without
-            padding inside the keys when it can be built here, else PyTorch operations;
+        kernel: how the selection and the attention over kept stripes run.  ``"auto"``: on CUDA tensors
+            (float32, float16, bfloat16) the Triton kernels where Triton is installed
+            (:mod:`.triton_select`, :mod:`.triton_attend`: selection into a bitmask and attention over it on
+            the device, the recall guard's probes and the statistics from the same bitmask); on the CPU the
+            compiled CPU kernel (:mod:`attnpatch.attention.cpu_kernel`, built on first use) for float32
+            tensors without padding inside the keys when it can be built here, else PyTorch operations;
             ``"compiled"``: the compiled kernel, an error where it cannot run; ``"torch"``: PyTorch
-            operations only.  All three give the same result up to float rounding (through a whole
-            model with ``select_dtype="bfloat16"``, such a rounding difference in one layer can flip
+            operations only; ``"triton"``: the Triton kernels, an error where they cannot run (CPU tensors
+            only under the Triton interpreter, ``TRITON_INTERPRET=1``).  All give the same kept keys and the
+            same result up to float rounding (a stripe at the threshold within rounding may flip; through a
+            whole model with ``select_dtype="bfloat16"``, such a rounding difference in one layer can flip
             a stripe that sits at the threshold in a later one).
 
     Which outputs depend on which tokens.  Positions count from the call's first query (a
@@ -149,7 +154,7 @@ class AnchorConfig:
       appending tokens makes queries that were dense sparse.
     * ``min_len``: a call with fewer queries runs dense: appending tokens past ``min_len`` makes
       the blocks that do not keep every causal key sparse.
-    * ``kernel``: the compiled kernel computes each query block on its own; the PyTorch path
+    * ``kernel``: the compiled kernel and the Triton kernels compute each query block on its own; the PyTorch path
       processes blocks in buckets sorted by kept count, so a later block can change an earlier
       block's float rounding (about 1e-7), never its kept keys.
 
@@ -221,8 +226,9 @@ class AnchorConfig:
         "emulated and slow elsewhere; auto: bfloat16 where measured faster than float32 on this machine)",
         choices=_SELECT_DTYPES))
     kernel: str = field(default="auto", metadata=opt(
-        "str", "attention over kept stripes: auto = the compiled CPU kernel for float32 where it builds, else PyTorch "
-        "operations", choices=_KERNELS))
+        "str", "selection and attention over kept stripes: auto = Triton kernels on CUDA, the compiled CPU kernel for "
+        "float32 where it builds, else PyTorch operations; triton = the Triton kernels (CUDA, or the CPU under "
+        "TRITON_INTERPRET=1)", choices=_KERNELS))
 
     def __post_init__(self) -> None:
         check_fields(self)  # each field's type and range, as declared above

@@ -14,6 +14,8 @@ from .attend import compiled_kernel, dense_causal_attention, dense_heads_attenti
 from .config import AnchorConfig, AnchorStats
 from .guard import causal_guard, kept_mass, probe_recall
 from .select import call_geometry, causal_keys, select_kept
+from .triton_attend import attend_bits, triton_guard, triton_stats
+from .triton_select import select_bits, use_triton
 
 __all__ = ["anchor_attention", "anchor_per_sequence"]
 
@@ -40,6 +42,11 @@ def anchor_attention(
     K/V never repeated or copied whole); other inputs gather, per (batch, head, query block), the
     kept keys padded to the largest kept set of a bucket of blocks sorted by kept count, and run
     batched fused attention.  There is no Python loop over queries or heads (see ``sparse_attend``).
+    On CUDA (``kernel="auto"`` or ``"triton"``) the selection, the attention over the kept keys (the ``dense_last``
+    rows and the blocks the recall guard makes dense included) and the guard's probes run as Triton kernels
+    (:mod:`.triton_select`, :mod:`.triton_attend`): the kept keys stay on the device as a bitmask, with no host
+    synchronisation between selection and attention (the guard's decision and the statistics read the bitmask
+    through PyTorch operations, which synchronise where they branch on a result).
 
     Speed and recall of the defaults and of faster settings, against causal SDPA on captured inputs:
     BENCHMARKS.md.  Heads the global recall
@@ -68,10 +75,12 @@ def anchor_attention(
             unlike ``k``, ``H`` not a multiple of ``Hkv``, ``q_offset < 0`` or ``Lk < q_offset + Lq``,
             ``key_valid`` not bool ``[B, Lk]``, a scale that is not a positive finite number.
         OptionError: a ``dense_heads`` index outside ``0..H-1``; ``kernel="compiled"`` for inputs
-            it does not take.
+            it does not take; ``kernel="triton"`` where Triton cannot run (no Triton, float64, a CPU tensor
+            outside the Triton interpreter).
         RuntimeError: ``kernel="compiled"`` where the compiled kernel cannot be built.
     """
     check_inputs(q, k, v, scale, q_offset, key_valid)
+    triton_path = use_triton(cfg, q)  # raises for kernel="triton" where it cannot run
     b, h, lq, d = q.shape
     hkv = k.shape[1]
     want_stats = return_stats or compute_recall
@@ -102,7 +111,53 @@ def anchor_attention(
         qh, kh, vh = q.index_select(1, sidx), k.index_select(1, sidx // g), v.index_select(1, sidx // g)
     else:
         qh, kh, vh = q, k, v
-    keep = select_kept(qh, kh, cfg, scale, geo)
+    if triton_path:  # selection into a bitmask, guard probes and attention (dense_last rows included) on the device
+        bits = select_bits(qh, kh, cfg, scale, geo)  # [B, Hs, nb, ceil(Lk / 32)] int32
+        low = triton_guard(qh, kh, bits, geo, cfg, scale, ls)
+        o = attend_bits(qh, kh, vh, bits, geo, cfg, scale, dense_from=ls, dense_blocks=low)
+    else:
+        keep = select_kept(qh, kh, cfg, scale, geo)
+        low, o = _guarded_attend(qh, kh, vh, keep, geo, cfg, scale, ls, q_offset, key_valid)
+    if dense_set:
+        configured = torch.zeros(h, dtype=torch.bool, device=q.device)
+        configured[dense_set] = True
+        out = dense_heads_attention(q, k, v, configured, scale, q_offset, key_valid)
+        out[:, sidx] = o
+    else:
+        out = o
+    if n_dense and not triton_path:
+        out[:, :, ls:] = dense_causal_attention(
+            q[:, :, ls:], k, v, scale=scale, q_offset=q_offset + ls, key_valid=key_valid
+        )
+    if not want_stats:
+        return out, None
+    if triton_path:
+        causal = pair_counts(None, geo, cfg)[0]
+        kept_s, cols, r = triton_stats(qh, kh, bits, low, geo, cfg, scale, ls, compute_recall)
+    else:
+        if low is not None:  # guarded blocks kept every causal key
+            keep = torch.where(low[..., None], causal_keys(geo)[:, None], keep)
+        causal, kept_s = pair_counts(keep, geo, cfg, dense_from=ls)
+        cols = keep.sum(-1)
+        r = kept_mass(qh, kh, keep, geo, cfg, scale) if compute_recall else None  # [B, Hs, Lq]
+    causal = causal.expand(b, h).clone()
+    kept = causal.clone()
+    kept[:, sparse_heads] = kept_s
+    kept_cols = torch.full((b, h, geo.nb), -1, dtype=torch.long, device=q.device)
+    kept_cols[:, sparse_heads] = cols
+    stats = AnchorStats(causal, kept, kept_cols)
+    if compute_recall:
+        r[:, :, ls:] = 1.0
+        qv = geo.query_valid[:, :lq].double()
+        recall = torch.ones(b, h, dtype=torch.float64, device=q.device)
+        recall[:, sparse_heads] = (r * qv[:, None]).sum(-1) / qv.sum(-1).clamp(min=1)[:, None]
+        stats.recall = recall
+    return out, stats
+
+
+def _guarded_attend(qh, kh, vh, keep, geo, cfg: AnchorConfig, scale: float, ls: int, q_offset: int, key_valid):
+    """The PyTorch / compiled path's recall guard and attention over the kept keys ``keep`` of the sparse heads:
+    ``(low, o)``, ``low`` ``[B, Hs, nb]`` bool (the blocks the guard made dense) or ``None``."""
     low = None  # [B, Hs, nb] bool: the (sequence, head, query block) triples the recall guard makes dense
     if cfg.min_recall > 0 and cfg.guard == "global":  # heads that lose too much mass on the probe blocks
         heads_low = probe_recall(qh, kh, keep, geo, cfg, scale, ls) < cfg.min_recall  # [B, Hs]
@@ -126,37 +181,7 @@ def anchor_attention(
                 rows = low.repeat_interleave(cfg.block_size, -1)[:, :, r0:ls, None]
                 dense = dense_rows_attention(qh, kh, vh, low.any(-1).any(0), scale, geo, r0, ls)
                 o[:, :, r0:ls] = torch.where(rows, dense, o[:, :, r0:ls])
-    if dense_set:
-        configured = torch.zeros(h, dtype=torch.bool, device=q.device)
-        configured[dense_set] = True
-        out = dense_heads_attention(q, k, v, configured, scale, q_offset, key_valid)
-        out[:, sidx] = o
-    else:
-        out = o
-    if n_dense:
-        out[:, :, ls:] = dense_causal_attention(
-            q[:, :, ls:], k, v, scale=scale, q_offset=q_offset + ls, key_valid=key_valid
-        )
-    if not want_stats:
-        return out, None
-    if low is not None:  # guarded blocks kept every causal key
-        keep = torch.where(low[..., None], causal_keys(geo)[:, None], keep)
-    causal, kept_s = pair_counts(keep, geo, cfg, dense_from=ls)
-    causal = causal.expand(b, h).clone()
-    kept = causal.clone()
-    kept[:, sparse_heads] = kept_s
-    kept_cols = torch.full((b, h, geo.nb), -1, dtype=torch.long, device=q.device)
-    kept_cols[:, sparse_heads] = keep.sum(-1)
-    stats = AnchorStats(causal, kept, kept_cols)
-    if compute_recall:
-        r = kept_mass(qh, kh, keep, geo, cfg, scale)  # [B, Hs, Lq]
-        r[:, :, ls:] = 1.0
-        qv = geo.query_valid[:, :lq].double()
-        recall = torch.ones(b, h, dtype=torch.float64, device=q.device)
-        recall[:, sparse_heads] = (r * qv[:, None]).sum(-1) / qv.sum(-1).clamp(min=1)[:, None]
-        stats.recall = recall
-    return out, stats
-
+    return low, o
 
 
 def anchor_per_sequence(fn, q, k, v, cfg, ranges, *, scale, q_offset, key_valid, dense_heads, return_stats, compute_recall):

@@ -106,15 +106,19 @@ def _probe_masses(q, k, keep, geo: CallGeometry, cfg: AnchorConfig, scale: float
     return (_block_mass(qpad, kf, keep, geo, cfg, scale, blk, blk + 1) for blk in blocks)
 
 
-def probe_recall(q, k, keep, geo: CallGeometry, cfg: AnchorConfig, scale: float, n_sparse: int) -> torch.Tensor:
+def probe_recall(q, k, keep, geo: CallGeometry, cfg: AnchorConfig, scale: float, n_sparse: int, *,
+                 masses=None) -> torch.Tensor:
     """``[B, H]`` exact softmax mass on the kept keys, averaged over the valid sparse queries of the probe blocks
-    (the global recall guard, ``guard="global"``)."""
+    (the global recall guard, ``guard="global"``).  ``masses``: the probe blocks' masses computed elsewhere (one
+    ``[B, H, block_size]`` tensor per block of :func:`probe_blocks`, the Triton path), ``keep`` then unused."""
     b, h = q.shape[:2]
     bq = cfg.block_size
     blocks = probe_blocks(cfg, n_sparse)
     tot = torch.zeros(b, h, dtype=torch.float64, device=q.device)
     cnt = torch.zeros(b, dtype=torch.float64, device=q.device)
-    for blk, mass in zip(blocks, _probe_masses(q, k, keep, geo, cfg, scale, blocks)):
+    if masses is None:
+        masses = _probe_masses(q, k, keep, geo, cfg, scale, blocks)
+    for blk, mass in zip(blocks, masses):
         r0 = blk * bq
         rows = torch.arange(r0, r0 + bq, device=q.device) < n_sparse  # queries after n_sparse attend densely
         qv = (geo.query_valid[:, r0 : r0 + bq] & rows).double()
@@ -123,7 +127,8 @@ def probe_recall(q, k, keep, geo: CallGeometry, cfg: AnchorConfig, scale: float,
     return tot / cnt.clamp(min=1)[:, None]
 
 
-def causal_guard(q, k, keep, geo: CallGeometry, cfg: AnchorConfig, scale: float) -> torch.Tensor | None:
+def causal_guard(q, k, keep, geo: CallGeometry, cfg: AnchorConfig, scale: float, *,
+                 masses=None) -> torch.Tensor | None:
     """``[B, H, nb]`` bool: the query blocks that the causal recall guard (``guard="causal"``) makes dense, or
     ``None`` when it makes none dense.
 
@@ -133,7 +138,8 @@ def causal_guard(q, k, keep, geo: CallGeometry, cfg: AnchorConfig, scale: float)
     recall of the probes ``p_1 < ... < p_m <= j`` is below ``min_recall``, probe ``p_i`` weighted by the
     blocks it stands for up to ``j`` (``p_{i+1} - p_i``, and ``j + 1 - p_m`` for the last): an estimate of
     the mean recall of blocks ``f .. j``.  Block ``j``'s decision therefore reads keys and queries at or
-    before block ``j``'s last query only.
+    before block ``j``'s last query only.  ``masses``: the probe blocks' masses computed elsewhere (one
+    ``[B, H, block_size]`` tensor per block of :func:`causal_probe_blocks`, the Triton path), ``keep`` then unused.
     """
     b, h = q.shape[:2]
     bq, nb = cfg.block_size, geo.nb
@@ -142,7 +148,9 @@ def causal_guard(q, k, keep, geo: CallGeometry, cfg: AnchorConfig, scale: float)
         return None
     dev = q.device
     rec = torch.empty(b, h, len(blocks), dtype=torch.float64, device=dev)
-    for i, (blk, mass) in enumerate(zip(blocks, _probe_masses(q, k, keep, geo, cfg, scale, blocks))):
+    if masses is None:
+        masses = _probe_masses(q, k, keep, geo, cfg, scale, blocks)
+    for i, (blk, mass) in enumerate(zip(blocks, masses)):
         qv = geo.query_valid[:, blk * bq : (blk + 1) * bq].double()
         n = qv.sum(-1)[:, None]
         # a probe block without a valid query has lost nothing

@@ -14,6 +14,7 @@ from ..cpu_kernel import stripe_kernel
 from ..prefill import check_inputs
 from . import tiles
 from .config import AnchorConfig
+from .triton_select import select_bits, unpack_bits, use_triton
 
 __all__ = ["CallGeometry", "call_geometry", "causal_keys", "pad_rows", "grouped_heads", "select_stripes", "select_kept"]
 
@@ -30,6 +31,8 @@ class CallGeometry:
         start: ``[B]`` int64, the first valid key of each sequence.
         query_valid: ``[B, nb * block_size]`` bool; padded query rows are False.
         block_end: ``[nb]`` int64, the absolute position one past each block's last query.
+        padded: whether a ``key_valid`` mask was given (``False``: every key is valid, known without reading
+            the mask back from the device).
     """
 
     lq: int
@@ -40,6 +43,7 @@ class CallGeometry:
     start: torch.Tensor  # [B] first valid key index
     query_valid: torch.Tensor  # [B, nb*bq] bool (padded query rows are False)
     block_end: torch.Tensor  # [nb] absolute position one past the block's last query
+    padded: bool = True
 
 
 def call_geometry(q: torch.Tensor, k: torch.Tensor, cfg: AnchorConfig, q_offset: int, key_valid: torch.Tensor | None) -> CallGeometry:
@@ -51,6 +55,7 @@ def call_geometry(q: torch.Tensor, k: torch.Tensor, cfg: AnchorConfig, q_offset:
     bq = cfg.block_size
     nb = -(-lq // bq)
     dev = q.device
+    padded = key_valid is not None
     if key_valid is None:
         key_valid = torch.ones(b, lk, dtype=torch.bool, device=dev)
     start = torch.argmax(key_valid.to(torch.int8), dim=1)
@@ -58,7 +63,7 @@ def call_geometry(q: torch.Tensor, k: torch.Tensor, cfg: AnchorConfig, q_offset:
     in_range = pos < q_offset + lq
     query_valid = in_range[None, :] & key_valid[:, pos.clamp(max=lk - 1)]
     block_end = q_offset + torch.clamp(torch.arange(1, nb + 1, device=dev) * bq, max=lq)
-    return CallGeometry(lq, lk, q_offset, nb, key_valid, start, query_valid, block_end)
+    return CallGeometry(lq, lk, q_offset, nb, key_valid, start, query_valid, block_end, padded)
 
 
 def _always_kept(geo: CallGeometry, cfg: AnchorConfig) -> torch.Tensor:
@@ -127,7 +132,7 @@ def _select_kernel(q: torch.Tensor, cfg: AnchorConfig):
     apply (``select_dtype="bfloat16"``, another device) selects with PyTorch operations; :func:`compiled_kernel`
     raises for the attention that follows where that one does not apply.
     """
-    if cfg.kernel == "torch" or q.device.type != "cpu" or cfg.select_dtype_on(q.device) != "float32":
+    if cfg.kernel in ("torch", "triton") or q.device.type != "cpu" or cfg.select_dtype_on(q.device) != "float32":
         return None
     return stripe_kernel()
 
@@ -136,14 +141,20 @@ def select_kept(q: torch.Tensor, k: torch.Tensor, cfg: AnchorConfig, scale: floa
     """:func:`select_stripes` on inputs already checked, with their :class:`CallGeometry` ``geo``: ``[B, H, nb, Lk]``
     bool, the kept keys of each query block (AnchorAttention Eq. 2-4, arXiv 2505.23520).
 
+    With the Triton path (:func:`~.triton_select.use_triton`: ``kernel="triton"``, or ``"auto"`` on CUDA) the
+    selection runs as one Triton kernel and its bitmask is unpacked.
+
     Raises:
-        OptionError: ``kernel="compiled"`` for inputs the compiled kernel does not take.
+        OptionError: ``kernel="compiled"`` for inputs the compiled kernel does not take; ``kernel="triton"`` where
+            Triton cannot run.
     """
     b, h, lq, d = q.shape
     hkv = k.shape[1]
     g = h // hkv
     bq, nb = cfg.block_size, geo.nb
     dev = q.device
+    if use_triton(cfg, q):
+        return unpack_bits(select_bits(q, k, cfg, scale, geo), geo.lk)
     if math.isinf(cfg.theta):
         keep = (_always_kept(geo, cfg) | (cfg.theta > 0)) & causal_keys(geo)
         return keep[:, None].expand(b, h, nb, geo.lk)
