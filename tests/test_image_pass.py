@@ -78,3 +78,5 @@ def test_row_helpers():
 
     assert run_labels(SettingRun(sampled_at={3: 2, 1: 5}, modes={"fna"})) == {"sampled_at": {"1": 5, "3": 2}}
     assert run_labels(SettingRun(modes={"dense:s>=N"}))["note"] == "exact attention: s >= N tokens"
+    assert run_labels(SettingRun(modes={"dense:short"}))["note"] == "exact attention: N below min_tokens (the break-even length)"
+    assert "note" not in run_labels(SettingRun(modes={"dense:before_sample", "fna"}))

@@ -302,11 +302,13 @@ def throughput(seconds: float, n: int, dense_seconds: float | None = None) -> di
 
 
 def run_labels(run: SettingRun) -> dict[str, Any]:
-    """``{"sampled_at": {"<layer>": images}}``, plus ``"note"`` when every patched layer ran exact
-    attention (``s >= N``) -- the last entries of every result row of an image eval."""
+    """``{"sampled_at": {"<layer>": images}}``, plus ``"note"`` when every patched layer ran exact attention, saying
+    why (``s >= N``; fewer tokens than ``min_tokens``, the device's break-even length) -- the last entries of every
+    result row of an image eval."""
     row: dict[str, Any] = {"sampled_at": {str(k): v for k, v in sorted(run.sampled_at.items())}}
-    if run.modes == {"dense:s>=N"}:
-        row["note"] = "exact attention: s >= N tokens"
+    if run.modes and all(m.startswith("dense:") for m in run.modes):
+        why = {"dense:s>=N": "s >= N tokens", "dense:short": "N below min_tokens (the break-even length)"}
+        row["note"] = "exact attention: " + "; ".join(why.get(m, m.removeprefix("dense:")) for m in sorted(run.modes))
     return row
 
 
