@@ -227,3 +227,32 @@ def test_result_json_records_the_break_evens(tmp_path):
     break_even.begin_run()  # a new command: a new record (the measurements stay cached)
     assert json.loads(write_json(tmp_path / "r2.json", {"machine": {}}).read_text())["break_even"] == []
     assert break_even._RESOLVED
+
+
+def test_other_ranks_wait_for_local_rank_zero(monkeypatch):
+    """A process with LOCAL_RANK != 0 does not measure: it waits for rank 0's cache entry (here written by a thread
+    after a delay) and reads it."""
+    import threading
+
+    q, k = _qk()
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.delenv("ATTNPATCH_TEST_BREAK_EVEN", raising=False)
+
+    def measured(n):
+        raise AssertionError("a rank other than 0 measured")
+
+    key = break_even.break_even_key("m", {"a": 1}, q, k)
+
+    def rank0():
+        import time
+
+        time.sleep(0.5)
+        path = break_even.cache_file()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps([{**key, "tokens": 4096, "source": "calibrated", "timings": [[4096, 1.0, 2.0]]}]))
+
+    t = threading.Thread(target=rank0)
+    t.start()
+    got = resolve_break_even("m", {"a": 1}, q, k, table={}, env="ATTNPATCH_TEST_BREAK_EVEN", lengths=[32], case=measured)
+    t.join()
+    assert got.tokens == 4096 and got.source.startswith("cache:") and got.timings == ((4096, 1.0, 2.0),)

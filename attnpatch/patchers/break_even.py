@@ -13,8 +13,9 @@ Where the value comes from, in order: the method's environment variable (a token
 the method's table for the device type, this process's earlier answer, the cache file, a calibration.  The cache
 file is ``<cache>/break_even.json`` (:func:`attnpatch.fetch.cache_dir`: ``$ATTNPATCH_CACHE``, else
 ``~/.cache/attnpatch``), one entry per method setting, device name, dtype and head geometry; edit or delete it to
-override or redo a calibration.  Under a multi-process launch one process measures while holding a lock on the
-cache (the others wait for it and read its result), so the ranks of a data-parallel run never measure at once.
+override or redo a calibration.  Under a multi-process launch local rank 0 measures (holding a lock on the cache)
+and the other processes wait for its entry (at most :data:`WAIT_SECONDS`, then measure themselves), so the ranks
+of a data-parallel run never measure at once.
 
 Every value a run asked for is listed by :func:`resolved_break_evens`, which the result JSONs record
 (``"break_even"``: value and source; the CLI starts a new list per command: :func:`begin_run`).
@@ -40,6 +41,9 @@ __all__ = ["BUDGET_SECONDS", "BreakEven", "begin_run", "break_even_key", "calibr
 
 #: Wall-clock budget of one calibration (seconds): lengths whose estimated cost would pass it are not measured.
 BUDGET_SECONDS = float(os.environ.get("ATTNPATCH_CALIBRATION_SECONDS", "10"))
+
+#: How long a process other than local rank 0 waits for rank 0's calibration before measuring itself (seconds).
+WAIT_SECONDS = 300.0
 
 _RESOLVED: dict[str, "BreakEven"] = {}  # this process's answers (a memo, like functools.lru_cache), by key
 _USED: dict[str, None] = {}  # the keys asked for since begin_run(), in order
@@ -99,6 +103,15 @@ def resolved_break_evens() -> list[dict[str, Any]]:
     """Every break-even asked for since :func:`begin_run` (since the process started, without one), as
     :meth:`BreakEven.as_dict`, in the order first asked."""
     return [_RESOLVED[k].as_dict() for k in _USED if k in _RESOLVED]
+
+
+def _local_rank() -> int:
+    """This process's rank on its machine under a multi-process launch (``LOCAL_RANK``, as torchrun and accelerate
+    set it), else 0."""
+    try:
+        return int(os.environ.get("LOCAL_RANK", "0"))
+    except ValueError:
+        return 0
 
 
 def _median_seconds(fn: Callable[[], Any], device: torch.device, repeats: int) -> float:
@@ -245,18 +258,31 @@ def resolve_break_even(
     if memo in _RESOLVED and _RESOLVED[memo].source.startswith(("calibrated", "cache:")):
         return _RESOLVED[memo]
     path = cache_file()
-    with _locked(path):
+    want = json.loads(memo)
+
+    def cached() -> BreakEven | None:
         for entry in _read(path):
-            if {n: entry.get(n) for n in key} == json.loads(memo):
-                found = BreakEven(entry.get("tokens"), f"cache:{path}", key, tuple(tuple(r) for r in entry.get("timings", ())))
-                break
-        else:
-            with torch.no_grad():
-                tokens, rows = calibrate(case, lengths, q.device)
-            found = BreakEven(tokens, "calibrated", key, rows)
-            entries = [e for e in _read(path) if {n: e.get(n) for n in key} != json.loads(memo)] + [found.as_dict()]
-            tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
-            tmp.write_text(json.dumps(entries, indent=2))
-            os.replace(tmp, path)  # atomic: a reader sees the old file or the new one
+            if {n: entry.get(n) for n in key} == want:
+                return BreakEven(entry.get("tokens"), f"cache:{path}", key, tuple(tuple(r) for r in entry.get("timings", ())))
+        return None
+
+    found = None
+    if _local_rank() != 0:  # under a multi-process launch, local rank 0 measures; the others wait for its entry
+        deadline = time.monotonic() + WAIT_SECONDS
+        while found is None and time.monotonic() < deadline:
+            found = cached()
+            if found is None:
+                time.sleep(0.2)
+    if found is None:
+        with _locked(path):  # one process measures; another one arriving meanwhile reads its entry
+            found = cached()
+            if found is None:
+                with torch.no_grad():
+                    tokens, rows = calibrate(case, lengths, q.device)
+                found = BreakEven(tokens, "calibrated", key, rows)
+                entries = [e for e in _read(path) if {n: e.get(n) for n in key} != want] + [found.as_dict()]
+                tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
+                tmp.write_text(json.dumps(entries, indent=2))
+                os.replace(tmp, path)  # atomic: a reader sees the old file or the new one
     _RESOLVED[memo] = found
     return found
