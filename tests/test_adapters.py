@@ -425,3 +425,19 @@ def test_encode_refuses_a_classifier_output_naming_the_model():
                                                 num_attention_heads=4, image_size=32, patch_size=8)).eval()
     with pytest.raises(UnsupportedModelError, match="ViTForImageClassification.*no last_hidden_state"):
         adapter_for(model).encode(model, _images(32))
+
+
+def test_timm_pipeline_at_the_native_side_is_timms_default():
+    """``make_preprocess(cfg, R)`` at the config's own side equals timm's default pipeline (crop_pct 0.9: timm resizes
+    to floor(224 / 0.9) = 248, not round(...) = 249)."""
+    from PIL import Image
+    from timm.data import create_transform
+
+    from attnpatch.evals.vision.preprocess import make_preprocess
+
+    cfg = {"input_size": (3, 224, 224), "interpolation": "bicubic", "mean": (0.5, 0.5, 0.5), "std": (0.5, 0.5, 0.5),
+           "crop_pct": 0.9, "crop_mode": "center"}
+    img = Image.fromarray((torch.rand(300, 260, 3, generator=torch.Generator().manual_seed(0)) * 255).byte().numpy())
+    want = create_transform(**cfg, is_training=False)(img)[None]
+    assert make_preprocess(cfg, 224).resize == {"scale_size": 248}
+    assert torch.equal(make_preprocess(cfg, 224)([img]), want) and torch.equal(make_preprocess(cfg)([img]), want)

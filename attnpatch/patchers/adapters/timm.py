@@ -13,6 +13,7 @@ prefix that FNA always keeps as landmarks.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any, Callable
 
@@ -378,7 +379,8 @@ class TimmAdapter:
 def timm_image_pipeline(cfg: Any, resolution: int | None) -> tuple[str, Callable, dict[str, Any], tuple[float, ...], tuple[float, ...]] | None:
     """timm's own eval transform (``timm.data.create_transform``) of the data config ``cfg``
     (``timm.data.resolve_data_config``), rescaled to a square side ``resolution`` (``None``: unchanged) with the
-    same crop fraction: the scale size becomes ``round(R / crop_pct)``, timm's interpolation and ``crop_mode`` kept.
+    same crop fraction: the scale size becomes ``floor(R / crop_pct)`` (timm's rule), timm's interpolation and
+    ``crop_mode`` kept.
 
     Returns:
         ``("timm", fn, resize, mean, std)`` as :func:`~attnpatch.patchers.adapters.hf.images.hf_image_pipeline`; ``None``
@@ -399,7 +401,7 @@ def timm_image_pipeline(cfg: Any, resolution: int | None) -> tuple[str, Callable
     if resolution is None:
         resize = {"scale_size": int(keep["input_size"][-1] / crop_pct)}
     else:
-        scale = round(resolution / crop_pct)
+        scale = math.floor(resolution / crop_pct)  # timm's own rule, so the native side gives the default pipeline
         keep["input_size"] = (3, resolution, resolution)
         keep["crop_pct"] = resolution / (scale + 0.5)  # timm sizes the resize step as floor(R / crop_pct): exactly `scale`
         resize = {"scale_size": scale}
