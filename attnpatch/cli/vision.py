@@ -64,6 +64,7 @@ def cmd_eval_vision(args) -> int:
             result = run_feature_eval(
                 model, images, preprocess, settings=settings, tasks=tasks, batch_size=args.batch_size,
                 layer_error_images=args.layer_error_images, knn_k=args.k, progress=progress, ranks=ranks, store=store,
+                probe_max_iter=getattr(args, "max_iter", 1000),
             )
         except EvalInterrupted as exc:
             stop, result = exc, exc.partial
@@ -106,6 +107,10 @@ def add_parser(esub) -> None:
         pv.add_argument("--batch-size", type=positive_int, default=16)
         pv.add_argument("--layer-error-images", type=int, default=32, help="images on which per-layer errors are measured (fidelity)")
         pv.add_argument("--k", type=positive_int, default=20, help="k-NN neighbours (default: %(default)s)")
+        if task == "linear_probe":
+            pv.add_argument("--max-iter", type=positive_int, default=1000,
+                            help="L-BFGS iteration limit of the logistic regression per fold (default: %(default)s); a setting "
+                            "that hits it is marked \"linear_probe_converged\": false in the JSON, with a warning")
         pv.add_argument("--json", help="result JSON path (default: <eval>_<model>_<method>.json)")
         pv.add_argument("--markdown", help="also write the table as Markdown to this path")
         scale_out_args(pv)

@@ -56,7 +56,9 @@ class ImageSet:
         labels: ``[N]`` int64 class label of each image (the dataset's ``label`` column as stored).
         class_names: ``class_names[label]`` is the class's name: from ``classes.json``
             (``[{index, name}]``) when the folder has one, else the ``ClassLabel`` names of the
-            ``label`` feature, else ``str(label)`` (a list of length ``max(label) + 1``).
+            ``label`` feature, else ``str(label)`` (a list of length ``max(label) + 1``). Names and labels
+            come from one source: a set whose ``classes.json`` disagrees with its class sub-folders or its
+            ``class_name`` column is refused at load (see :func:`load_image_set`).
         source: the directory (resolved) or hub id the set was loaded from.
         split: the split that was loaded.
         rows: ``[N]`` int64 row of each image in the full split (differs from ``arange(N)`` only
@@ -226,7 +228,10 @@ def load_image_set(
             (hub unreachable, not found, offline and not cached); an unknown ``split``; no image
             column; no ``label`` column (for a folder with a single class sub-folder the message
             says so: the evals need at least two classes); negative labels; no images; fewer than 2
-            distinct classes (after ``limit``); an image file (of the kept rows) that is missing,
+            distinct classes (after ``limit``); a ``classes.json`` that disagrees with the labels' other
+            source -- class sub-folders (labels from the sorted folder names) whose names are not the
+            ``classes.json`` names in label order, or a ``class_name`` column (of the kept rows) naming a
+            label otherwise (checked before the image files); an image file (of the kept rows) that is missing,
             not an image, or truncated (see :func:`check_image_files`; the message names it).
         OptionError: ``limit`` is not a positive int.
     """
@@ -282,8 +287,9 @@ def load_image_set(
             + (f" (limit={limit})" if limit is not None else "")
             + "; the frozen-feature evals need at least 2 classes"
         )
+    # names and labels must agree before any long work (the image checks, the model load)
+    class_names = _class_names(path if is_dir else None, ds, labels, name, files)
     check_image_files(files, name)  # a missing, unreadable or truncated file fails now, not mid-run
-    class_names = _class_names(path if is_dir else None, ds.features["label"], labels, name)
     log(f"{name}: {labels.shape[0]} images, {np.unique(labels).size} classes")
     return ImageSet(
         name=name, labels=labels, class_names=class_names, source=str(source), split=split,
@@ -318,24 +324,83 @@ def _no_label_message(name: str, columns: list, files: list, folder: Path | None
     )
 
 
-def _class_names(folder: Path | None, feature, labels: np.ndarray, name: str) -> list[str]:
+def _read_classes_json(path: Path) -> dict[int, str]:
+    """``{index: name}`` of a ``classes.json`` (a list of ``{index, name}`` objects, or ``{"index": name}``)."""
+    try:
+        entries = json.loads(path.read_text())
+        if isinstance(entries, Mapping):
+            entries = [{"index": int(k), "name": v} for k, v in entries.items()]
+        return {int(e["index"]): str(e["name"]) for e in entries}
+    except (ValueError, KeyError, TypeError) as err:
+        raise DataError(f"{path}: expected a list of {{index, name}} objects ({err})") from err
+
+
+def _class_names(folder: Path | None, ds, labels: np.ndarray, name: str, files: list | None = None) -> list[str]:
+    """``class_names[label]``, from one source that agrees with the labels (see :class:`ImageSet`).
+
+    Labels come from a ``metadata.jsonl`` ``label`` column, or -- without one -- from the class sub-folders
+    (a ``ClassLabel``, its names the sorted folder names), or from a hub dataset's ``label`` feature. Names come
+    from ``classes.json`` when the folder has one, else from the ``ClassLabel``, else ``str(label)``. Where two
+    of these disagree the set is refused (``DataError``): a ``classes.json`` whose names are not the class
+    sub-folders' names in label order, or a ``class_name`` column (metadata.jsonl) that names a label other
+    than ``classes.json`` does.
+    """
+    import datasets
+
     n = int(labels.max()) + 1
-    if folder is not None and (folder / "classes.json").is_file():
-        try:
-            entries = json.loads((folder / "classes.json").read_text())
-            if isinstance(entries, Mapping):
-                entries = [{"index": int(k), "name": v} for k, v in entries.items()]
-            names = {int(e["index"]): str(e["name"]) for e in entries}
-        except (ValueError, KeyError, TypeError) as err:
-            raise DataError(f"{folder / 'classes.json'}: expected a list of {{index, name}} objects ({err})") from err
+    feature = ds.features["label"]
+    feat_names = [str(x) for x in feature.names] if isinstance(feature, datasets.ClassLabel) and feature.names else None
+    classes_json = folder / "classes.json" if folder is not None else None
+    if classes_json is not None and classes_json.is_file():
+        names = _read_classes_json(classes_json)
+        if feat_names is not None:
+            _check_folders_match(classes_json, names, feat_names, folder)
         missing = sorted(set(np.unique(labels).tolist()) - set(names))
         if missing:
-            raise DataError(f"{name}: labels {missing[:10]} have no entry in {folder / 'classes.json'}")
+            raise DataError(f"{name}: labels {missing[:10]} have no entry in {classes_json}")
+        if "class_name" in ds.column_names:
+            _check_class_name_column(classes_json, names, ds, labels, files)
         return [names.get(i, str(i)) for i in range(max(n, max(names) + 1))]
-    feat_names = getattr(feature, "names", None)
     if feat_names:
-        return [str(s) for s in feat_names]
+        return feat_names
     return [str(i) for i in range(n)]
+
+
+def _check_folders_match(classes_json: Path, names: dict[int, str], feat_names: list[str], folder: Path) -> None:
+    """Labels inferred from class sub-folders (sorted folder names) and a ``classes.json`` must name the same classes
+    in the same order; otherwise an image would carry another class's name (e.g. in zero-shot prompts)."""
+    diffs = [(i, f, names.get(i)) for i, f in enumerate(feat_names) if names.get(i) != f]
+    extra = sorted(i for i in names if not 0 <= i < len(feat_names))
+    if not diffs and not extra:
+        return
+    shown = ", ".join(f"{f}/" for f in feat_names[:6]) + (", ..." if len(feat_names) > 6 else "")
+    if diffs:
+        i, f, c = diffs[0]
+        what = f"label {i} is sub-folder {f}/ but {classes_json.name} names it {c!r}" if c is not None else \
+            f"label {i} is sub-folder {f}/ but {classes_json.name} has no index {i}"
+        more = f" ({len(diffs)} of {len(feat_names)} labels differ)" if len(diffs) > 1 else ""
+    else:
+        what, more = f"{classes_json.name} lists indices {extra[:5]} beyond the {len(feat_names)} class sub-folders", ""
+    raise DataError(
+        f"{classes_json} disagrees with the class sub-folders of {folder}, which give the labels (sorted folder names: "
+        f"{shown}): {what}{more}; list the sub-folder names in that order in {classes_json.name}, remove it, "
+        f"or give each image's label in a metadata.jsonl"
+    )
+
+
+def _check_class_name_column(classes_json: Path, names: dict[int, str], ds, labels: np.ndarray, files: list | None) -> None:
+    """A ``class_name`` column (metadata.jsonl) next to the ``label`` column must name each label as ``classes.json`` does."""
+    col = list(ds.select_columns(["class_name"])["class_name"])  # the kept rows (ds.data is the whole table)
+    bad = [j for j, (lab, cn) in enumerate(zip(labels.tolist(), col)) if cn is not None and str(cn) != names.get(lab, str(cn))]
+    if not bad:
+        return
+    j = bad[0]
+    where = f" ({Path(files[j]).name})" if files and j < len(files) and files[j] else ""
+    raise DataError(
+        f"metadata.jsonl disagrees with {classes_json}: an image{where} has label {int(labels[j])}, which "
+        f"{classes_json.name} names {names.get(int(labels[j]))!r}, but class_name {col[j]!r} ({len(bad)} of {len(col)} "
+        f"images differ); make the label and class_name columns of metadata.jsonl agree with {classes_json.name}"
+    )
 
 
 def iter_batches(image_set: ImageSet, batch_size: int, preprocess: Callable, indices: Sequence[int] | None = None):

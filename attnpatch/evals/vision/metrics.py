@@ -27,6 +27,8 @@ Definitions and sources
 Nearest neighbours are found exactly with faiss (``IndexFlatIP`` on L2-normalised float32
 features, i.e. cosine similarity), in chunks of queries, so memory is ``O(chunk * depth)`` beyond
 the features. A zero feature vector stays zero after normalisation (similarity 0 to everything).
+k-NN recomputes the similarities of faiss's candidates in float64 and breaks ties by class label, so its
+result does not depend on the order of the rows (see :func:`knn_classify`).
 """
 
 from __future__ import annotations
@@ -121,15 +123,76 @@ def _neighbours(x: np.ndarray, depth: int) -> Iterator[tuple[int, np.ndarray, np
 
 # ----------------------------------------------------------------------------- k-NN
 
+_SIM_SLACK = 1e-3  # bound on faiss's float32 error of a cosine similarity (it only decides when to fetch more)
+_GATHER = 1 << 23  # candidate entries (queries x candidates x D) gathered at once for the exact similarities
+_SEARCH = 1 << 22  # faiss results (queries x candidates) per search call when more candidates are fetched
+
+
+def _knn_neighbours(x: np.ndarray, inv: np.ndarray, k: int) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
+    """Yield ``(start, sims [c, k] float64, idx [c, k])`` chunk by chunk: each row's ``k`` nearest *other* rows
+    of ``x`` (already L2-normalised), in the order ``(-similarity, class, row)``.
+
+    faiss proposes candidates; their similarities are then recomputed exactly (float64, the same arithmetic
+    for every pair, so equal vectors give equal similarities wherever they sit), and a row fetches more
+    candidates (doubling) until every item that could tie with or beat its ``k``-th neighbour has been seen.
+    So which neighbours are chosen among equal similarities does not depend on the order of the rows
+    (the lower class wins; among one class the row index only orders items whose votes are equal).
+    ``k`` must be at most ``N - 1``; ``inv`` is the ``[N]`` class index of each row.
+    """
+    import faiss
+
+    n, d = x.shape
+    index = faiss.IndexFlatIP(d)
+    index.add(x)
+    x64 = x.astype(np.float64)
+    for start in range(0, n, _CHUNK):
+        rows = np.arange(start, min(n, start + _CHUNK))
+        out_s = np.empty((rows.shape[0], k), dtype=np.float64)
+        out_i = np.empty((rows.shape[0], k), dtype=np.int64)
+        todo = np.arange(rows.shape[0])
+        fetch = min(n, 2 * k + 2)
+        while todo.size:
+            again = []
+            for s0 in range(0, todo.size, max(1, _SEARCH // fetch)):  # faiss's result arrays stay bounded
+                t_all = todo[s0 : s0 + max(1, _SEARCH // fetch)]
+                fs_all, fi_all = index.search(x[rows[t_all]], fetch)
+                step = max(1, _GATHER // (fetch * d))
+                for g0 in range(0, t_all.size, step):
+                    t, fs, fi = t_all[g0 : g0 + step], fs_all[g0 : g0 + step], fi_all[g0 : g0 + step]
+                    q = rows[t]
+                    valid = fi >= 0
+                    cand = np.where(valid, fi, 0)
+                    exact = (x64[cand] * x64[q][:, None, :]).sum(axis=-1)  # [c, fetch]
+                    exact[~valid | (cand == q[:, None])] = -np.inf  # the query itself (by index) and padding go last
+                    order = np.lexsort((cand, inv[cand], -exact), axis=-1)[:, :k]
+                    ss = np.take_along_axis(exact, order, axis=1)
+                    ii = np.take_along_axis(cand, order, axis=1)
+                    # an item faiss did not return has similarity <= its last one (+ float32 error): it cannot
+                    # tie with the k-th neighbour if that bound is below the k-th similarity
+                    unsure = (fs[:, -1].astype(np.float64) + _SIM_SLACK >= ss[:, -1]) if fetch < n else np.zeros(t.size, dtype=bool)
+                    out_s[t[~unsure]] = ss[~unsure]
+                    out_i[t[~unsure]] = ii[~unsure]
+                    again.append(t[unsure])
+            todo = np.concatenate(again)
+            fetch = min(n, fetch * 2)
+        yield start, out_s, out_i
+
 
 def knn_classify(features, labels, k: int = 20, temperature: float = 0.07) -> dict[str, Any]:
     """Leave-one-out weighted k-NN classification (DINO's ``eval_knn``), with faiss.
 
     Every item is classified from its ``k`` most cosine-similar *other* items: neighbour ``j``
     votes for its class with weight ``exp(s_j / T)`` (``s_j`` = cosine similarity in [-1, 1]), and
-    classes are ranked by summed weight. Ties in summed weight are broken by the smaller class
-    label. Unlike DINO's ``sort`` over all classes, a class that got no vote never counts as a
-    top-5 hit (relevant when fewer than 5 classes are voted for).
+    classes are ranked by summed weight. Unlike DINO's ``sort`` over all classes, a class that got
+    no vote never counts as a top-5 hit (relevant when fewer than 5 classes are voted for).
+
+    Ties are broken deterministically, so the result does not depend on the order of the rows:
+    neighbours are ranked by ``(-similarity, class label, row)`` -- among items equally similar to
+    the query, those of the smaller label are taken first (e.g. with ``k = 1`` and two equally
+    similar items of classes 3 and 5, class 3 is predicted), and every item tied with the ``k``-th
+    neighbour is considered, not only those faiss happened to return; equal summed weights are
+    broken by the smaller class label. Similarities are recomputed exactly (float64) for the
+    neighbours faiss proposes, so "equal" means equal to the last bit (e.g. duplicate images).
 
     Args:
         features: ``[N, D]`` float features (numpy or torch), one row per item; need not be normalised.
@@ -160,13 +223,13 @@ def knn_classify(features, labels, k: int = 20, temperature: float = 0.07) -> di
     predictions = np.empty(n, dtype=np.int64)
     hit1 = np.zeros(n, dtype=bool)
     hit5 = np.zeros(n, dtype=bool)
-    for start, sims, idx in _neighbours(xn, k_eff):
+    for start, sims, idx in _knn_neighbours(xn, inv, k_eff):
         c = sims.shape[0]
         # exp((s - s_max) / T): the same ranking as exp(s / T), without overflow for tiny T
-        w = np.exp((sims.astype(np.float64) - sims[:, :1].astype(np.float64)) / float(temperature))
+        w = np.exp((sims - sims[:, :1]) / float(temperature))
         votes = np.zeros((c, n_cls), dtype=np.float64)
         np.add.at(votes, (np.repeat(np.arange(c), k_eff), inv[idx].ravel()), w.ravel())
-        order = np.argsort(-votes, axis=1, kind="stable")  # stable: ties -> smaller class index first
+        order = np.argsort(-votes, axis=1, kind="stable")  # stable: equal votes -> smaller class label first
         truth = inv[start : start + c]
         predictions[start : start + c] = classes[order[:, 0]]
         hit1[start : start + c] = order[:, 0] == truth
@@ -196,7 +259,8 @@ def image_retrieval(features, labels, ks: Sequence[int] = (1, 5)) -> dict[str, A
 
     * ``recall@k``: fraction of all ``N`` queries with at least one relevant item in the top
       ``min(k, N - 1)``. A query whose class has no other member counts as a miss, so
-      ``recall@1`` equals :func:`knn_classify`'s ``top1`` at ``k = 1``.
+      ``recall@1`` equals :func:`knn_classify`'s ``top1`` at ``k = 1`` (when no two classes tie for a
+      query's nearest item: retrieval keeps faiss's order among ties, k-NN prefers the lower label).
     * ``mAP@R``: for a query with ``R`` = number of other items of its class,
       ``AP@R = (1/R) * sum_{i=1..R} P(i) * rel(i)`` over the top ``R`` results (``P(i)`` =
       relevant fraction of the top ``i``, ``rel(i)`` in {0, 1}), averaged over the queries with

@@ -20,6 +20,7 @@ All metrics use the final CLS token (after the model's last norm) as the image f
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -94,7 +95,9 @@ def _layer_errors(a: dict[int, torch.Tensor], b: dict[int, torch.Tensor]) -> dic
     return out
 
 
-def _metrics(feats: np.ndarray, labels: np.ndarray, tasks: Sequence[str], knn_k: int, folds: int, seed: int) -> dict[str, Any]:
+def _metrics(
+    feats: np.ndarray, labels: np.ndarray, tasks: Sequence[str], knn_k: int, folds: int, seed: int, probe_max_iter: int = 1000,
+) -> dict[str, Any]:
     from . import metrics as frozen
 
     out: dict[str, Any] = {}
@@ -102,12 +105,24 @@ def _metrics(feats: np.ndarray, labels: np.ndarray, tasks: Sequence[str], knn_k:
         r = frozen.knn_classify(feats, labels, k=knn_k)
         out.update(knn_top1=r["top1"], knn_top5=r["top5"], _knn_pred=r["predictions"])
     if "linear_probe" in tasks:
-        r = frozen.linear_probe(feats, labels, folds=folds, seed=seed)
-        out.update(linear_probe=r["mean"], linear_probe_std=r["std"], linear_probe_folds=r["folds"])
+        r = frozen.linear_probe(feats, labels, folds=folds, seed=seed, max_iter=probe_max_iter)
+        out.update(linear_probe=r["mean"], linear_probe_std=r["std"], linear_probe_folds=r["folds"],
+                   linear_probe_converged=bool(r["converged"]))
     if "retrieval" in tasks:
         r = frozen.image_retrieval(feats, labels, ks=(1, 5))
         out.update(map_at_r=r["map_at_r"], recall_at_1=r["recall@1"], recall_at_5=r["recall@5"])
     return out
+
+
+def _warn_unconverged(setting: str, metrics: dict[str, Any], probe_max_iter: int) -> None:
+    """One ``attnpatch:`` warning when the linear probe of ``setting`` stopped at its iteration limit."""
+    if metrics.get("linear_probe_converged") is False:
+        warnings.warn(
+            f"attnpatch: linear probe of {setting}: the logistic regression did not converge within max_iter={probe_max_iter} "
+            f"iterations in at least one fold (\"linear_probe_converged\": false), so its accuracy may be understated; "
+            f"raise the limit (eval linear-probe --max-iter {probe_max_iter * 10}); the features are already standardised per fold",
+            RuntimeWarning, stacklevel=2,
+        )
 
 
 def run_feature_eval(
@@ -122,6 +137,7 @@ def run_feature_eval(
     knn_k: int = 20,
     folds: int = 5,
     seed: int = 0,
+    probe_max_iter: int = 1000,
     warmup: bool = True,
     compute_metrics: bool = True,
     return_features: bool = False,
@@ -143,6 +159,10 @@ def run_feature_eval(
         layer_error_images: per-layer errors (teacher-forced and free-running) are measured on
             the first this many images (each costs two extra forward calls per setting).
         knn_k, folds, seed: k-NN neighbours, linear-probe folds, seed.
+        probe_max_iter: L-BFGS iteration limit of the linear probe per fold
+            (:func:`attnpatch.evals.vision.metrics.linear_probe`'s ``max_iter``). A setting whose probe hit it in
+            any fold gets ``"linear_probe_converged": False`` (``True`` otherwise) and one ``attnpatch:``
+            ``RuntimeWarning`` naming the setting.
         warmup: run one untimed forward per setting on the first batch before timing.
         compute_metrics: compute k-NN / linear-probe / retrieval metrics and k-NN agreement
             (needs faiss and scikit-learn); ``False`` leaves them to the caller (see ``return_features``).
@@ -215,14 +235,14 @@ def run_feature_eval(
     labels = np.asarray(images.labels)[:ip.n]
     args = (ip, tasks, settings, given, labels, fl)
     try:
-        result = _feature_result(*args, compute_metrics, return_features, knn_k, folds, seed)
+        result = _feature_result(*args, compute_metrics, return_features, knn_k, folds, seed, probe_max_iter)
     except KeyboardInterrupt:
         raise EvalInterrupted(None, f"{ip.n}/{ip.n_planned} images") from None
     except (DataError, OptionError) as err:
         if not ip.interrupted:
             raise
         # the finished images may be too few for a metric (e.g. one class so far): keep the rest
-        result = _feature_result(*args, False, return_features, knn_k, folds, seed)
+        result = _feature_result(*args, False, return_features, knn_k, folds, seed, probe_max_iter)
         result["metrics_error"] = str(err)
     return finish(result, ip)
 
@@ -238,12 +258,14 @@ def _per_layer(batches: list[dict[int, np.ndarray]]) -> dict[int, list[np.ndarra
 
 def _feature_result(
     ip: ImagePass, tasks, settings, given, labels, fl, compute_metrics, return_features, knn_k, folds, seed,
+    probe_max_iter: int = 1000,
 ) -> dict[str, Any]:
     """The result dict of :func:`run_feature_eval` from the image pass's per-batch features
     (``encode`` outputs ``(cls, patch_mean, {layer: cls_l})``; extras ``(teacher, free)`` errors)."""
     n = ip.n
     dcls = torch.cat([b[0] for b in ip.dense])
-    dense_metrics = _metrics(dcls.numpy(), labels, tasks, knn_k, folds, seed) if compute_metrics else {}
+    dense_metrics = _metrics(dcls.numpy(), labels, tasks, knn_k, folds, seed, probe_max_iter) if compute_metrics else {}
+    _warn_unconverged("dense", dense_metrics, probe_max_iter)
     dense_pred = dense_metrics.pop("_knn_pred", None)
     if dense_pred is not None:
         dense_metrics["knn_predictions"] = np.asarray(dense_pred).tolist()
@@ -258,7 +280,9 @@ def _feature_result(
     }
     for (m, o), r, g in zip(settings, ip.runs, given):
         pcls = torch.cat([b[0] for b in r.outputs])
-        met = _metrics(pcls.numpy(), labels, tasks, knn_k, folds, seed) if compute_metrics else {}
+        met = _metrics(pcls.numpy(), labels, tasks, knn_k, folds, seed, probe_max_iter) if compute_metrics else {}
+        shown = ", ".join(f"{k}={v}" for k, v in g.items())
+        _warn_unconverged(f"{m}" + (f" ({shown})" if shown else ""), met, probe_max_iter)
         pred = met.pop("_knn_pred", None)
         if pred is not None:
             met["knn_predictions"] = np.asarray(pred).tolist()
