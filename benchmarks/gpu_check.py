@@ -19,7 +19,12 @@ warm-up excluded, median of the repeats, every timer synchronising the device):
 * ``anchor``: AnchorAttention with ``kernel="triton"``, the defaults and the ``fast`` and ``paper`` presets (each with
   ``min_len=0``, so that every length runs sparse), on ``synthetic_prefill`` inputs (SmolLM2-135M geometry: 9 query
   heads, 3 KV heads of 64) at 8k / 32k / 64k / 128k against causal SDPA; sparsity (and recall up to 32k), peak extra
-  memory.
+  memory (rows ``"input": "synthetic"``).  With ``--qkv FILE`` (default ``benchmarks/results/qkv/smollm2_l10_8k_bf16.pt``
+  where it exists; ``--qkv none``: none) also the three settings on that captured layer (``{"q", "k", "v"}`` tensors
+  ``[1, H, N, D]``, optional ``"scale"``; its first 8k tokens, the shortest length of the section), rows ``"input":
+  "captured"``, each with the generator's sparsity and recall at the same length beside the layer's
+  (``generator_sparsity``, ``generator_recall``): how well ``synthetic_prefill``, fitted to captured layers
+  (``benchmarks/fit_synthetic_prefill.py``), stands in for a real layer at the longer lengths.
 * ``flex``: ``a_shape``, ``vertical_slash``, ``block_topk`` with ``kernel="flex"`` at 8k / 32k / 128k (32 query
   heads, 8 KV heads of 128), at about half of the causal pairs kept (the settings of ``benchmarks/flex_cpu.py``)
   against causal SDPA; the compile time of each length bucket; peak extra memory.
@@ -74,6 +79,9 @@ SIZES = {
                     recall_max_n=512, anchor_settings=("defaults", "paper")),
 }
 TARGETS = {"fna": {4097: 1.0, 16385: 3.0, 65537: 8.0}, "flex_at_least": 1.0}
+#: The captured layer the ``anchor`` section measures besides the synthetic input, where the file exists (carried to
+#: the GPU machine; ``benchmarks/results/qkv/`` is not committed): SmolLM2-135M layer 10 at 8192 tokens, bfloat16.
+DEFAULT_QKV = ROOT / "benchmarks" / "results" / "qkv" / "smollm2_l10_8k_bf16.pt"
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -326,54 +334,87 @@ def anchor_settings(names) -> dict:
     return out
 
 
-def section_anchor(dev: torch.device, cfg: dict, dtype: torch.dtype, deadline: float) -> list[dict]:
+def load_captured(path: str | os.PathLike) -> dict:
+    """A captured layer: ``{"q": [1, H, N, D], "k", "v": [1, Hkv, N, D], "scale": float}`` on the CPU (``scale``
+    ``D ** -0.5`` where the file has none); also takes a file of ``attnpatch bench capture`` (its first layer)."""
+    data = torch.load(path, map_location="cpu")
+    if isinstance(data, dict) and "q" not in data:
+        data = data[min(data)]
+    return {"q": data["q"], "k": data["k"], "v": data["v"], "scale": float(data.get("scale", data["q"].shape[-1] ** -0.5))}
+
+
+def anchor_rows(dev: torch.device, cfg: dict, q, k, v, scale: float, n: int, settings: dict, deadline: float,
+                source: str) -> list[dict]:
+    """One row per setting: AnchorAttention against causal SDPA on ``q, k, v`` (``[1, H, n, D]``, ``[1, Hkv, n, D]``, on
+    the device), ``source`` ``"synthetic"`` or ``"captured"``."""
     from attnpatch.attention.anchor import anchor_attention
+
+    h, hkv = q.shape[1], k.shape[1]
+    rows = []
+
+    def sdpa():  # the baseline alone is held to the flash backend (the method's dense parts use masks)
+        with sdpa_context(dev):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                                                    enable_gqa=h != hkv)
+
+    for name, acfg in settings.items():
+        if time.perf_counter() > deadline:
+            rows.append({"setting": name, "input": source, "N": n, "skipped": "budget"})
+            continue
+        try:
+            with torch.no_grad():
+                def anchor(acfg=acfg):
+                    return anchor_attention(q, k, v, acfg, scale=scale)[0]
+
+                with Stopwatch(dev) as first:
+                    anchor()  # compiles the kernels' variants for this setting
+                t = medians({"sdpa": sdpa, "anchor": anchor}, dev, cfg["repeats"])
+                recall = n <= cfg["recall_max_n"]
+                _, st = anchor_attention(q, k, v, acfg, scale=scale, return_stats=True, compute_recall=recall)
+                row = {"setting": name, "input": source, "N": n, "sdpa_ms": t["sdpa"] * 1e3,
+                       "anchor_ms": t["anchor"] * 1e3, "speedup": t["sdpa"] / t["anchor"], "first_call_s": first.seconds,
+                       "sparsity": float(1.0 - st.kept_pairs.sum() / st.causal_pairs.sum().clamp(min=1)),
+                       "recall": float(st.recall.mean()) if recall else None,
+                       "recall_min_head": float(st.recall.min()) if recall else None,
+                       "peak_extra_anchor": peak_extra(anchor, dev), "peak_extra_sdpa": peak_extra(sdpa, dev)}
+        except Exception as err:  # noqa: BLE001 - e.g. out of memory at 128k: recorded, the next row still runs
+            row = {"setting": name, "input": source, "N": n, "error": f"{type(err).__name__}: {str(err)[:300]}"}
+            print(f"anchor {name} ({source}) N={n}: {row['error']}", flush=True)
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+            rows.append(row)
+            continue
+        rows.append(row)
+        print(f"anchor {name} ({source}) N={n}: sdpa {row['sdpa_ms']:.3f} ms, anchor {row['anchor_ms']:.3f} ms "
+              f"({row['speedup']:.2f}x), sparsity {row['sparsity']:.3f}"
+              + (f", recall {row['recall']:.4f}" if row["recall"] is not None else ""), flush=True)
+    return rows
+
+
+def section_anchor(dev: torch.device, cfg: dict, dtype: torch.dtype, deadline: float, qkv: str | None = None) -> list[dict]:
+    """The synthetic rows at every length of ``cfg["anchor"]``; with ``qkv``, right after the shortest length's, the
+    captured layer's rows at that length (its first tokens), each with the synthetic row's sparsity and recall beside
+    it (``generator_sparsity``, ``generator_recall``)."""
     from attnpatch.patchers.methods.anchor_attention import synthetic_prefill
 
     rows = []
     h, hkv, d = cfg["anchor_heads"], cfg["anchor_kv"], cfg["anchor_dim"]
-    scale = d ** -0.5
     settings = anchor_settings(cfg["anchor_settings"])
+    captured = load_captured(qkv) if qkv else None
     for n in cfg["anchor"]:
         q, k, v = synthetic_prefill(n, h, hkv, d, dtype=dtype, device=dev)
-
-        def sdpa(q=q, k=k, v=v):  # the baseline alone is held to the flash backend (the method's dense parts use masks)
-            with sdpa_context(dev):
-                return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
-                                                                        enable_gqa=h != hkv)
-
-        for name, acfg in settings.items():
-            if time.perf_counter() > deadline:
-                rows.append({"setting": name, "N": n, "skipped": "budget"})
-                continue
-            try:
-                with torch.no_grad():
-                    def anchor(q=q, k=k, v=v, acfg=acfg):
-                        return anchor_attention(q, k, v, acfg, scale=scale)[0]
-
-                    with Stopwatch(dev) as first:
-                        anchor()  # compiles the kernels' variants for this setting
-                    t = medians({"sdpa": sdpa, "anchor": anchor}, dev, cfg["repeats"])
-                    recall = n <= cfg["recall_max_n"]
-                    _, st = anchor_attention(q, k, v, acfg, scale=scale, return_stats=True, compute_recall=recall)
-                    row = {"setting": name, "N": n, "sdpa_ms": t["sdpa"] * 1e3, "anchor_ms": t["anchor"] * 1e3,
-                           "speedup": t["sdpa"] / t["anchor"], "first_call_s": first.seconds,
-                           "sparsity": float(1.0 - st.kept_pairs.sum() / st.causal_pairs.sum().clamp(min=1)),
-                           "recall": float(st.recall.mean()) if recall else None,
-                           "recall_min_head": float(st.recall.min()) if recall else None,
-                           "peak_extra_anchor": peak_extra(anchor, dev), "peak_extra_sdpa": peak_extra(sdpa, dev)}
-            except Exception as err:  # noqa: BLE001 - e.g. out of memory at 128k: recorded, the next row still runs
-                row = {"setting": name, "N": n, "error": f"{type(err).__name__}: {str(err)[:300]}"}
-                print(f"anchor {name} N={n}: {row['error']}", flush=True)
-                if dev.type == "cuda":
-                    torch.cuda.empty_cache()
-                rows.append(row)
-                continue
-            rows.append(row)
-            print(f"anchor {name} N={n}: sdpa {row['sdpa_ms']:.3f} ms, anchor {row['anchor_ms']:.3f} ms "
-                  f"({row['speedup']:.2f}x), sparsity {row['sparsity']:.3f}"
-                  + (f", recall {row['recall']:.4f}" if row["recall"] is not None else ""), flush=True)
+        synthetic = anchor_rows(dev, cfg, q, k, v, d ** -0.5, n, settings, deadline, "synthetic")
+        rows += synthetic
         del q, k, v
+        if captured is not None and n == cfg["anchor"][0]:
+            m = min(n, captured["q"].shape[2])
+            q, k, v = (captured[x][:, :, :m].to(dev, dtype).contiguous() for x in "qkv")
+            gen = {x["setting"]: x for x in synthetic if x["N"] == m}
+            for row in anchor_rows(dev, cfg, q, k, v, captured["scale"], m, settings, deadline, "captured"):
+                g = gen.get(row["setting"], {})
+                rows.append({**row, "qkv": Path(qkv).name, "generator_sparsity": g.get("sparsity"),
+                             "generator_recall": g.get("recall")})
+            del q, k, v
     return rows
 
 
@@ -428,11 +469,18 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "cuda"), help="folder of gpu_check.json")
     ap.add_argument("--dry-run", action="store_true", help="on the CPU: Triton interpreter, tiny sizes, float32")
     ap.add_argument("--budget", type=float, default=420.0, help="seconds; sections past it are skipped (default 420)")
+    ap.add_argument("--qkv", default=str(DEFAULT_QKV) if DEFAULT_QKV.is_file() else "none",
+                    help="a captured layer the anchor section also measures ({'q', 'k', 'v'} [1, H, N, D]); 'none': "
+                         "synthetic input only (default: benchmarks/results/qkv/smollm2_l10_8k_bf16.pt where it exists)")
     ap.add_argument("--sections", nargs="+", default=["checks", "fna", "break_even", "anchor", "flex"],
                     choices=["checks", "fna", "break_even", "anchor", "flex"])
     args = ap.parse_args(argv)
     if not args.dry_run and not torch.cuda.is_available():
         print("gpu_check: no CUDA device here; run with --dry-run on the CPU", file=sys.stderr)
+        return 2
+    qkv = None if args.qkv.lower() == "none" else args.qkv
+    if qkv and not Path(qkv).is_file():
+        print(f"gpu_check: --qkv {qkv}: no such file", file=sys.stderr)
         return 2
     dev = torch.device("cpu" if args.dry_run else "cuda")
     cfg = SIZES["dry-run" if args.dry_run else "cuda"]
@@ -441,12 +489,12 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     result = {"date": time.strftime("%Y-%m-%d"), "dry_run": args.dry_run, "dtype": str(dtype).removeprefix("torch."),
-              "machine": machine(dev), "targets": {"fna": {str(k): v for k, v in TARGETS["fna"].items()},
+              "machine": machine(dev), "qkv": qkv, "targets": {"fna": {str(k): v for k, v in TARGETS["fna"].items()},
                                                     "flex_at_least": TARGETS["flex_at_least"]}, "skipped": []}
     sections = {
         "checks": lambda: section_checks(dev, cfg),
         "fna": lambda: section_fna(dev, cfg, dtype, deadline),
-        "anchor": lambda: section_anchor(dev, cfg, dtype, deadline),
+        "anchor": lambda: section_anchor(dev, cfg, dtype, deadline, qkv),
         "flex": lambda: section_flex(dev, cfg, dtype, deadline),
         "break_even": lambda: section_break_even(dev, cfg, dtype),
     }

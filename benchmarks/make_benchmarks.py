@@ -294,18 +294,26 @@ def gpu_check_tables(r: dict) -> list[str]:
                         ", ".join(f"{t[0]}: {t[2] / t[1]:.2f}x" for t in b.get("timings", []))] for b in r["break_even"]])
     if isinstance(r.get("anchor"), list):
         out += ["AnchorAttention with `kernel=\"triton\"` (the defaults and the `fast` and `paper` presets, each with "
-                "`min_len=0`) on the synthetic prefill input (9 query heads, 3 KV heads of 64) against causal SDPA; "
-                "`first call`: the first call of the setting (Triton compilation included); recall: the exact softmax "
-                "mass on the kept keys, mean over heads (and the lowest head), where measured.", ""]
-        out += _table(["setting", "N", "sparsity", "recall (min head)", "SDPA ms", "anchor ms", "vs SDPA", "first call s",
-                       "peak extra (MiB)"],
-                      [[x["setting"], str(x["N"]), _cell(x.get("sparsity")),
+                "`min_len=0`) against causal SDPA; input `synthetic`: the synthetic prefill (`synthetic_prefill`, 9 "
+                "query heads, 3 KV heads of 64), `captured`: a layer captured from SmolLM2-135M on natural prose "
+                "(`--qkv`); `first call`: the first call of the setting (Triton compilation included); recall: the "
+                "exact softmax mass on the kept keys, mean over heads (and the lowest head), where measured.", ""]
+        out += _table(["setting", "input", "N", "sparsity", "recall (min head)", "SDPA ms", "anchor ms", "vs SDPA",
+                       "first call s", "peak extra (MiB)"],
+                      [[x["setting"], x.get("input", "synthetic"), str(x["N"]), _cell(x.get("sparsity")),
                         "–" if x.get("recall") is None else f"{x['recall']:.4f} ({x['recall_min_head']:.4f})",
                         _cell(x.get("sdpa_ms")), _cell(x.get("anchor_ms")),
                         _cell(x.get("speedup"), "{:.2f}x") if "error" not in x else f"error: {x['error'][:60]}",
                         _cell(x.get("first_call_s"), "{:.1f}"),
                         _cell(None if x.get("peak_extra_anchor") is None else x["peak_extra_anchor"] / 2**20, "{:.1f}")]
                        for x in r["anchor"] if "skipped" not in x])
+        cap = [x for x in r["anchor"] if x.get("input") == "captured" and "skipped" not in x and "error" not in x]
+        if cap:
+            out += [f"The captured layer (`{cap[0].get('qkv')}`) beside the synthetic prefill at the same length: "
+                    "sparsity and mean recall.", ""]
+            out += _table(["setting", "N", "captured sparsity", "captured recall", "generator sparsity", "generator recall"],
+                          [[x["setting"], str(x["N"]), _cell(x.get("sparsity")), _cell(x.get("recall"), "{:.4f}"),
+                            _cell(x.get("generator_sparsity")), _cell(x.get("generator_recall"), "{:.4f}")] for x in cap])
     if isinstance(r.get("flex"), list):
         out += ["The block-sparse baselines with `kernel=\"flex\"` (32 heads, 8 KV heads of 128; about half of the causal "
                 "pairs kept) against causal SDPA; `compile`: the first call of the length bucket.", ""]

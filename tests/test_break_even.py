@@ -203,15 +203,38 @@ def test_real_calibration_on_this_cpu_runs_within_budget(monkeypatch):
 
 
 def test_synthetic_prefill_has_the_documented_structure():
-    q, k, v = anchor_method.synthetic_prefill(256, 4, 2, 32, dtype=torch.float32, device="cpu")
-    assert q.shape == (1, 4, 256, 32) and k.shape == v.shape == (1, 2, 256, 32)
-    logits = (q[:, ::2] @ k.transpose(-1, -2)) * 32 ** -0.5
-    rest = torch.ones(256, dtype=torch.bool)
-    rest[::64] = False
-    assert logits[..., 0].mean().item() == pytest.approx(20, abs=0.5)
-    assert logits[..., 64::64].mean().item() == pytest.approx(15, abs=0.5)
-    assert logits[..., rest].mean().item() == pytest.approx(0, abs=0.1)
-    assert logits[..., rest].std().item() == pytest.approx(1, abs=0.1)
+    """The logits are ``bias_j + local * mean_f cos(w_f (i - j)) + noise * z_ij`` as documented: the deterministic part
+    exactly (noise and column bias off), then the random parts' spread at the fitted defaults."""
+    p = anchor_method.SYNTHETIC_PREFILL
+    n, d, f = 512, 32, 4  # f = D // 8 frequencies
+    q, k, v = anchor_method.synthetic_prefill(n, 4, 2, d, dtype=torch.float32, device="cpu")
+    assert q.shape == (1, 4, n, d) and k.shape == v.shape == (1, 2, n, d)
+    every = int(p["stripe_every"])
+    assert every < n and p["stripe"] > 0 and p["sink"] > 0 and p["local"] > 0 and p["noise"] > 0
+
+    def logits(**kw):
+        qq, kk, _ = anchor_method.synthetic_prefill(n, 4, 2, d, dtype=torch.float64, device="cpu", **kw)
+        return (qq[:, ::2] @ kk.transpose(-1, -2)).double() * d ** -0.5  # query heads 0 and 2: KV heads 0 and 1
+
+    pos = torch.arange(n, dtype=torch.float64)
+    w = float(p["local_span"]) ** -(torch.arange(f, dtype=torch.float64) / (f - 1))
+    local = float(p["local"]) * torch.cos(w * (pos[:, None] - pos[None, :])[..., None]).mean(-1)
+    bias = torch.zeros(n, dtype=torch.float64)
+    bias[every::every] = p["stripe"]
+    bias[0] = p["sink"]
+    exact = logits(noise=0.0, column=0.0)
+    assert torch.allclose(exact, (bias + local).expand_as(exact), atol=1e-3)
+    assert torch.allclose(exact.diagonal(dim1=-2, dim2=-1)[..., 1:every], torch.tensor(float(p["local"]), dtype=torch.float64),
+                          atol=1e-3)
+    assert torch.allclose(logits(noise=0.0, column=0.0, sink=3.0, stripe=-2.0, local=1.5, stripe_every=32),
+                          torch.where(pos == 0, 3.0, torch.where(pos % 32 == 0, -2.0, 0.0)) + local / p["local"] * 1.5,
+                          atol=1e-3)
+
+    rest = logits() - exact  # column * c_j + noise * z_ij
+    column = rest.mean(-2)  # per key, over the queries: column * c_j (+ noise / sqrt(n))
+    assert column.std().item() == pytest.approx((p["column"] ** 2 + p["noise"] ** 2 / n) ** 0.5, rel=0.2)
+    assert (rest - column[..., None, :]).std().item() == pytest.approx(p["noise"], rel=0.1)
+    assert not torch.equal(q, anchor_method.synthetic_prefill(n, 4, 2, d, dtype=torch.float32, device="cpu", seed=1)[0])
 
 
 def test_result_json_records_the_break_evens(tmp_path):

@@ -24,7 +24,7 @@ from ..break_even import resolve_break_even
 from ..registry import register_method
 from ..state import LayerContext, LayerRecord
 
-__all__ = ["ANCHOR", "anchor_forward", "anchor_bench", "synthetic_prefill", "calibration_case", "resolved"]
+__all__ = ["ANCHOR", "anchor_forward", "anchor_bench", "synthetic_prefill", "SYNTHETIC_PREFILL", "calibration_case", "resolved"]
 
 
 #: Prompt lengths (tokens) the calibration of ``min_len="auto"`` / ``"auto-fast"`` tries on a device type without a table.
@@ -32,25 +32,60 @@ CALIBRATION_LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 _NOT_SPEED = ("min_len", "dense_layers", "dense_heads")  # options a one-layer calibration does not depend on
 
 
-def synthetic_prefill(n: int, heads: int, kv_heads: int, head_dim: int, *, dtype: torch.dtype, device, seed: int = 0):
-    """The documented synthetic prefill input of the break-even calibration: ``q`` ``[1, heads, n, D]``, ``k, v``
-    ``[1, kv_heads, n, D]``, in logit units (scale ``D ** -0.5``): standard normal scores (std 1) between queries and
-    keys, plus a shared direction every query carries with logit +20 on the attention sink (key 0) and +15 on one key
-    in 64 (vertical stripes); values standard normal.  A sparse method's speed depends on its data: with the
-    defaults' ``theta`` the stripes, the initial block and the local window are kept and the rest is skipped, as on
-    the prefill layers captured from real models (BENCHMARKS.md).
+#: The parameters of :func:`synthetic_prefill`, in logit units (natural-log scale, after ``D ** -0.5``) and tokens:
+#: fitted by ``benchmarks/fit_synthetic_prefill.py`` so that the sparsity and mean recall of the defaults, ``fast`` and
+#: ``paper`` settings on the generator at 8k match their means on SmolLM2-135M prefill layers captured on natural prose
+#: (the fit and the match: BENCHMARKS.md, "AnchorAttention's synthetic prefill, fitted to SmolLM2 captures").
+SYNTHETIC_PREFILL = dict(sink=6.0, stripe=8.0, stripe_every=256, column=2.5, local=10.0, local_span=1024, noise=2.5)
+
+
+def synthetic_prefill(n: int, heads: int, kv_heads: int, head_dim: int, *, dtype: torch.dtype, device, seed: int = 0,
+                      sink: float | None = None, stripe: float | None = None, stripe_every: int | None = None,
+                      column: float | None = None, local: float | None = None, local_span: int | None = None,
+                      noise: float | None = None):
+    """The documented synthetic prefill input of the break-even calibration and the GPU check: ``q`` ``[1, heads, n, D]``,
+    ``k, v`` ``[1, kv_heads, n, D]``, whose causal attention has the structure AnchorAttention exploits (arXiv
+    2505.23520, Sec. 3: an attention sink, a local window, vertical stripes).  The logit of query ``i`` on key ``j``
+    (``q_i . k_j * D ** -0.5``, natural-log units) is
+
+        ``bias_j + local * mean_f cos(w_f * (i - j)) + noise * z_ij``
+
+    * ``bias_0 = sink`` (the attention sink, key 0); ``bias_j = stripe + column * c_j`` for ``j`` a positive multiple
+      of ``stripe_every`` (vertical stripes, one key in ``stripe_every``); ``bias_j = column * c_j`` otherwise, ``c_j``
+      standard normal: a per-key bias shared by every query (weaker stripes of every strength);
+    * the local term: ``F = max(1, D // 8)`` frequencies ``w_f`` log-spaced from 1 down to ``1 / local_span`` radians
+      per token (as rotary position embeddings make them), so the boost is ``local`` on the diagonal, falls about
+      linearly in ``log(i - j)`` and is near 0 (a fluctuation of about ``local / sqrt(2 F)``) beyond ``local_span``
+      tokens;
+    * ``z_ij`` standard normal scores, independent across queries (``q``'s remaining ``D - 1 - 2F`` coordinates
+      against ``k``'s).
+
+    Values standard normal.  Every parameter left ``None`` takes its value in :data:`SYNTHETIC_PREFILL` (fitted to
+    captured layers; the fit and how closely the generator's sparsity and recall match: BENCHMARKS.md).  Deterministic
+    in ``seed`` (built on the CPU in float32, then moved to ``device`` and cast to ``dtype``).  ``D >= 4``.
     """
+    p = {**SYNTHETIC_PREFILL, **{name: value for name, value in dict(
+        sink=sink, stripe=stripe, stripe_every=stripe_every, column=column, local=local, local_span=local_span,
+        noise=noise).items() if value is not None}}
+    d = head_dim
+    f = max(1, min(d // 8, (d - 2) // 2))  # local-term frequencies: 2f coordinates, at least one left for the noise
+    r = d - 1 - 2 * f
     g = torch.Generator(device="cpu").manual_seed(seed)
-    q = torch.randn(1, heads, n, head_dim, generator=g)
-    k = torch.randn(1, kv_heads, n, head_dim, generator=g)
-    v = torch.randn(1, kv_heads, n, head_dim, generator=g)
-    u = torch.randn(head_dim, generator=g)
-    u = u / u.norm()
-    root = head_dim ** 0.5
-    q = q - (q @ u)[..., None] * u + root * u  # q . u = sqrt(D): a key's component c along u adds c to the logit
-    k = k - (k @ u)[..., None] * u
-    k[:, :, ::64] += 15.0 * u
-    k[:, :, 0] += 5.0 * u
+    basis, _ = torch.linalg.qr(torch.randn(d, d, generator=g))  # column 0: the bias direction; 1..2f: local; rest: noise
+    pos = torch.arange(n, dtype=torch.float64)
+    w = float(p["local_span"]) ** -(torch.arange(f, dtype=torch.float64) / max(f - 1, 1))
+    phase = pos[:, None] * w[None, :]
+    rot = torch.cat([phase.cos(), phase.sin()], -1).float() * (float(p["local"]) * d ** 0.5 / f) ** 0.5  # [n, 2f]
+    bias = float(p["column"]) * torch.randn(n, generator=g)
+    every = int(p["stripe_every"])
+    bias[every::every] += float(p["stripe"])
+    bias[0] = float(p["sink"])
+    qc = torch.cat([torch.full((1, heads, n, 1), d ** 0.5), rot.expand(1, heads, n, 2 * f),
+                    float(p["noise"]) * (d / r) ** 0.5 * torch.randn(1, heads, n, r, generator=g)], -1)
+    kc = torch.cat([bias.expand(1, kv_heads, n)[..., None], rot.expand(1, kv_heads, n, 2 * f),
+                    torch.randn(1, kv_heads, n, r, generator=g)], -1)
+    v = torch.randn(1, kv_heads, n, d, generator=g)
+    q, k = qc @ basis.T, kc @ basis.T  # q_i . k_j = qc_i . kc_j: the logit above times sqrt(D)
     return q.to(device, dtype), k.to(device, dtype), v.to(device, dtype)
 
 
