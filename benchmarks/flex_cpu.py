@@ -8,7 +8,7 @@ paths, side by side with causal SDPA, one attention layer per length.
 Each (method, length) runs the method's whole attention call (selection included, which is the same for both
 kernels) with ``kernel="gather"`` and with ``kernel="flex"`` on the same random inputs, after an untimed first call
 (for flex: the compilation of that length bucket, printed as ``compile_s``), and reports the median of
-``--repeats`` timed calls (each timer synchronises the device: :class:`attnpatch.evals.run.timing.Stopwatch`),
+``--repeats`` timed calls (each timer synchronises the device: :class:`attnpatch.timing.Stopwatch`),
 the kept share of causal pairs (``density``), the ratios, and the largest difference of the two outputs.  SDPA,
 gather and flex calls are interleaved (one of each per repeat), so that a change of the machine's load during a
 row hits all three; the ratios are of the medians.
@@ -35,7 +35,7 @@ from attnpatch.attention.block_topk import block_topk_attention  # noqa: E402
 from attnpatch.attention.flex import FLEX_STATS, bucket_length  # noqa: E402
 from attnpatch.attention.streaming import a_shape_attention  # noqa: E402
 from attnpatch.attention.vertical_slash import vertical_slash_attention  # noqa: E402
-from attnpatch.evals.run.timing import Stopwatch, time_call  # noqa: E402
+from attnpatch.timing import Stopwatch, time_call  # noqa: E402
 
 
 def layer_calls(method: str, n: int, q, k, v, scale: float, kernel: str):

@@ -64,7 +64,7 @@ from attnpatch.attention.fna_layer import fna_layer_case  # noqa: E402
 from attnpatch.attention.flex import FLEX_STATS, bucket_length  # noqa: E402
 from attnpatch.attention.landmarks import farthest_point_sampling, farthest_point_sampling_reference  # noqa: E402
 from attnpatch.attention.pinv_matmul import landmark_pinv_matmul  # noqa: E402
-from attnpatch.evals.run.timing import Stopwatch, time_call  # noqa: E402
+from attnpatch.timing import Stopwatch, time_call  # noqa: E402
 from flex_cpu import layer_calls  # noqa: E402
 
 SIZES = {

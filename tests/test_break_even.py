@@ -38,7 +38,7 @@ def _fake(times: dict[int, tuple[float, float]]):
         seen.append(n)
         return (lambda: ("m", n)), (lambda: ("d", n))
 
-    def timer(fn, device, repeats):
+    def timer(fn, repeats, device):
         which, n = fn()
         return times[n][0] if which == "m" else times[n][1]
 
@@ -71,11 +71,11 @@ def test_calibration_stops_at_the_budget():
         return (lambda: None), (lambda: None)
 
     tokens, rows = calibrate(case, [1, 2, 4, 8, 16], torch.device("cpu"), budget=10.0, clock=clock,
-                             timer=lambda fn, d, r: 1.0)
+                             timer=lambda fn, repeats, device: 1.0)
     # 1 + 2 = 3 spent; 4 estimated at 2 * (4/2)^2 = 8, 3 + 8 > 10: not measured
     assert [r[0] for r in rows] == [1, 2] and tokens is None
     now[0] = 0.0
-    _, rows = calibrate(case, [1, 2, 4, 8, 16], torch.device("cpu"), budget=11.0, clock=clock, timer=lambda fn, d, r: 1.0)
+    _, rows = calibrate(case, [1, 2, 4, 8, 16], torch.device("cpu"), budget=11.0, clock=clock, timer=lambda fn, repeats, device: 1.0)
     assert [r[0] for r in rows] == [1, 2, 4]  # 3 + 8 <= 11; then 7 + 16 > 11
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attnpatch.evals.run import timing
+from attnpatch import timing
 
 
 class _Clock:

@@ -10,7 +10,7 @@ package            task (entry point)
 :mod:`.compare`    several settings of several methods side by side, matched on a knob (``compare``)
 :mod:`.tune`       the cheapest setting that meets an accuracy target (``tune_causal``, ``tune_vision``)
 :mod:`.recall`     attention recall of a patched causal LM against the exact attention (``attention_recall``)
-:mod:`.run`        reporting, resume, data-parallel processes, devices, timing
+:mod:`.run`        reporting, resume, data-parallel processes, devices
 =================  ==========================================================================
 
 Each eval takes a model and returns a result dict.

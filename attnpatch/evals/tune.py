@@ -30,7 +30,7 @@ import torch
 from ..errors import OptionError
 from ..patchers.api import model_geometry, patched, record_stats
 from ..patchers.registry import Method, get_method, load_config, validate_options
-from .run.timing import median_seconds, quietly  # quietly: warnings off (e.g. "s >= N: exact attention" on a small input)
+from ..timing import median_seconds, quietly  # quietly: warnings off (e.g. "s >= N: exact attention" on a small input)
 from .recall import attention_recall
 
 __all__ = ["tune_causal", "tune_vision", "recall_scores"]

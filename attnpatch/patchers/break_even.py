@@ -34,9 +34,9 @@ from typing import Any
 
 import torch
 
-from .runtime import sync
+from ..timing import median_seconds
 
-__all__ = ["BUDGET_SECONDS", "BreakEven", "begin_run", "break_even_key", "calibrate", "device_name", "parse_env",
+__all__ = ["BUDGET_SECONDS", "BreakEven", "begin_run", "break_even_key", "calibrate", "device_name", "parse_env", "probe_inputs",
            "resolve_break_even", "resolved_break_evens", "cache_file"]
 
 #: Wall-clock budget of one calibration (seconds): lengths whose estimated cost would pass it are not measured.
@@ -47,6 +47,7 @@ WAIT_SECONDS = 300.0
 
 _RESOLVED: dict[str, "BreakEven"] = {}  # this process's answers (a memo, like functools.lru_cache), by key
 _USED: dict[str, None] = {}  # the keys asked for since begin_run(), in order
+_KEYS: dict[tuple, tuple[dict[str, Any], str]] = {}  # (method, setting, device, dtype, geometry) -> (key, its JSON)
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,17 @@ def resolved_break_evens() -> list[dict[str, Any]]:
     return [_RESOLVED[k].as_dict() for k in _USED if k in _RESOLVED]
 
 
+def probe_inputs(geometry, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(q [1, H, 1, D], k [1, Hkv, 1, D])`` standing for a patched model's calls (uninitialised, one token: only
+    device, dtype and geometry are read), so a method's ``prepare`` resolves its break-even at ``patch()`` time;
+    ``None`` where the geometry (a :class:`~attnpatch.patchers.contract.ModelGeometry`) lacks heads or head size,
+    or the model sits on ``meta``."""
+    if not (geometry.heads and geometry.head_dim) or torch.device(device).type == "meta":
+        return None
+    q = torch.empty(1, geometry.heads, 1, geometry.head_dim, device=device, dtype=dtype)
+    return q, q[:, : geometry.kv_heads or geometry.heads]
+
+
 def _local_rank() -> int:
     """This process's rank on its machine under a multi-process launch (``LOCAL_RANK``, as torchrun and accelerate
     set it), else 0."""
@@ -112,18 +124,6 @@ def _local_rank() -> int:
         return int(os.environ.get("LOCAL_RANK", "0"))
     except ValueError:
         return 0
-
-
-def _median_seconds(fn: Callable[[], Any], device: torch.device, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        sync(device)
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - t0)
-    times.sort()
-    return times[len(times) // 2]
 
 
 def calibrate(
@@ -134,7 +134,7 @@ def calibrate(
     budget: float | None = None,
     repeats: int = 3,
     clock: Callable[[], float] = time.perf_counter,
-    timer: Callable[[Callable[[], Any], torch.device, int], float] = _median_seconds,
+    timer: Callable[[Callable[[], Any], int, torch.device], float] = median_seconds,
 ) -> tuple[int | None, tuple[tuple[int, float, float], ...]]:
     """Measure the break-even length.
 
@@ -142,9 +142,11 @@ def calibrate(
         case: ``n -> (method_call, dense_call)`` on the method's synthetic input of ``n`` tokens.
         lengths: increasing lengths to try (tokens).
         device: where the calls run (synchronised around each timed call).
-        budget: seconds (``None``: :data:`BUDGET_SECONDS`, read at the call); a length is measured only while the time spent, plus the estimated cost of that length
+        budget: seconds (``None``: :data:`BUDGET_SECONDS`, read at the call); a length is measured only while the
+            time spent, plus the estimated cost of that length
             (the previous length's cost scaled by the length ratio squared), stays within it.
-        repeats: timed calls per side and length (median), after one untimed warm-up call each.
+        repeats: timed calls per side and length (median), after one untimed warm-up call each
+            (:func:`attnpatch.timing.median_seconds`).
         clock, timer: injectable for tests.
 
     Returns:
@@ -163,9 +165,8 @@ def calibrate(
                 break
         t0 = clock()
         method_call, dense_call = case(n)
-        method_call(), dense_call()  # warm-up (kernel compilation, caches)
-        t_method = timer(method_call, device, repeats)
-        t_dense = timer(dense_call, device, repeats)
+        t_method = timer(method_call, repeats, device)  # after a warm-up call (kernel compilation, caches)
+        t_dense = timer(dense_call, repeats, device)
         rows.append((int(n), float(t_method), float(t_dense)))
         last_cost, last_n = clock() - t0, n
         if clock() - start > budget:
@@ -244,8 +245,11 @@ def resolve_break_even(
     Raises:
         OptionError: the environment variable holds neither a token count nor ``never``.
     """
-    key = break_even_key(method, setting, q, k)
-    memo = json.dumps(key, sort_keys=True, default=str)
+    fast = (method, tuple(sorted(setting.items())), q.device, q.dtype, q.shape[1], k.shape[1], q.shape[-1])
+    if fast not in _KEYS:  # the key and its JSON once per setting and geometry: a patched layer asks on every call
+        key = break_even_key(method, setting, q, k)
+        _KEYS[fast] = key, json.dumps(key, sort_keys=True, default=str)
+    key, memo = _KEYS[fast]
     _USED[memo] = None
     if os.environ.get(env) is not None:
         found = BreakEven(parse_env(env, os.environ[env]), f"env:{env}", key)

@@ -19,6 +19,7 @@ from typing import Any, Callable
 import torch
 
 from ..errors import AttnpatchError, InferenceOnlyError, OptionError, UnsupportedModelError
+from ..timing import sync
 from .contract import Method
 from .state import ForwardState, LayerContext, LayerRecord
 
@@ -31,7 +32,6 @@ __all__ = [
     "input_hook",
     "set_layer_inputs",
     "count_pairs",
-    "sync",
     "check_call",
     "HANDLE_ATTR",
     "handle_on",
@@ -358,20 +358,6 @@ def _check_inference(handle: "PatchHandle", layer: int, q: torch.Tensor, k: torc
             f"{type(handle.model).__name__} patched with {name!r}: layer {layer} is called with attention dropout "
             f"p={dropout} (training mode), which the method does not implement; call model.eval() first, or use method 'dense'"
         )
-
-
-def sync(device: torch.device | str | None = None) -> None:
-    """Wait for the device's queued work (CUDA); nothing on the CPU.
-
-    ``device=None`` waits for every CUDA device this process has initialised (none on a CPU-only run).
-    """
-    if device is None:
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            for i in range(torch.cuda.device_count()):
-                torch.cuda.synchronize(i)
-        return
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def set_layer_inputs(handle: "PatchHandle", hidden: torch.Tensor | None = None, residual: torch.Tensor | None = None) -> None:

@@ -14,7 +14,7 @@ from .capture import capture_qkv, load_qkv
 from .layer import DEFAULT_LENGTHS, bench_attention, layer_config
 from .models import bench_causal_lm, bench_vision_model, prefill_ids
 from .plots import plot_attention
-from ..run.timing import time_call
+from ...timing import time_call
 from .timing import BACKGROUND_LOAD_LIMIT_S, background_load, peak_extra_bytes, scaling_exponent
 
 __all__ = [

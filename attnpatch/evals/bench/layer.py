@@ -28,7 +28,7 @@ import torch
 from ...errors import OptionError
 from ...patchers.bench_hook import BenchInputs, sdpa
 from ...patchers.registry import MODEL_KINDS, Method, get_method, validate_options
-from ..run.timing import time_call
+from ...timing import time_call
 from .timing import peak_extra_bytes, scaling_exponent
 
 __all__ = ["DEFAULT_LENGTHS", "bench_attention", "layer_config"]

@@ -13,7 +13,7 @@ from ...patchers.adapters import adapter_for
 from ...patchers.api import patch, record_stats, time_attention, unpatch
 from ...patchers.registry import Method, get_method, validate_options
 from .layer import setting_label
-from ..run.timing import time_call
+from ...timing import time_call
 
 __all__ = ["bench_vision_model", "bench_causal_lm", "prefill_ids"]
 

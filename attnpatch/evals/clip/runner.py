@@ -20,7 +20,7 @@ from ...log import Log, log_stderr
 from ...patchers.api import patch_info, patched
 from ..vision.image_pass import ImagePass, SettingRun, finish, resolve_settings, run_image_pass, run_labels, throughput
 from ..run.report import EvalInterrupted
-from ..run.timing import Stopwatch
+from ...timing import Stopwatch
 from .captions import CaptionSet
 from .metrics import check_ks, retrieval_chance, retrieval_recall, zeroshot_accuracy, zeroshot_classifier
 from .prompts import resolve_templates

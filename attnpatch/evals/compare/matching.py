@@ -17,7 +17,7 @@ from ...log import Log
 from ...patchers.api import patched, record_stats
 from ...patchers.registry import MODEL_KINDS, get_method, validate_options
 from ..recall import summarize_layers
-from ..run.timing import median_seconds, quietly
+from ...timing import median_seconds, quietly
 
 __all__ = [
     "Settings", "EVALS", "MATCH_KEYS", "Match", "parse_match", "parse_matches", "as_matches", "eval_kind", "check_settings",

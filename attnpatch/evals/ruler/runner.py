@@ -26,7 +26,7 @@ from ..run.devices import input_device
 from ..run.distributed import Ranks
 from ..recall import attention_recall, summarize_layers
 from ..run.report import EvalInterrupted
-from ..run.timing import Stopwatch
+from ...timing import Stopwatch
 
 __all__ = ["run_ruler", "run_ruler_settings", "PrefillTimer", "generate_greedy"]
 
@@ -36,7 +36,7 @@ class PrefillTimer:
 
     Use as a context manager; ``seconds`` holds the wall time (seconds) of the first top-level
     forward call made inside the block, with the device synchronised before and after it
-    (:class:`~attnpatch.evals.run.timing.Stopwatch`), so a GPU time counts the prefill's work, not its
+    (:class:`~attnpatch.timing.Stopwatch`), so a GPU time counts the prefill's work, not its
     kernel launches.
     """
 

@@ -24,7 +24,7 @@ from ...patchers.registry import get_method, validate_options
 from ..run.distributed import Ranks
 from ..run.report import EvalInterrupted
 from ..run.resume import BatchStore
-from ..run.timing import Stopwatch
+from ...timing import Stopwatch
 
 __all__ = ["SettingRun", "ImagePass", "resolve_settings", "count_sampled_at", "run_image_pass", "finish", "throughput", "run_labels"]
 

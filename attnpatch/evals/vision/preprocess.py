@@ -19,7 +19,6 @@ from .image_io import to_rgb
 __all__ = ["Preprocess", "fit_resolution", "make_preprocess"]
 
 
-
 def _check_resolution(resolution) -> int | None:
     if resolution is None:
         return None

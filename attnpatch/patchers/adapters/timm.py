@@ -393,14 +393,13 @@ def timm_image_pipeline(cfg: Any, resolution: int | None) -> tuple[str, Callable
         return None
     from timm.data import create_transform
 
-    cfg = dict(cfg)
     if "input_size" not in cfg:
         raise OptionError(f"timm data config without 'input_size' (keys: {sorted(cfg)}); pass timm.data.resolve_data_config(...)")
-    keep = {k: cfg[k] for k in ("input_size", "interpolation", "mean", "std", "crop_pct", "crop_mode") if k in cfg}
+    described = data_config_preprocess(cfg)  # the fields timm's transform takes, resize target, mean / std
+    keep = dict(described.native)
     crop_pct = float(keep.get("crop_pct") or 0.875)
-    if resolution is None:
-        resize = {"scale_size": int(keep["input_size"][-1] / crop_pct)}
-    else:
+    resize = described.resize
+    if resolution is not None:
         scale = math.floor(resolution / crop_pct)  # timm's own rule, so the native side gives the default pipeline
         keep["input_size"] = (3, resolution, resolution)
         keep["crop_pct"] = resolution / (scale + 0.5)  # timm sizes the resize step as floor(R / crop_pct): exactly `scale`
@@ -410,6 +409,4 @@ def timm_image_pipeline(cfg: Any, resolution: int | None) -> tuple[str, Callable
     def fn(images):
         return torch.stack([tf(im) for im in images])
 
-    mean = tuple(float(v) for v in keep.get("mean", (0.485, 0.456, 0.406)))
-    std = tuple(float(v) for v in keep.get("std", (0.229, 0.224, 0.225)))
-    return "timm", fn, resize, mean, std
+    return "timm", fn, resize, described.mean, described.std

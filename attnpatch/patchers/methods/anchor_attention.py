@@ -8,6 +8,7 @@ cost and keep is measured in BENCHMARKS.md and docs/methods.md.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import sys
 from typing import Any
@@ -20,7 +21,7 @@ from ...errors import OptionError
 from ..bench_hook import BenchCase, BenchInputs
 from ...options import options_of
 from ..contract import ExactLimit, Knob, Method, ModelGeometry, Preset
-from ..break_even import resolve_break_even
+from ..break_even import probe_inputs, resolve_break_even
 from ..registry import register_method
 from ..state import LayerContext, LayerRecord
 
@@ -93,9 +94,9 @@ def calibration_case(cfg: AnchorConfig, q: torch.Tensor, k: torch.Tensor):
     """``n -> (anchor_call, sdpa_call)`` on :func:`synthetic_prefill` of ``q`` / ``k``'s geometry, dtype and device:
     the method's layer (sparse at every length) and the model's own causal attention (SDPA, grouped-query keys as they are)."""
     heads, kv_heads, d = q.shape[1], k.shape[1], q.shape[-1]
-    sparse = dataclasses.replace(cfg, min_len=0)
 
     def case(n: int):
+        sparse = _with_min_len(cfg, 0)
         qq, kk, vv = synthetic_prefill(n, heads, kv_heads, d, dtype=q.dtype, device=q.device)
 
         def anchor_call():
@@ -122,15 +123,21 @@ def resolved(cfg: AnchorConfig, q: torch.Tensor, k: torch.Tensor) -> AnchorConfi
         table=BREAK_EVEN_BY_WORD[cfg.min_len], env="ATTNPATCH_ANCHOR_BREAK_EVEN", lengths=CALIBRATION_LENGTHS,
         case=calibration_case(cfg, q, k),
     )
-    return dataclasses.replace(cfg, min_len=sys.maxsize if found.tokens is None else found.tokens)
+    return _with_min_len(cfg, sys.maxsize if found.tokens is None else found.tokens)
+
+
+@functools.lru_cache(maxsize=64)
+def _with_min_len(cfg: AnchorConfig, tokens: int) -> AnchorConfig:
+    """``cfg`` with ``min_len=tokens``, built (and validated) once per config and value: a layer asks on every call."""
+    return dataclasses.replace(cfg, min_len=tokens)
 
 
 def prepare_anchor(cfg: AnchorConfig, geo: ModelGeometry, device: torch.device, dtype: torch.dtype) -> None:
     """At patch time: resolve a ``min_len`` word for the model's heads, device and dtype (a calibration then runs here,
     not inside the first, timed, prefill)."""
-    if not isinstance(cfg.min_len, int) and geo.heads and geo.head_dim and device.type != "meta":
-        q = torch.empty(1, geo.heads, 1, geo.head_dim, device=device, dtype=dtype)
-        resolved(cfg, q, q[:, : geo.kv_heads or geo.heads])
+    probe = None if isinstance(cfg.min_len, int) else probe_inputs(geo, device, dtype)
+    if probe is not None:
+        resolved(cfg, *probe)
 
 
 def anchor_forward(

@@ -27,7 +27,7 @@ from ...errors import OptionError
 from ..bench_hook import BenchCase, BenchInputs
 from ...options import check_fields, opt, options_of
 from ..contract import ExactLimit, Knob, Method, ModelGeometry, Preset
-from ..break_even import parse_env, resolve_break_even
+from ..break_even import parse_env, probe_inputs, resolve_break_even
 from ..registry import register_method
 from ..state import LayerContext, LayerRecord
 from ._shared import repeat_kv, say
@@ -275,9 +275,9 @@ def min_tokens_for(cfg: FNAConfig, q: torch.Tensor, k: torch.Tensor) -> int:
 def prepare_fna(cfg: FNAConfig, geo: ModelGeometry, device: torch.device, dtype: torch.dtype) -> None:
     """At patch time: resolve ``min_tokens="auto"`` for the model's heads, device and dtype (a calibration then runs
     here, not inside the first, timed, forward)."""
-    if cfg.min_tokens == "auto" and geo.heads and geo.head_dim and device.type != "meta":
-        probe = torch.empty(1, geo.heads, 1, geo.head_dim, device=device, dtype=dtype)
-        min_tokens_for(cfg, probe, probe[:, : geo.kv_heads or geo.heads])
+    probe = probe_inputs(geo, device, dtype) if cfg.min_tokens == "auto" else None
+    if probe is not None:
+        min_tokens_for(cfg, *probe)
 
 
 def exact_reason(cfg: FNAConfig, q: torch.Tensor, k: torch.Tensor, ctx: LayerContext) -> str | None:

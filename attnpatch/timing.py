@@ -1,10 +1,11 @@
-"""The one timer of the evals: wall time that waits for the device's queued work.
+"""The one timer of the project: wall time that waits for the device's queued work.
 
 A GPU runs kernels asynchronously: a host clock read right after a call returns measures its kernel
 launches, not its work.  Every timer here synchronises the device before it starts and before it stops
 (``torch.cuda.synchronize``; nothing to wait for on the CPU), so a GPU time is the time of the work.
 ``bench``, ``compare``, ``tune``, ``eval ruler`` (the prefill timer) and the image and text passes of the
-vision and CLIP evals all time through this module.
+vision and CLIP evals, the patch's attention timing and the break-even calibration
+(:mod:`attnpatch.patchers.break_even`) all time through this module.
 """
 
 from __future__ import annotations
@@ -17,10 +18,23 @@ from typing import Any
 
 import torch
 
-from ...errors import OptionError
-from ...patchers.runtime import sync
+from .errors import OptionError
 
 __all__ = ["sync", "Stopwatch", "time_call", "median_seconds", "quietly"]
+
+
+def sync(device: torch.device | str | None = None) -> None:
+    """Wait for the device's queued work (CUDA); nothing on the CPU.
+
+    ``device=None`` waits for every CUDA device this process has initialised (none on a CPU-only run).
+    """
+    if device is None:
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            for i in range(torch.cuda.device_count()):
+                torch.cuda.synchronize(i)
+        return
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 class Stopwatch:
