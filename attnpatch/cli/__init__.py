@@ -1,5 +1,6 @@
 """Command line: ``attnpatch methods``, ``models``, ``eval ruler``, ``eval {fidelity,knn,linear-probe,retrieval}``,
-``eval {zeroshot,clip-retrieval}`` (CLIP), ``sinks``, ``bench {attention,capture,model}``, ``compare``, ``tune``.
+``eval {zeroshot,clip-retrieval}`` (CLIP),
+``eval {lm-eval,clip-benchmark}`` (the harnesses), ``sinks``, ``bench {attention,capture,model}``, ``compare``, ``tune``.
 
 Thin by design: it parses, calls the library, prints. One module per command group, each command's
 parser next to its handler (every module's ``add_parser`` registers its commands and sets
@@ -15,7 +16,7 @@ from typing import Sequence
 
 from ..errors import AttnpatchError
 from ..patchers.break_even import begin_run
-from . import bench, clip, compare, methods, ruler, sinks, tune, vision
+from . import bench, clip, compare, harness, methods, ruler, sinks, tune, vision
 
 # The handlers and shared helpers stay importable (and patchable) as ``attnpatch.cli.<name>``; a patch
 # here does not reach the command modules, which import them directly.
@@ -42,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     ruler.add_parser(esub)
     vision.add_parser(esub)  # fidelity, knn, linear-probe, retrieval
     clip.add_parser(esub)  # zeroshot, clip-retrieval
+    harness.add_parser(esub)  # lm-eval, clip-benchmark
     bench.add_parser(sub)  # bench attention, capture, model
     sinks.add_parser(sub)
     compare.add_parser(sub)  # compare: dense + several settings at matched budgets
