@@ -12,6 +12,11 @@
   counts as found when *any* of its captions is among the ``k`` texts most similar to it; each
   recall is the found fraction of the queries.
 * :func:`retrieval_chance` -- the recall@k of a random ranking.
+* :func:`classification_metrics`, :func:`retrieval_metrics` -- the same scores under CLIP_benchmark's
+  result keys (``acc1``, ``acc5``, ``mean_per_class_recall``; ``image_retrieval_recall@k``,
+  ``text_retrieval_recall@k``), computed as its ``zeroshot_classification.evaluate`` /
+  ``zeroshot_retrieval.evaluate`` compute them; :func:`retrieval_predictions` the per-query ranks
+  behind the recalls.
 
 Ties in similarity are broken by the lower index (a stable descending sort), so the metrics are
 deterministic; CLIP_benchmark uses ``torch.topk``, whose tie order is unspecified (identical only
@@ -29,7 +34,10 @@ import torch
 
 from ...errors import DataError, OptionError
 
-__all__ = ["zeroshot_classifier", "zeroshot_accuracy", "retrieval_recall", "retrieval_chance"]
+__all__ = [
+    "zeroshot_classifier", "zeroshot_accuracy", "retrieval_recall", "retrieval_chance", "classification_metrics",
+    "retrieval_metrics", "retrieval_predictions",
+]
 
 
 def _as_float(x, what: str) -> torch.Tensor:
@@ -215,3 +223,78 @@ def retrieval_chance(text_to_image, n_images: int, ks: Sequence[int] = (1, 5, 10
             miss *= np.clip((nt - m - i) / (nt - i), 0.0, 1.0)
         out[f"i2t_recall@{k}"] = float(np.mean(1.0 - miss))
     return out
+
+
+def classification_metrics(labels, predictions, top5_accuracy: float, n_classes: int) -> dict[str, float]:
+    """Zero-shot classification scores under CLIP_benchmark's keys, computed as its
+    ``zeroshot_classification.evaluate`` computes them (LAION-AI/CLIP_benchmark 1.6.2).
+
+    Args:
+        labels: ``[N]`` int true classes.
+        predictions: ``[N]`` int top-1 classes (e.g. ``zeroshot_accuracy(...)["predictions"]``).
+        top5_accuracy: the top-5 accuracy, fraction in [0, 1] (e.g. ``zeroshot_accuracy(...)["top5"]``).
+        n_classes: ``C``, the number of class names.
+
+    Returns:
+        ``{"acc1": fraction of predictions equal to the label, "acc5": top5_accuracy (NaN when
+        ``C < 5``, as CLIP_benchmark writes it; the count of hits over ``N`` in float64), "mean_per_class_recall": the mean over the classes
+        present in ``labels`` of the fraction of their images predicted right
+        (``sklearn.metrics.balanced_accuracy_score``, what CLIP_benchmark calls)}``; fractions in [0, 1].
+
+    Raises:
+        DataError: ``labels`` and ``predictions`` differ in length, or are empty.
+    """
+    import warnings
+
+    from sklearn.metrics import balanced_accuracy_score
+
+    y, p = np.asarray(labels).reshape(-1), np.asarray(predictions).reshape(-1)
+    if y.shape != p.shape or not y.size:
+        raise DataError(f"labels ({y.size}) and predictions ({p.size}) must be non-empty and of one length")
+    with warnings.catch_warnings():  # "y_pred contains classes not in y_true": the score is still CLIP_benchmark's
+        warnings.simplefilter("ignore", UserWarning)
+        recall = float(balanced_accuracy_score(y, p))
+    n = y.size  # CLIP_benchmark divides a count by N in Python floats: the count back from a float32 fraction
+    return {"acc1": int(np.sum(y == p)) / n, "acc5": round(float(top5_accuracy) * n) / n if n_classes >= 5 else float("nan"),
+            "mean_per_class_recall": recall}
+
+
+def retrieval_metrics(recall: dict[str, Any]) -> dict[str, float]:
+    """:func:`retrieval_recall`'s result under CLIP_benchmark's keys (``zeroshot_retrieval.evaluate``):
+    ``image_retrieval_recall@k`` = ``t2i_recall@k`` (a text finds its image), ``text_retrieval_recall@k`` =
+    ``i2t_recall@k`` (an image finds one of its captions); fractions in [0, 1], in CLIP_benchmark's key order
+    (both directions per ``k``)."""
+    out: dict[str, float] = {}
+    for k in recall["ks"]:
+        out[f"image_retrieval_recall@{k}"] = recall[f"t2i_recall@{k}"]
+        out[f"text_retrieval_recall@{k}"] = recall[f"i2t_recall@{k}"]
+    return out
+
+
+def retrieval_predictions(scores, text_to_image) -> dict[str, list[int]]:
+    """Per-query ranks behind the retrieval recalls, from a text x image score matrix.
+
+    Args:
+        scores: ``[Nt, Ni]`` similarity of each text to each image (e.g. unit text embeddings @ unit image
+            embeddings ``.T``).
+        text_to_image: ``[Nt]`` int, the image of each text.
+
+    Returns:
+        ``{"t2i_rank": [Nt] 0-based rank of each text's image among all images, "i2t_rank": [Ni] 0-based
+        rank of each image's best-ranked caption among all texts, "t2i_top1": [Nt] the top image of each
+        text, "i2t_top1": [Ni] the top text of each image}``, ties broken by the lower index as in
+        :func:`retrieval_recall` (a query is found at ``k`` when its rank is below ``k``).
+
+    Raises:
+        DataError: ``scores`` not 2-D or ``text_to_image`` of another length or out of range.
+    """
+    sc = torch.as_tensor(scores).detach().float().cpu()
+    if sc.dim() != 2:
+        raise DataError(f"scores: expected a 2-D [Nt, Ni] matrix, got shape {tuple(sc.shape)}")
+    nt, ni = sc.shape
+    t2i = _as_index(text_to_image, nt, "text_to_image", ni)
+    pos = torch.zeros_like(sc, dtype=torch.bool)
+    pos[torch.arange(nt), t2i] = True
+    first = (lambda m: torch.where(m == m.max(1, keepdim=True).values, torch.arange(m.shape[1]), m.shape[1]).min(1).values)
+    return {"t2i_rank": _best_rank(sc, pos).tolist(), "i2t_rank": _best_rank(sc.T.contiguous(), pos.T.contiguous()).tolist(),
+            "t2i_top1": first(sc).tolist(), "i2t_top1": first(sc.T).tolist()}

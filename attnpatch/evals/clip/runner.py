@@ -22,7 +22,10 @@ from ..vision.image_pass import ImagePass, SettingRun, finish, resolve_settings,
 from ..run.report import EvalInterrupted
 from ...timing import Stopwatch
 from .captions import CaptionSet
-from .metrics import check_ks, retrieval_chance, retrieval_recall, zeroshot_accuracy, zeroshot_classifier
+from .metrics import (
+    check_ks, classification_metrics, retrieval_chance, retrieval_metrics, retrieval_predictions, retrieval_recall,
+    zeroshot_accuracy, zeroshot_classifier,
+)
 from .prompts import resolve_templates
 
 __all__ = ["run_zeroshot_eval", "run_retrieval_eval"]
@@ -54,6 +57,10 @@ def _text_pass(bundle, texts: list[str], settings, towers, text_batch_size: int)
     return dense, secs, per
 
 
+def _unit(x: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.normalize(x.float(), dim=-1)
+
+
 def _cos(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cosine_similarity(a, b, dim=-1)
 
@@ -64,6 +71,12 @@ def _row_common(m, o, g, r: SettingRun, emb, dense_emb, dense_t, n) -> dict[str,
         "method": m, "options": o, "shown_options": g, "towers": r.towers, **throughput(r.seconds, n, dense_t),
         "embed_cosine": float(cc.mean()), "embed_cosine_min": float(cc.min()), **run_labels(r),
     }
+
+
+def _zeroshot_keys(acc: dict[str, Any], emb, clf, labels, c: int) -> dict[str, Any]:
+    """``{"metrics": CLIP_benchmark's keys, "predictions": [N] top-1 class per image}`` of one setting."""
+    top5 = acc["top5"] if "top5" in acc else zeroshot_accuracy(emb, clf, labels, (5,))["top5"]
+    return {"metrics": classification_metrics(labels, acc["predictions"], top5, c), "predictions": acc["predictions"].tolist()}
 
 
 def _text_or_interrupt(fn, *args):
@@ -112,10 +125,12 @@ def run_zeroshot_eval(
     Returns:
         ``{"eval": "zeroshot", "n_images", "n_classes", "n_templates", "templates", "resolution"
         (pixels), "tokens" (image-tower tokens N), "batch_size", "text_seconds", "chance"
-        ({"top<k>": k / C}), "dense": {"top<k>", "seconds", "images_per_s"}, "runs": [{"method",
-        "options", "towers", "top<k>", "agreement" (top-1 prediction equal to dense, fraction),
+        ({"top<k>": k / C}), "dense": {"top<k>", "seconds", "images_per_s", "metrics", "predictions"}, "runs": [{"method",
+        "options", "towers", "top<k>", "metrics", "predictions", "agreement" (top-1 prediction equal to dense, fraction),
         "embed_cosine" / "embed_cosine_min" (image embedding vs dense, mean / min over images),
-        "seconds", "images_per_s", "speedup", "sampled_at"}]}``. Seconds are model forward time.
+        "seconds", "images_per_s", "speedup", "sampled_at"}]}``. Seconds are model forward time. ``"metrics"``
+        holds CLIP_benchmark's keys (:func:`~attnpatch.evals.clip.metrics.classification_metrics`: ``acc1``,
+        ``acc5``, ``mean_per_class_recall``), ``"predictions"`` the ``[N]`` top-1 class of each image.
 
     Raises:
         OptionError: bad templates, ks or batch sizes; UnknownMethodError / OptionError /
@@ -145,14 +160,17 @@ def run_zeroshot_eval(
         "eval": "zeroshot", "n_images": n, "n_classes": c, "n_templates": len(templates), "templates": templates,
         "resolution": ip.resolution, "tokens": ip.tokens, "batch_size": batch_size, "text_seconds": text_s,
         "chance": {f"top{k}": min(k, c) / c for k in ks},
-        "dense": {**{f"top{k}": dense[f"top{k}"] for k in ks}, **throughput(ip.dense_seconds, n)},
+        "dense": {**{f"top{k}": dense[f"top{k}"] for k in ks}, **throughput(ip.dense_seconds, n),
+                  **_zeroshot_keys(dense, dense_emb, clf, labels[:n], c)},
         "runs": [],
     }
     for (m, o), g, r, pt in zip(settings, given, ip.runs, per_text):
         emb = torch.cat(r.outputs)
-        acc = zeroshot_accuracy(emb, clf if pt is None else zeroshot_classifier(pt, c), labels[:n], ks)
+        clf_r = clf if pt is None else zeroshot_classifier(pt, c)
+        acc = zeroshot_accuracy(emb, clf_r, labels[:n], ks)
         row = _row_common(m, o, g, r, emb, dense_emb, ip.dense_seconds, n)
         row.update({f"top{k}": acc[f"top{k}"] for k in ks})
+        row.update(_zeroshot_keys(acc, emb, clf_r, labels[:n], c))
         row["agreement"] = float(np.mean(acc["predictions"] == dense["predictions"]))
         result["runs"].append(row)
     return finish(result, ip)
@@ -190,10 +208,12 @@ def run_retrieval_eval(
     Returns:
         ``{"eval": "retrieval", "n_images", "n_texts", "ks", "resolution", "tokens",
         "batch_size", "text_seconds", "chance" (:func:`retrieval_chance`), "dense":
-        {"t2i_recall@<k>", "i2t_recall@<k>", "seconds", "images_per_s"}, "runs": [{"method",
-        "options", "towers", the recalls, "t2i_top1_agreement" (each text's top-1 image equals
+        {"t2i_recall@<k>", "i2t_recall@<k>", "seconds", "images_per_s", "metrics", "predictions"}, "runs": [{"method",
+        "options", "towers", the recalls, "metrics", "predictions", "t2i_top1_agreement" (each text's top-1 image equals
         dense's, fraction), "embed_cosine", "embed_cosine_min", "seconds", "images_per_s",
-        "speedup", "sampled_at"}]}``; recall definitions in :func:`retrieval_recall`.
+        "speedup", "sampled_at"}]}``; recall definitions in :func:`retrieval_recall`;
+        ``"metrics"`` the recalls under CLIP_benchmark's keys (:func:`~attnpatch.evals.clip.metrics.retrieval_metrics`),
+        ``"predictions"`` the per-query ranks (:func:`~attnpatch.evals.clip.metrics.retrieval_predictions`).
 
     Raises:
         OptionError: bad ks or batch sizes; UnknownMethodError / OptionError /
@@ -220,7 +240,8 @@ def run_retrieval_eval(
     result: dict[str, Any] = {
         "eval": "retrieval", "n_images": n, "n_texts": len(texts), "ks": ks, "resolution": ip.resolution,
         "tokens": ip.tokens, "batch_size": batch_size, "text_seconds": text_s, "chance": retrieval_chance(t2i, n, ks),
-        "dense": {**{k: dense[k] for k in metric_keys}, **throughput(ip.dense_seconds, n)},
+        "dense": {**{k: dense[k] for k in metric_keys}, **throughput(ip.dense_seconds, n), "metrics": retrieval_metrics(dense),
+                  "predictions": retrieval_predictions(_unit(text) @ _unit(dense_emb).T, t2i)},
         "runs": [],
     }
     for (m, o), g, r, pt in zip(settings, given, ip.runs, per_text):
@@ -229,6 +250,7 @@ def run_retrieval_eval(
         rec = retrieval_recall(emb, tx, t2i, ks)
         row = _row_common(m, o, g, r, emb, dense_emb, ip.dense_seconds, n)
         row.update({k: rec[k] for k in metric_keys})
+        row.update(metrics=retrieval_metrics(rec), predictions=retrieval_predictions(_unit(tx) @ _unit(emb).T, t2i))
         row["t2i_top1_agreement"] = float(((tx @ emb.T).argmax(1) == dense_top1).float().mean())
         result["runs"].append(row)
     return finish(result, ip)
