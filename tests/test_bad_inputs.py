@@ -405,7 +405,8 @@ def test_ctrl_c_in_ruler_writes_the_finished_cells_and_exits_130(llm_dir, tmp_pa
     err = capsys.readouterr().err
     assert "Traceback" not in err
     assert err.strip().splitlines()[-1] == (
-        f'attnpatch: interrupted (Ctrl-C) after 1/2 cells; wrote the finished part to {out} and {md} (marked "interrupted": true)'
+        f'attnpatch: interrupted (Ctrl-C) after 1/2 cells; wrote the finished part to {out} and {out.with_suffix(".png")} and {md} '
+        '(marked "interrupted": true)'
     )
     res = json.loads(out.read_text())
     assert res["interrupted"] is True and res["complete"] is False and res["cells_done"] == 1 and res["cells_planned"] == 2

@@ -20,8 +20,10 @@ def cmd_eval_ruler(args) -> int:
 
     from ..checkpoints import load_causal_lm
     from ..evals.run.distributed import ranks as current_ranks
+    from ..evals.run.plots import plot_path
     from ..evals.run.report import RULER_COLUMNS, EvalInterrupted, machine_info, print_table, rows_to_markdown, write_json, write_text
     from ..evals.run.resume import resume_cells
+    from ..evals.ruler.plots import plot_niah_heatmap
     from ..evals.ruler.runner import run_ruler
     from ..log import log_stderr
     from ..patchers.registry import get_method, validate_options
@@ -35,11 +37,12 @@ def cmd_eval_ruler(args) -> int:
     options = validate_options(get_method(args.method), parse_options(args.option))
     tasks = ruler_task_names(args)
     path = args.json or f"ruler_{slug(args.model)}_{slug(args.method)}.json"
+    png = str(plot_path(path, args.plot))  # a --plot that is not a .png fails here, on every process
     kwargs = load_kwargs(args, ranks)
     key = {"model": args.model, "method": args.method, "options": options, "dtype": args.dtype, "settings": ruler_settings(args)}
     earlier = None
     if ranks.main:
-        check_outputs(("--json", path), ("--markdown", args.markdown))  # before the long work, not after it
+        check_outputs(("--json", path), ("--plot", png), ("--markdown", args.markdown))  # before the long work, not after it
         if args.resume:
             earlier = resume_cells(path, key, [(t, n) for t in tasks for n in args.lengths], log=log_stderr)
     earlier = ranks.broadcast(earlier)
@@ -79,12 +82,14 @@ def cmd_eval_ruler(args) -> int:
             result = stop.partial
             if not ranks.main:
                 return 130
+            drawn = None
             if result is not None:
                 save(result)  # "interrupted": true is in the partial result
+                title = f"RULER-style eval — {args.model} — {args.method} {fmt_opts(result['options'])} (interrupted: {stop.done})"
+                drawn = plot_niah_heatmap(result, png, title)
             return report_interrupted(args, stop, path, result and (
-                f"### RULER-style eval — {args.model} — {args.method} {fmt_opts(result['options'])} (interrupted: {stop.done})\n\n"
-                + rows_to_markdown(result["cells"], RULER_COLUMNS) + "\n"
-            ))
+                f"### {title}\n\n" + rows_to_markdown(result["cells"], RULER_COLUMNS) + "\n"
+            ), also=[str(drawn)] if drawn else [])
     if not ranks.main:
         return 0
     save(result, complete=True)
@@ -97,6 +102,9 @@ def cmd_eval_ruler(args) -> int:
     for line in _rank_lines(result["cells"]):
         print(line)
     print(f"wrote {path}")
+    drawn = plot_niah_heatmap(result, png, title)
+    if drawn:
+        print(f"wrote {drawn}")
     if args.markdown:
         write_text(args.markdown, f"### {title}\n\n" + rows_to_markdown(result["cells"], RULER_COLUMNS) + "\n"
                    + (f"\n{note}\n" if note else ""))
@@ -164,6 +172,8 @@ def add_parser(esub) -> None:
     pr.add_argument("--no-recall", action="store_true", help="skip the attention-recall measuring pass")
     pr.add_argument("--recall-samples", type=positive_int, metavar="N", help="measure recall on the first N samples of each cell only (default: all)")
     pr.add_argument("--json", help="result JSON path, rewritten after every finished cell (default: ruler_<model>_<method>.json)")
+    pr.add_argument("--plot", metavar="PATH", help="needle-in-a-haystack heatmap PNG: accuracy over context length x needle depth, "
+                    "dense, patched and their difference (default: the --json path with .png)")
     pr.add_argument("--markdown", help="also write the table as Markdown to this path")
     pr.add_argument("--threads", type=positive_int, help="torch CPU threads")
     scale_out_args(pr)

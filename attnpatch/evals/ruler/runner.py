@@ -21,6 +21,7 @@ from ...errors import DataError
 from ...patchers.api import patch, record_stats, unpatch
 from ...patchers.registry import get_method, validate_options
 from . import tasks as ruler_tasks
+from .dialect import lm_eval_results
 from .text import build_input_ids
 from ..run.devices import input_device
 from ..run.distributed import Ranks
@@ -143,7 +144,9 @@ def run_ruler(
         ``prefill_dense_s``, ``prefill_patched_s`` (medians, seconds), ``prefill_speedup``,
         ``patched_modes`` (the record modes of the patched prefills' layers, e.g. ``["dense:short"]`` where
         every layer ran the model's own attention; see :func:`attnpatch.record_stats`)
-        and ``samples`` (per-sample details); ``world_size``: the processes of the run.
+        and ``samples`` (per-sample details); ``world_size``: the processes of the run; ``lm_eval``: the dense
+        and patched accuracies per task and length in lm-evaluation-harness's results layout, ``{"dense": {...},
+        "patched": {...}}`` (:mod:`attnpatch.evals.ruler.dialect`; no ``"patched"`` in a baseline-only run).
 
     Raises:
         DataError: unknown task, a length too short for a task, or a tokenizer that encodes text
@@ -169,7 +172,8 @@ def run_ruler(
     r = ranks or Ranks()
 
     def result() -> dict[str, Any]:
-        return {**_result(method, options, dense_cells if baseline_only else run_cells[0], run_settings), "world_size": r.world_size}
+        return {**_result(method, options, dense_cells if baseline_only else run_cells[0], run_settings), "world_size": r.world_size,
+                "lm_eval": lm_eval_results(dense_cells, run_cells, haystack)}
 
     return _run_all(
         model, tokenizer, plan, setting, dense_cells, run_cells, result, recall=recall, recall_samples=recall_samples,
@@ -225,7 +229,8 @@ def run_ruler_settings(
         ``{"settings": {run configuration}, "world_size", "dense": {"cells": [...]}, "runs": [{"method",
         "options", "cells": [...]}, ...]}``; the dense cells have :func:`run_ruler`'s baseline
         columns, each run's cells :func:`run_ruler`'s patched cells (dense columns included,
-        from the one dense generation per sample).
+        from the one dense generation per sample); ``"lm_eval"``: ``{"dense": {...}, "runs": [{...}, ...]}``, the
+        same accuracies in lm-evaluation-harness's results layout (:mod:`attnpatch.evals.ruler.dialect`).
 
     Raises:
         DataError: as :func:`run_ruler` (all checked before the first generation).
@@ -256,6 +261,7 @@ def run_ruler_settings(
         return {
             "settings": run_settings, "world_size": r.world_size, "dense": {"cells": list(dense_cells)},
             "runs": [{"method": m, "options": o, "cells": list(c)} for (m, o), c in zip(settings, run_cells)],
+            "lm_eval": lm_eval_results(dense_cells, run_cells, haystack, one_setting=False),
         }
 
     return _run_all(
