@@ -4,7 +4,7 @@ dense vs patched image tower."""
 from __future__ import annotations
 
 from .args import DEFAULT_CLIP_MODEL, method_spec, positive_int, Repeatable
-from .output import check_outputs, image_progress, json_path, report, report_interrupted, world_note
+from .output import check_outputs, image_progress, json_path, plot_file, report, report_interrupted, world_note
 from .runtime import open_store, other_process_exit, rank_log, resolve_device, scale_out_args
 
 
@@ -30,7 +30,7 @@ def cmd_eval_clip(args) -> int:
         validate_options(get_method(method), opts)  # fail before loading anything
         settings.append((method, opts))
     if ranks.main:
-        check_outputs(("--json", json_path(args)), ("--markdown", args.markdown))
+        check_outputs(("--json", json_path(args)), ("--markdown", args.markdown), ("--plot", plot_file(args)))
     data, bundle, classnames, names_source, templates = load_clip_inputs(args, ranks, zeroshot)
     towers = args.towers
     store = open_store(args, ranks, len(data), settings, split=args.split, towers=towers)
@@ -69,7 +69,9 @@ def cmd_eval_clip(args) -> int:
     )
     title = f"{args.eval} — {args.model}{' (random weights)' if bundle.random_init else ''} — {getattr(data, 'name', args.data)}, {what}, {result['resolution']} px"
     title += world_note(result)
-    status = report(args, title, rows, columns, result, interrupted=stop)
+    from ..evals.clip.plots import plot_clip_eval
+
+    status = report(args, title, rows, columns, result, interrupted=stop, plot=plot_clip_eval)
     if stop is None:
         store.remove()
     return status
@@ -121,6 +123,7 @@ def clip_common(q) -> None:
     q.add_argument("--threads", type=positive_int, help="torch CPU threads")
     q.add_argument("--json", help="result JSON path (default: <eval>_<model>_<method>.json)")
     q.add_argument("--markdown", help="also write the table as Markdown to this path")
+    q.add_argument("--plot", metavar="PATH", help="PNG path (default: next to the JSON, <json stem>.png)")
     scale_out_args(q, device=False, big=False)
 
 

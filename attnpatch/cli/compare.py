@@ -1,5 +1,6 @@
 """``attnpatch compare``: dense and several settings on one model and one eval, at matched budgets;
-one table, one JSON, an optional Markdown table and Pareto plot (:mod:`attnpatch.evals.compare`)."""
+one table, one JSON, a Pareto plot (PNG, next to the JSON unless ``--plot``) and an optional Markdown table
+(:mod:`attnpatch.evals.compare`)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import contextlib
 import sys
 
 from .args import DEFAULT_CLIP_MODEL, DEFAULT_MODEL, DEFAULT_VISION_MODEL, fraction, positive_int, Repeatable, unique_settings
-from .output import check_outputs, image_progress, report, report_interrupted, slug, world_note
+from .output import check_outputs, image_progress, plot_file, report, report_interrupted, slug, world_note
 from .runtime import load_kwargs, open_store, other_process_exit, rank_log, scale_out_args
 from .ruler import ruler_settings, ruler_task_names
 from ..errors import AttnpatchError
@@ -121,7 +122,7 @@ def _cmd_compare(args) -> int:
                              "a CLIP model loads in float32 on --device")
     earlier = None
     if ranks.main:
-        check_outputs(("--json", args.json), ("--markdown", args.markdown), ("--plot", args.plot))
+        check_outputs(("--json", args.json), ("--markdown", args.markdown), ("--plot", plot_file(args)))
         if args.resume and family == "ruler":
             plan = [(t, n) for t in ruler_task_names(args) for n in args.lengths]
             earlier = resume_cells(args.json, _ruler_key(args, settings, match), plan, log=log_stderr)
@@ -147,13 +148,20 @@ def _cmd_compare(args) -> int:
     title += world_note(result)
     if match:
         title += f" — matched {', '.join(m.text() for m in match)}"
-    rc = report(args, title, cmp.compare_rows(result), cmp.compare_columns(result), result, interrupted=stop)
+    rc = report(args, title, cmp.compare_rows(result), cmp.compare_columns(result), result, interrupted=stop, plot=_plot)
     if stop is None and store is not None:
         store.remove()
-    if rc == 0 and args.plot:
-        cmp.plot_pareto(result, args.plot, title=title)
-        print(f"wrote {args.plot}")
     return rc
+
+
+def _plot(result, path: str, title: str):
+    """The Pareto plot of a compare result (:func:`attnpatch.evals.compare.plot_pareto`), or ``None`` when no row
+    has both a metric and a speed-up yet (an interrupted run)."""
+    from ..evals import compare as cmp
+
+    if not any(r.get("metric") is not None and r.get("speedup") is not None for r in result.get("rows") or []):
+        return None
+    return cmp.plot_pareto(result, path, title=title)
 
 
 def add_parser(sub) -> None:
@@ -183,7 +191,8 @@ def add_parser(sub) -> None:
     p.add_argument("--steps", type=positive_int, default=10, help="bisection steps per method for --match (default: %(default)s)")
     p.add_argument("--json", help="result JSON path (default: compare_<eval>_<model>.json)")
     p.add_argument("--markdown", help="also write the table as Markdown to this path")
-    p.add_argument("--plot", help="also draw the Pareto plot (metric vs speed-up) to this PNG path")
+    p.add_argument("--plot", metavar="PATH", help="PNG path of the Pareto plot, metric vs speed-up (default: next to the JSON, "
+                   "<json stem>.png)")
     p.add_argument("--threads", type=positive_int, help="torch CPU threads")
     scale_out_args(p, device=False)
     g = p.add_argument_group("vision and CLIP evals")

@@ -1,19 +1,25 @@
 """What the command modules share for output: default result paths, output-path checks, the result report
-(table, JSON, Markdown), Ctrl-C handling of an interrupted eval, and progress lines."""
+(table, JSON, Markdown, PNG), Ctrl-C handling of an interrupted eval, and progress lines."""
 
 from __future__ import annotations
 
 import contextlib
 import re
 import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from ..errors import AttnpatchError
 
 __all__ = [
-    "slug", "fmt_opts", "report_interrupted", "json_path", "report", "check_outputs", "progress_line", "image_progress",
-    "rank_lines", "world_note",
+    "slug", "fmt_opts", "report_interrupted", "json_path", "plot_file", "report", "check_outputs", "progress_line", "image_progress",
+    "rank_lines", "world_note", "Plotter",
 ]
+
+#: Draws a result's PNG: ``plotter(result, png_path, title)`` returns the path written, or ``None`` when the result
+#: holds nothing to draw.
+Plotter = Callable[[dict[str, Any], str, str], Path | None]
 
 
 def slug(s: str) -> str:
@@ -24,15 +30,16 @@ def fmt_opts(opts: dict[str, Any]) -> str:
     return ", ".join(f"{k}={v}" for k, v in opts.items()) if opts else ""
 
 
-def report_interrupted(args, stop, written_json: str | None, markdown: str | None) -> int:
+def report_interrupted(args, stop, written_json: str | None, markdown: str | None, also: Sequence[str] = ()) -> int:
     """After Ctrl-C in an eval: the finished part is in ``stop.partial`` (its JSON already written to
-    ``written_json`` by the caller); write ``markdown`` to ``--markdown``, say so in one line, return 130."""
+    ``written_json`` by the caller, and the files ``also``, e.g. its PNG); write ``markdown`` to ``--markdown``,
+    say so in one line, return 130."""
     from ..evals.run.report import write_text
 
     if stop.partial is None:
         print(f"attnpatch: interrupted (Ctrl-C) before any result was finished ({stop.done or 'nothing done'}); nothing written", file=sys.stderr)
         return 130
-    wrote = [written_json] if written_json else []
+    wrote = ([written_json] if written_json else []) + [str(a) for a in also]
     if markdown and getattr(args, "markdown", None):
         write_text(args.markdown, markdown)
         wrote.append(args.markdown)
@@ -49,22 +56,39 @@ def json_path(args) -> str:
     return args.json or f"{slug(args.eval)}_{slug(args.model)}_{slug('+'.join(args.method))}.json"
 
 
-def report(args, title: str, rows, columns, result: dict[str, Any], interrupted=None) -> int:
-    """Print the table, write the JSON (``--json``, default ``<eval>_<model>_<methods>.json``) and the optional Markdown.
+def plot_file(args) -> str:
+    """The PNG of an eval: ``--plot``, or the result JSON's path (:func:`json_path`) with ``.png``.
+
+    Raises:
+        AttnpatchError: ``--plot`` does not end in ``.png`` (one line naming it).
+    """
+    from ..evals.run.plots import plot_path
+
+    return str(plot_path(json_path(args), getattr(args, "plot", None)))
+
+
+def report(args, title: str, rows, columns, result: dict[str, Any], interrupted=None, plot: Plotter | None = None) -> int:
+    """Print the table, write the JSON (``--json``, default ``<eval>_<model>_<methods>.json``), the PNG (with
+    ``plot``: :func:`plot_file`, drawn after the JSON) and the optional Markdown.
 
     With ``interrupted`` (an :class:`~attnpatch.evals.run.report.EvalInterrupted`), ``result`` is the
-    finished part: it is written (no table printed), and the exit status is 130."""
+    finished part: it is written and drawn (no table printed), and the exit status is 130."""
     from ..evals.run.report import print_table, rows_to_markdown, write_json, write_text
 
     path = json_path(args)
     if interrupted is not None:
         write_json(path, result)
-        return report_interrupted(args, interrupted, path, f"### {title} (interrupted: {interrupted.done})\n\n" + rows_to_markdown(rows, columns) + "\n")
+        png = plot(result, plot_file(args), title) if plot is not None else None
+        return report_interrupted(args, interrupted, path, f"### {title} (interrupted: {interrupted.done})\n\n" + rows_to_markdown(rows, columns) + "\n",
+                                  also=[png] if png else [])
     print_table(rows, columns, title=title)
     for line in rank_lines(result):
         print(line)
     write_json(path, result)
     print(f"wrote {path}")
+    png = plot(result, plot_file(args), title) if plot is not None else None
+    if png:
+        print(f"wrote {png}")
     if args.markdown:
         write_text(args.markdown, f"### {title}\n\n" + rows_to_markdown(rows, columns) + "\n")
         print(f"wrote {args.markdown}")

@@ -155,7 +155,9 @@ def _cmd_tune(args) -> int:
     import torch
 
     from ..evals.run.report import machine_info, write_json, write_text
+    from ..evals.run.plots import plot_path
     from ..evals.tune import short_options, tunable_methods, tune_causal, tune_vision
+    from ..evals.tune_plots import plot_tune
     from ..patchers.api import model_geometry
     from ..patchers.registry import get_method, validate_options, write_config
 
@@ -190,13 +192,15 @@ def _cmd_tune(args) -> int:
         raise AttnpatchError(f"--calibration {args.calibration_given}: with --prompts every prompt file is a calibration "
                              "prompt; drop one of the two")
     prompt_files = _prompt_files(args.prompts) if args.prompts else None  # before loading the model
-    for flag, v in (("--out", args.out), ("--json", args.json), ("--markdown", args.markdown)):
+    for flag, v in (("--out", args.out), ("--json", args.json), ("--markdown", args.markdown), ("--plot", args.plot)):
         if v is not None and not v.strip():
             raise AttnpatchError(f"{flag} '': empty; give a file path")
     out = args.out or f"tuned_{slug(args.model)}_{method}.json"
     report = args.json or f"tune_{slug(args.model)}_{method}.json"
-    check_outputs(("--out", out), ("--json", report), ("--markdown", args.markdown))
-    _check_not_inputs(args, prompt_files, (("--out", out), ("--json", report), ("--markdown", args.markdown)))
+    png = str(plot_path(report, args.plot))
+    outputs = (("--out", out), ("--json", report), ("--markdown", args.markdown), ("--plot", png))
+    check_outputs(*outputs)
+    _check_not_inputs(args, prompt_files, outputs)
     machine = machine_info()
     if not vision:
         from ..checkpoints import load_causal_lm
@@ -252,6 +256,7 @@ def _cmd_tune(args) -> int:
     result.update(model=args.model, calibration=source, config=str(out), machine=machine)
     write_json(report, result)  # the search is kept before the held-out check starts
     title = f"tune — {args.model} — {method} — {what}"
+    drawn = plot_tune(result, png, title)  # the search's plot, kept too before the held-out check
     md = _print_rows(_rows_table(result), title)
     print(f"chosen: {'exact (unpatched): no setting met the target faster' if chosen.get('exact') else short_options(chosen['options'])}"
           f" ({chosen['speedup']:.2f}x on the calibration input); wrote {out}  (use: -o config={out})")
@@ -272,6 +277,8 @@ def _cmd_tune(args) -> int:
         md += "\n\n" + line + "\n"
         write_json(report, result)
     print(f"wrote {report}")
+    if drawn:
+        print(f"wrote {drawn}")
     if args.markdown:
         write_text(args.markdown, f"### {title}\n\n{md}")
         print(f"wrote {args.markdown}")
@@ -331,6 +338,8 @@ def add_parser(sub) -> None:
     p.add_argument("--out", help="the tuned config (default: tuned_<model>_<method>.json)")
     p.add_argument("--json", help="the search and held-out result (default: tune_<model>_<method>.json)")
     p.add_argument("--markdown", help="also write the tables as Markdown here")
+    p.add_argument("--plot", metavar="PATH", help="PNG path (default: next to the JSON, <json stem>.png): each candidate's "
+                   "score vs speed-up, the target, the chosen one")
     p.add_argument("--threads", type=positive_int, help="torch CPU threads")
     p.set_defaults(func=_run)
 

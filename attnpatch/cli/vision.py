@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .args import DEFAULT_VISION_MODEL, method_spec, positive_int, Repeatable
-from .output import check_outputs, image_progress, json_path, report, report_interrupted, world_note
+from .output import check_outputs, image_progress, json_path, plot_file, report, report_interrupted, world_note
 from .runtime import load_kwargs, open_store, other_process_exit, rank_log, scale_out_args
 
 VISION_EVALS = {"fidelity": "fidelity", "knn": "knn", "linear-probe": "linear_probe", "retrieval": "retrieval"}
@@ -53,7 +53,7 @@ def cmd_eval_vision(args) -> int:
         validate_options(get_method(method), opts)  # fail before loading anything
         settings.append((method, opts))
     if ranks.main:
-        check_outputs(("--json", json_path(args)), ("--markdown", args.markdown))
+        check_outputs(("--json", json_path(args)), ("--markdown", args.markdown), ("--plot", plot_file(args)))
     stores = []  # opened before the model loads: a --resume of another run fails at once
     images, model, preprocess = load_images_and_model(args, ranks, before_model=lambda images: stores.append(open_store(
         args, ranks, len(images), settings, backend=args.backend, dtype=args.dtype, layer_error_images=args.layer_error_images)))
@@ -77,7 +77,9 @@ def cmd_eval_vision(args) -> int:
     rows = vision_rows(result)
     title = f"{args.eval} — {args.model} ({args.backend}) — {images.name}, {result['n_images']} images, {result['resolution']} px"
     title += world_note(result)
-    status = report(args, title, rows, VISION_COLUMNS, result, interrupted=stop)
+    from ..evals.vision.plots import plot_feature_eval
+
+    status = report(args, title, rows, VISION_COLUMNS, result, interrupted=stop, plot=plot_feature_eval)
     if stop is None:
         store.remove()
     return status
@@ -113,5 +115,6 @@ def add_parser(esub) -> None:
                             "that hits it is marked \"linear_probe_converged\": false in the JSON, with a warning")
         pv.add_argument("--json", help="result JSON path (default: <eval>_<model>_<method>.json)")
         pv.add_argument("--markdown", help="also write the table as Markdown to this path")
+        pv.add_argument("--plot", metavar="PATH", help="PNG path (default: next to the JSON, <json stem>.png)")
         scale_out_args(pv)
         pv.set_defaults(func=cmd_eval_vision)
