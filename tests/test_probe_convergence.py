@@ -46,3 +46,17 @@ def test_converged_probe_is_marked_true_without_a_warning(tiny_vit_dir, images, 
     assert res["dense"]["linear_probe_converged"] is True and res["runs"][0]["linear_probe_converged"] is True
     assert res["dense"]["linear_probe"] == 1.0
     assert not [w for w in caught if "linear probe" in str(w.message)]
+
+
+def test_probe_without_two_classes_of_two_images_fails_before_any_image_is_encoded(tiny_vit_dir, tmp_path, capsys, monkeypatch):
+    from attnpatch.evals.vision import runner
+
+    # 3 images, 3 classes: every class a singleton, so no probe can be fitted
+    data = write_image_folder(tmp_path / "imgs", 3, shape=(40, 48, 3), classes=3)
+    encoded = []
+    monkeypatch.setattr(runner, "run_image_pass", lambda *a, **k: encoded.append(1))
+    assert _run(tiny_vit_dir, data, tmp_path / "r.json") == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("attnpatch:")]  # progress bars and logs aside
+    assert encoded == [] and len(err) == 1
+    assert err[0].startswith("attnpatch: error: linear probe needs at least 2 classes with at least 2 images each; these 3 images have 0")
+    assert not (tmp_path / "r.json").exists()

@@ -190,6 +190,7 @@ def run_feature_eval(
 
     Raises:
         OptionError: unknown task; UnknownMethodError / OptionError for a bad setting.
+        DataError: ``linear_probe`` asked on fewer than 2 classes of at least 2 images (before any image is encoded).
         EvalInterrupted: Ctrl-C (a ``KeyboardInterrupt``) during the run. Its ``partial`` is the
             result over the images of the finished batches (``n_images`` of them, metrics computed
             on those; ``"interrupted": True``, ``"n_images_planned"``; ``"metrics_error"`` when
@@ -198,6 +199,14 @@ def run_feature_eval(
     bad = [t for t in tasks if t not in TASKS]
     if bad:
         raise OptionError(f"unknown task(s) {bad}; allowed: {', '.join(TASKS)}")
+    if compute_metrics and "linear_probe" in tasks:  # the labels are known now: refuse before the image pass
+        _, counts = np.unique(np.asarray(images.labels), return_counts=True)
+        if int((counts >= 2).sum()) < 2:
+            raise DataError(
+                f"linear probe needs at least 2 classes with at least 2 images each; these {int(counts.sum())} images have "
+                f"{int((counts >= 2).sum())} such class(es) ({int((counts < 2).sum())} single-image classes): raise --limit "
+                "or use a set with more images per class"
+            )
     settings, given = resolve_settings(settings)
     model.eval()
     fl = tuple(feature_layers)
