@@ -11,6 +11,7 @@ The package splits by concern; its public names are importable from here:
   :func:`retrieval_metrics`) with the per-query ranks (:func:`retrieval_predictions`).
 * :mod:`.runner` -- :func:`run_zeroshot_eval` and :func:`run_retrieval_eval`, both on the image pass
   shared with the vision evals (:func:`attnpatch.evals.vision.image_pass.run_image_pass`).
+* :mod:`.plots` -- each eval's PNG: top-1 or recall against speed-up per setting, chance as a line.
 """
 
 from __future__ import annotations
