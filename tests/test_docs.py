@@ -154,8 +154,8 @@ def test_readme_keeps_the_two_commands():
     assert ci[-1] == "python -m pytest -q"
     commands = _bash_blocks(readme).splitlines()
     assert ci[-1] in commands
-    assert ("attnpatch eval ruler --model smollm2-135m-instruct --method anchor_attention --lengths 1024 2048 4096 "
-            "--samples 3") in commands
+    assert ("attnpatch eval ruler --model smollm2-135m-instruct --method anchor_attention -o preset=accurate "
+            "--lengths 1024 2048 4096 --samples 3 --depths 0 0.5 1") in commands
     assert len(readme.splitlines()) <= 320, "README.md is the front door: details go to docs/, measurements to BENCHMARKS.md"
 
 

@@ -1,0 +1,166 @@
+"""``attnpatch eval lm-eval``: lm-evaluation-harness's own tasks and scoring on the unpatched model and each setting.
+
+Offline: lm-eval's RULER tasks on the repeat haystack generate their prompts with the model's tokenizer (no hub).
+The unpatched row must be lm-eval's own numbers on the same model, every setting must answer the same prompts, and a
+2-process run must give the 1-process answers and metrics.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("lm_eval")
+
+from attnpatch.cli import main  # noqa: E402
+from test_scale_out import _launch  # noqa: E402
+
+TASKS = ["niah_single_1", "niah_multikey_2"]
+LENGTH = 1024
+# anchor_attention scaled to the tiny model so it skips keys at ~900 tokens (min_len=0: no short-prompt hand-back;
+# min_recall=0: no recall guard turning the random heads dense)
+SETTING = ("anchor_attention:theta=-2,min_len=0,pool_stride=2,block_size=32,local_window=32,init_block=16,dense_last=0,"
+           "min_recall=0")
+ARGS = ["eval", "lm-eval", "--tasks", *TASKS, "--metadata", f"max_seq_lengths=[{LENGTH}]", "--limit", "2",
+        "--gen-kwargs", "max_gen_toks=8", "--method", SETTING]
+
+
+def _answers(samples):
+    return [(s["task"], s["doc_id"], s["prompt_hash"], s["answer"], s["metrics"]) for s in samples]
+
+
+@pytest.fixture(scope="module")
+def one_process(tiny_lm_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("lm-eval-one")
+    path = out / "one.json"
+    assert main([*ARGS, "--model", str(tiny_lm_dir), "--json", str(path), "--recall-samples", "1", "--threads", "1"]) == 0
+    return path, json.loads(path.read_text())
+
+
+def test_dense_and_a_sparse_setting_side_by_side(one_process, tiny_lm_dir):
+    path, res = one_process
+    assert res["tasks"] == TASKS and res["limit"] == 2 and res["apply_chat_template"] is False and res["complete"]
+    assert res["metadata"] == {"tokenizer": str(tiny_lm_dir), "pretrained": str(tiny_lm_dir), "max_seq_lengths": [LENGTH]}
+    assert res["lm_eval_version"] and res["packages"]["lm_eval"] == res["lm_eval_version"] and "torch" in res["machine"]
+    # lm-eval's own result file per setting, next to ours
+    files = res["lm_eval_files"]
+    assert list(files) == ["dense", res["runs"][0]["label"]]
+    for label, f in files.items():
+        own = json.loads(Path(f).read_text())
+        assert Path(f).parent == path.parent and set(own["samples"]) == set(TASKS)
+        entry = res["dense"] if label == "dense" else res["runs"][0]
+        assert own["results"] == entry["lm_eval"]["results"]
+    # rows: task x length, one per setting; the -1 of lm-eval's default length (no sample there) is no row
+    assert [(r["task"], r["metric"]) for r in res["rows"]] == [(t, str(LENGTH)) for t in TASKS]
+    dense = {s["task"]: [] for s in res["dense"]["samples"]}
+    for s in res["dense"]["samples"]:
+        dense[s["task"]].append(s)
+    run = res["runs"][0]
+    for row in res["rows"]:
+        assert row["n"] == 2 and row["dense"] == res["dense"]["lm_eval"]["results"][row["task"]][f"{LENGTH},none"]
+        assert row["score"] == run["lm_eval"]["results"][row["task"]][f"{LENGTH},none"]
+        assert row["delta"] == pytest.approx(row["score"] - row["dense"])
+        assert row["dense"] == pytest.approx(sum(s["metrics"][str(LENGTH)] for s in dense[row["task"]]) / 2)
+        assert row["modes"] == "sparse" and 0 < row["sparsity"] < 1  # really sparse, not the dense:short hand-back
+        assert 0 < row["recall_mean"] <= 1 + 1e-6
+    # the same prompts in every setting; per-sample answers and scores kept
+    assert res["same_samples"]
+    keys = lambda xs: [(s["task"], s["doc_id"], s["prompt_hash"]) for s in xs]  # noqa: E731
+    assert keys(res["dense"]["samples"]) == keys(run["samples"]) and len(run["samples"]) == 4
+    for s in run["samples"]:
+        assert s["tokens"] > LENGTH // 2 and s["prefill_s"] > 0 and isinstance(s["answer"], str)
+        assert ("recall_mean" in s) == (s["doc_id"] < 1)
+
+
+def test_the_dense_row_is_lm_evals_own_hf_model(one_process, tiny_lm_dir):
+    from lm_eval import simple_evaluate
+
+    _, res = one_process
+    own = simple_evaluate(
+        model="hf", model_args={"pretrained": str(tiny_lm_dir), "dtype": "float32", "device": "cpu"}, tasks=TASKS,
+        limit=2, gen_kwargs="max_gen_toks=8", metadata={"max_seq_lengths": [LENGTH]}, log_samples=True,
+    )
+    for task in TASKS:
+        assert own["results"][task][f"{LENGTH},none"] == res["dense"]["lm_eval"]["results"][task][f"{LENGTH},none"]
+        theirs = sorted((s["doc_id"], s["filtered_resps"][0], s[str(LENGTH)]) for s in own["samples"][task])
+        ours = sorted((s["doc_id"], s["answer"], s["metrics"][str(LENGTH)]) for s in res["dense"]["samples"] if s["task"] == task)
+        assert ours == theirs
+
+
+def test_two_processes_answer_as_one(one_process, tiny_lm_dir, tmp_path):
+    _, one = one_process
+    _launch([*ARGS, "--model", str(tiny_lm_dir), "--json", str(tmp_path / "two.json")], cwd=tmp_path)
+    two = json.loads((tmp_path / "two.json").read_text())
+    assert two["world_size"] == 2
+    assert _answers(two["dense"]["samples"]) == _answers(one["dense"]["samples"])
+    assert _answers(two["runs"][0]["samples"]) == _answers(one["runs"][0]["samples"])
+    assert [{k: r[k] for k in ("task", "metric", "n", "dense", "score", "sparsity")} for r in two["rows"]] == [
+        {k: r[k] for k in ("task", "metric", "n", "dense", "score")} | {"sparsity": pytest.approx(r["sparsity"])} for r in one["rows"]]
+
+
+def _one_error_line(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    lines = [x for x in err if x.startswith("attnpatch: error:")]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+@pytest.fixture()
+def no_loading(monkeypatch):
+    import attnpatch.checkpoints as ck
+
+    def fail(*a, **k):
+        raise AssertionError("the model was loaded before the input was checked")
+
+    monkeypatch.setattr(ck, "load_causal_lm", fail)
+
+
+def test_a_metadata_key_no_task_reads_is_one_line(no_loading, tiny_lm_dir, capsys, tmp_path):
+    argv = ["eval", "lm-eval", "--model", str(tiny_lm_dir), "--tasks", "niah_single_1", "--metadata", "max_seq_length=[512]",
+            "--json", str(tmp_path / "x.json")]
+    assert main(argv) == 2
+    line = _one_error_line(capsys)
+    assert "'max_seq_length'" in line and "max_seq_lengths" in line and "niah_single_1" in line
+
+
+def test_an_unknown_task_is_one_line(no_loading, tiny_lm_dir, capsys, tmp_path):
+    assert main(["eval", "lm-eval", "--model", str(tiny_lm_dir), "--tasks", "niah_single_9", "--json", str(tmp_path / "x.json")]) == 2
+    line = _one_error_line(capsys)
+    assert "niah_single_9" in line and "niah_single_1" in line
+
+
+def test_a_bad_method_option_fails_before_loading(no_loading, tiny_lm_dir, capsys, tmp_path):
+    assert main([*ARGS, "--model", str(tiny_lm_dir), "-o", "nosuch=1", "--json", str(tmp_path / "x.json")]) == 2
+    assert "nosuch" in _one_error_line(capsys)
+
+
+def test_without_lm_eval_it_says_how_to_install(no_loading, monkeypatch, tiny_lm_dir, capsys):
+    for name in [m for m in sys.modules if m == "lm_eval" or m.startswith("lm_eval.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "lm_eval", None)  # import lm_eval raises ImportError
+    assert main(["eval", "lm-eval", "--model", str(tiny_lm_dir), "--tasks", "niah_single_1"]) == 2
+    assert _one_error_line(capsys) == "attnpatch: error: attnpatch eval lm-eval needs lm-evaluation-harness: pip install 'attnpatch[lm-eval]'"
+
+
+SMOLLM2 = Path("~/.cache/attnpatch/models/smollm2-135m-instruct").expanduser()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (SMOLLM2 / "config.json").is_file(), reason="smollm2-135m-instruct is not prepared")
+def test_smollm2_unpatched_answers_are_lm_evals_own_at_4k():
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+
+    from attnpatch.checkpoints import load_causal_lm
+    from attnpatch.evals.lmeval import run_lm_eval
+
+    meta = {"max_seq_lengths": [4096]}
+    model, tok = load_causal_lm(str(SMOLLM2))
+    ours = run_lm_eval(model, tok, tasks=["niah_single_1"], settings=[], metadata=meta, limit=2)
+    own = simple_evaluate(model=HFLM(pretrained=str(SMOLLM2), dtype="float32", batch_size=1, device="cpu"), tasks=["niah_single_1"],
+                          limit=2, metadata={"tokenizer": str(SMOLLM2), **meta}, log_samples=True)
+    theirs = sorted((s["doc_id"], s["filtered_resps"][0], s["4096"]) for s in own["samples"]["niah_single_1"])
+    assert sorted((s["doc_id"], s["answer"], s["metrics"]["4096"]) for s in ours["dense"]["samples"]) == theirs
+    assert ours["rows"][0]["dense"] == own["results"]["niah_single_1"]["4096,none"] and ours["rows"][0]["n"] == 2
+    assert all(s["tokens"] > 3500 for s in ours["dense"]["samples"])
