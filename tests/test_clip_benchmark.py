@@ -196,6 +196,16 @@ def test_clip_benchmark_zeroshot_equals_eval_zeroshot_dense_and_patched(vitb32, 
         assert up["metrics"] == entry["metrics"] and up["method"] == entry["method"]
     printed = capsys.readouterr().out
     assert "acc1" in printed and "fna (s=8" in printed and f"wrote {files[1]}" in printed
+    # the PNG next to the JSON: acc1 against the image-tower speed-up, dense at 1.0
+    from matplotlib.image import imread
+
+    from attnpatch.evals.clipbench.plots import clipbench_panels
+
+    assert f"wrote {out.with_suffix('.png')}" in printed and imread(out.with_suffix(".png")).shape[0] > 200
+    (panel,) = clipbench_panels(res)
+    dense, fna = panel["points"]
+    assert panel["key"] == "acc1" and (dense.speedup, dense.value) == (1.0, res["dense"]["metrics"]["acc1"])
+    assert (fna.speedup, fna.value) == (res["runs"][0]["speedup"], res["runs"][0]["metrics"]["acc1"])
 
 
 def test_clip_benchmark_retrieval_equals_eval_clip_retrieval_dense_and_patched(vitb32, folders):
@@ -214,6 +224,13 @@ def test_clip_benchmark_retrieval_equals_eval_clip_retrieval_dense_and_patched(v
     ranks = ours["dense"]["predictions"]["t2i_rank"]
     assert len(ranks) == 16 and len(set(ranks)) > 2  # the ranks differ between queries
     assert ours["runs"][0]["metrics"]["image_retrieval_recall@1"] == ours["runs"][0]["t2i_recall@1"]
+    from attnpatch.evals.clipbench.plots import clipbench_panels
+
+    panels = clipbench_panels(theirs)  # what the PNG draws: recall@1 both ways against the speed-up
+    assert [p["key"] for p in panels] == ["image_retrieval_recall@1", "text_retrieval_recall@1"]
+    for p in panels:
+        assert [(q.speedup, q.value) for q in p["points"]] == [
+            (1.0, theirs["dense"]["metrics"][p["key"]]), (theirs["runs"][0]["speedup"], theirs["runs"][0]["metrics"][p["key"]])]
 
 
 # --------------------------------------------------------------------------- errors before the long work

@@ -73,6 +73,22 @@ def test_dense_and_a_sparse_setting_side_by_side(one_process, tiny_lm_dir):
         assert ("recall_mean" in s) == (s["doc_id"] < 1)
 
 
+def test_the_png_draws_each_tasks_score_against_speedup(one_process):
+    from matplotlib.image import imread
+
+    from attnpatch.evals.lmeval.plots import lmeval_panels
+
+    path, res = one_process
+    png = path.with_suffix(".png")
+    assert imread(png).shape[0] > 200  # written next to the JSON by default
+    panels = lmeval_panels(res["rows"])
+    assert [(p["task"], p["metric"]) for p in panels] == [(t, str(LENGTH)) for t in TASKS]
+    for panel, row in zip(panels, res["rows"]):
+        dense, patched = panel["points"]
+        assert dense.dense and (dense.speedup, dense.value) == (1.0, row["dense"])
+        assert (patched.label, patched.speedup, patched.value) == (row["setting"], row["speedup"], row["score"])
+
+
 def test_the_dense_row_is_lm_evals_own_hf_model(one_process, tiny_lm_dir):
     from lm_eval import simple_evaluate
 

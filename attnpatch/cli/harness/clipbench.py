@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from ..args import positive_int, Repeatable
-from ..output import check_outputs, json_path, report, slug
+from ..output import check_outputs, json_path, plot_file, report, slug
 
 
 def setting_file(args, label: str) -> str:
@@ -42,7 +42,7 @@ def cmd_eval_clip_benchmark(args) -> int:
         method, opts = method_spec(spec, args.option)
         validate_options(get_method(method), opts)  # fail before loading anything
         settings.append((method, opts))
-    check_outputs(("--json", json_path(args)), ("--markdown", args.markdown))
+    check_outputs(("--json", json_path(args)), ("--markdown", args.markdown), ("--plot", plot_file(args)))
     bundle = load_clip(args.model, device=resolve_device(args.device), resolution=args.resolution, resolution_flag="--resolution")
     data = cb.load_bench_data(args.dataset, task=args.task, root=args.dataset_root, split=args.split, preprocess=bundle.preprocess,
                               classnames=args.classnames, templates=args.templates, language=args.language,
@@ -90,7 +90,9 @@ def cmd_eval_clip_benchmark(args) -> int:
             if data.task == "zeroshot_classification" else f"{result['n_images']} images, {result.get('n_texts')} captions")
     title = (f"clip-benchmark {data.task} — {args.model}{' (random weights)' if bundle.random_init else ''} — {args.dataset}, {what}, "
              f"{bundle.resolution} px, amp {'on' if args.amp else 'off'}")
-    status = report(args, title, rows, columns, result, interrupted=stop)
+    from ...evals.clipbench.plots import plot_clip_benchmark
+
+    status = report(args, title, rows, columns, result, interrupted=stop, plot=plot_clip_benchmark)
     if stop is None:
         for f in files:
             print(f"wrote {f}")
@@ -133,4 +135,6 @@ def add_parser(esub) -> None:
     p.add_argument("--json", help="our side-by-side JSON (default: clip-benchmark_<model>_<method>.json); each setting's "
                    "CLIP_benchmark result goes next to it as <json stem>.<setting>.json")
     p.add_argument("--markdown", help="also write the table as Markdown to this path")
+    p.add_argument("--plot", metavar="PATH.png", help="PNG of the headline metric against the image-tower speed-up per "
+                   "setting (default: next to the JSON, <json stem>.png)")
     p.set_defaults(func=cmd_eval_clip_benchmark)

@@ -49,8 +49,11 @@ def cmd_eval_lm_eval(args) -> int:
     lmeval.check_metadata(manager, args.tasks, user_meta)
     path = args.json or f"lm-eval_{slug(args.model)}_{slug('+'.join(args.method))}.json"
     kwargs = load_kwargs(args, ranks)
+    from ...evals.run.plots import plot_path
+
+    png = plot_path(path, args.plot)
     if ranks.main:
-        check_outputs(("--json", path), ("--markdown", args.markdown))
+        check_outputs(("--json", path), ("--markdown", args.markdown), ("--plot", str(png)))
     from ...checkpoints import load_causal_lm
 
     with ranks.main_first():  # a catalogue model is prepared once
@@ -78,6 +81,7 @@ def cmd_eval_lm_eval(args) -> int:
     def progress(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
+    from ...evals.lmeval.plots import plot_lm_eval
     from ...evals.run.report import EvalInterrupted, print_table, rows_to_markdown, write_text
 
     try:
@@ -92,6 +96,9 @@ def cmd_eval_lm_eval(args) -> int:
             return 130
         if stop.partial is not None:
             save(stop.partial)
+            drawn = plot_lm_eval(stop.partial["rows"], png, title=header)
+            if drawn:
+                print(f"wrote {drawn}", file=sys.stderr)
         return report_interrupted(args, stop, path, stop.partial and (
             f"### {header} (interrupted: {stop.done})\n\n" + rows_to_markdown(stop.partial["rows"], lmeval.LMEVAL_COLUMNS) + "\n"))
     if not ranks.main:
@@ -105,6 +112,9 @@ def cmd_eval_lm_eval(args) -> int:
     if not result["same_samples"]:
         print("warning: the settings did not answer the same prompts (lm-eval's prompt hashes differ)")
     print(f"wrote {path} and lm-eval's results of each setting next to it")
+    drawn = plot_lm_eval(result["rows"], png, title=title)
+    if drawn:
+        print(f"wrote {drawn}")
     if args.markdown:
         write_text(args.markdown, f"### {title}\n\n" + rows_to_markdown(result["rows"], lmeval.LMEVAL_COLUMNS) + "\n"
                    + (f"\n{note}\n" if note else ""))
@@ -166,6 +176,8 @@ def add_parser(esub) -> None:
     p.add_argument("--json", help="result JSON (default: lm-eval_<model>_<methods>.json); lm-eval's own result JSON of each "
                    "setting is written next to it as <stem>.<setting>.lm-eval.json")
     p.add_argument("--markdown", help="also write the table as Markdown to this path")
+    p.add_argument("--plot", metavar="PATH.png", help="PNG of each task's score against the prefill speed-up per setting "
+                   "(default: next to the JSON, <json stem>.png)")
     p.add_argument("--threads", type=positive_int, help="torch CPU threads")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: auto = cuda if available; under a "
                    "multi-process launch cuda:<local rank>)")
