@@ -256,8 +256,9 @@ def test_bad_inputs_fail_before_the_long_work(vitb32, folders, monkeypatch, caps
     assert main(["eval", "clip-benchmark", "--dataset", str(caps), "--ks", "9", "--method", "dense"]) == 2
     assert main(["eval", "clip-benchmark", "--dataset", "cifar10", "--classnames", "x.json", "--method", "dense"]) == 2
     assert main(["eval", "clip-benchmark", "--dataset", "./nowhere", "--method", "dense"]) == 2
+    assert main(["eval", "clip-benchmark", "--dataset", str(cls), "--method", "fna:s=8", "fna", "-o", "s=8"]) == 2
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("attnpatch: error:")]
-    assert len(err) == 4
-    assert "s" in err[0] and "--ks 9: above the 8 images" in err[1] and "--classnames x.json: only for a local folder" in err[2]
-    assert "no such folder" in err[3]
+    assert len(err) == 5
+    assert "s=0" in err[0] and "--ks 9: above the 8 images" in err[1] and "--classnames x.json: only for a local folder" in err[2]
+    assert "no such folder" in err[3] and "is given twice" in err[4]
     assert not list(tmp_path.glob("*.json"))

@@ -256,3 +256,17 @@ def test_tune_panels_of_a_causal_search():
     assert _xy(worst["points"]) == [("theta=4, dense_heads=1", None, 0.5), ("theta=8", 1.5, 0.85), ("exact (unpatched)", 1.0, 1.0)]
     assert [p.chosen for p in mean["points"]] == [False, True, False] and [p.dense for p in mean["points"]] == [False, False, True]
     assert mean["points"][0].why == "not timed: misses the target" and mean["points"][1].why is None
+
+
+def test_a_setting_that_ran_exact_attention_says_so_on_the_plot():
+    from attnpatch.evals.run.plots import setting_label, setting_points
+    from attnpatch.evals.vision.image_pass import exact_note
+
+    assert exact_note({"sparse"}) is None and exact_note({"dense:short", "sparse"}) is None and exact_note(set()) is None
+    note = exact_note({"dense:s>=N"})
+    assert note == "exact attention: s >= N tokens"
+    result = {"dense": {"seconds": 2.0, "top1": 0.5},
+              "runs": [{"method": "fna", "shown_options": {"s": 64}, "speedup": 1.2, "top1": 0.5, "note": note},
+                       {"method": "fna", "shown_options": {"s": 8}, "speedup": 1.5, "top1": 0.4}]}
+    assert setting_label(result["runs"][0]) == "fna (s=64) [exact attention]"
+    assert [p.label for p in setting_points(result, "top1")] == ["dense", "fna (s=64) [exact attention]", "fna (s=8)"]

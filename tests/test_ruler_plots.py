@@ -57,6 +57,14 @@ def test_niah_grids_are_the_per_length_and_depth_means():
     assert m["depths"] == [0.25] and m["lengths"] == [1024] and m["diff"][0, 0] == -0.25
 
 
+def test_tasks_without_a_depth_get_a_row_of_their_own_beside_the_niah_heatmap(tmp_path):
+    niah = [_cell("niah_single", 1024, [_sample(0.0, 1.0, 1.0), _sample(1.0, 1.0, 0.0)])]
+    mixed = niah + [_cell("variable_tracking", 1024, [_sample(None, 1.0, 0.0)])]
+    h_niah = _png(plot_niah_heatmap({"cells": niah}, tmp_path / "niah.png"))[0]
+    h_mixed = _png(plot_niah_heatmap({"cells": mixed}, tmp_path / "mixed.png"))[0]
+    assert h_mixed > h_niah + 150  # variable_tracking is drawn (task x length), not left out
+
+
 def test_a_depth_missing_at_a_length_is_empty_and_a_baseline_run_has_no_patched_grid(tmp_path):
     result = {"cells": [_cell("niah_single", 512, [_sample(0.0, 1.0), _sample(0.5, 0.0)]), _cell("niah_single", 1024, [_sample(0.0, 1.0)])]}
     g = niah_grids(result)["niah_single"]
@@ -149,3 +157,20 @@ def test_interrupted_eval_ruler_draws_the_finished_cells(tiny_lm_dir, tmp_path, 
     assert res["lm_eval"]["patched"]["results"]["niah_single_1"]["300,none"] == pytest.approx(1 / 3)
     h, w, _ = _png(png)
     assert w > 1000 and h > 250
+
+
+def test_ruler_takes_the_method_colon_options_form(tmp_path, capsys, monkeypatch):
+    """``--method a_shape:window=...`` is the setting syntax of every eval: its options are validated as ``-o``'s."""
+    seen = {}
+
+    def fake_load(*a, **k):  # stop at the model load: what came before it is the parsing under test
+        seen["loaded"] = True
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("attnpatch.checkpoints.load_causal_lm", fake_load)
+    assert main(["eval", "ruler", "--method", "a_shape:window=0", "--json", str(tmp_path / "r.json")]) == 2
+    err = capsys.readouterr().err
+    assert "unknown method" not in err and "window" in err and "loaded" not in seen
+    # a valid setting in that form gets as far as the model load (Ctrl-C there: exit 130)
+    assert main(["eval", "ruler", "--method", "a_shape:window=64,init_tokens=4", "--json", str(tmp_path / "r.json")]) == 130
+    assert seen == {"loaded": True}

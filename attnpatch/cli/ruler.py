@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from .args import DEFAULT_MODEL, fraction, parse_options, positive_int, Repeatable
+from .args import DEFAULT_MODEL, fraction, method_spec, positive_int, Repeatable
 from .output import check_outputs, fmt_opts, report_interrupted, slug, world_note
 from .runtime import load_kwargs, scale_out_args
 
@@ -34,7 +34,8 @@ def cmd_eval_ruler(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     # fail before loading the model; a method without options (``dense``) validates to {}
-    options = validate_options(get_method(args.method), parse_options(args.option))
+    args.method, spec_options = method_spec(args.method, args.option)  # METHOD or METHOD:OPT=VALUE,... (-o applies too)
+    options = validate_options(get_method(args.method), spec_options)
     tasks = ruler_task_names(args)
     path = args.json or f"ruler_{slug(args.model)}_{slug(args.method)}.json"
     png = str(plot_path(path, args.plot))  # a --plot that is not a .png fails here, on every process
@@ -161,7 +162,8 @@ def add_parser(esub) -> None:
 
     pr = esub.add_parser("ruler", help="RULER-style long-context tasks (needle-in-a-haystack and friends)")
     pr.add_argument("--model", default=DEFAULT_MODEL, help="catalogue name, local directory or hub id (default: %(default)s)")
-    pr.add_argument("--method", default="anchor_attention", help="registered method, or 'dense' for a baseline-only run")
+    pr.add_argument("--method", default="anchor_attention", help="one setting, METHOD or METHOD:OPT=VALUE,... ('dense' for a "
+                    "baseline-only run; several settings side by side: compare --eval ruler)")
     pr.add_argument("-o", "--option", action="append", default=[], metavar="NAME=VALUE", help="method option, repeatable (e.g. -o theta=12)")
     pr.add_argument("--tasks", nargs="+", action=Repeatable, choices=list(ruler_tasks.TASKS) + ["all"], help="default: niah_single")
     pr.add_argument("--lengths", nargs="+", action=Repeatable, type=positive_int, default=[1024, 2048, 4096], help="context lengths in model tokens")

@@ -30,18 +30,16 @@ def cmd_eval_clip_benchmark(args) -> int:
 
     from ...clip_models import load_clip
     from ...patchers.registry import get_method, validate_options
-    from ..args import method_spec
+    from ..args import unique_settings
     from ..runtime import resolve_device
 
     if current_ranks().distributed:
         raise AttnpatchError("eval clip-benchmark runs in one process (CLIP_benchmark's evaluate is not sharded); start it without torchrun / accelerate launch")
     if args.threads:
         torch.set_num_threads(args.threads)
-    settings = []
-    for spec in args.method:
-        method, opts = method_spec(spec, args.option)
+    settings = unique_settings(args.method, args.option)  # a setting given twice would share a row name and a result file
+    for method, opts in settings:
         validate_options(get_method(method), opts)  # fail before loading anything
-        settings.append((method, opts))
     check_outputs(("--json", json_path(args)), ("--markdown", args.markdown), ("--plot", plot_file(args)))
     bundle = load_clip(args.model, device=resolve_device(args.device), resolution=args.resolution, resolution_flag="--resolution")
     data = cb.load_bench_data(args.dataset, task=args.task, root=args.dataset_root, split=args.split, preprocess=bundle.preprocess,
@@ -85,7 +83,8 @@ def cmd_eval_clip_benchmark(args) -> int:
     columns = ([Column("setting", "setting")] + [Column(k, title_of(k), "pct") for k in keys]
                + [Column(f"Δ{k}", f"Δ {title_of(k)}", "pct") for k in keys]
                + [Column("agreement", "top-1 agree", "pct"), Column("images_per_s", "img/s", "f2"), Column("speedup", "speed-up", "x")])
-    rows = [{**e, **e["metrics"], **{f"Δ{k}": v for k, v in (e.get("diff") or {}).items()}} for e in [result["dense"], *result["runs"]]]
+    rows = [{**e, **e["metrics"], **{f"Δ{k}": v for k, v in (e.get("diff") or {}).items()},
+             "setting": e["setting"] + (f" [{e['note']}]" if e.get("note") else "")} for e in [result["dense"], *result["runs"]]]
     what = (f"{result['n_images']} images, {result.get('n_classes')} classes x {result.get('n_templates')} templates"
             if data.task == "zeroshot_classification" else f"{result['n_images']} images, {result.get('n_texts')} captions")
     title = (f"clip-benchmark {data.task} — {args.model}{' (random weights)' if bundle.random_init else ''} — {args.dataset}, {what}, "

@@ -40,7 +40,8 @@ def clipbench_panels(result: dict[str, Any]) -> list[dict[str, Any]]:
     for key, label in keys:
         pts = [Point("dense", 1.0 if d.get("image_seconds") else None, _num(d["metrics"].get(key)), dense=True)]
         for e in result.get("runs") or []:
-            pts.append(Point(str(e["setting"]), _num(e.get("speedup")), _num((e.get("metrics") or {}).get(key))))
+            label = str(e["setting"]) + (" [exact attention]" if e.get("note") else "")
+            pts.append(Point(label, _num(e.get("speedup")), _num((e.get("metrics") or {}).get(key))))
         panels.append({"key": key, "label": label, "points": pts})
     return panels
 

@@ -18,10 +18,10 @@ from typing import Any
 import torch
 
 from ...log import Log, log_stderr
-from ...patchers.api import patch_info, patched
+from ...patchers.api import patch_info, patched, record_stats
 from ..clip.metrics import check_ks, retrieval_predictions
 from ..run.report import EvalInterrupted
-from ..vision.image_pass import resolve_settings
+from ..vision.image_pass import exact_note, resolve_settings
 from .data import BenchData
 from .encode import HarnessModel
 from .shim import numpy_shim
@@ -58,9 +58,13 @@ def _kept_scores(kept: dict[str, Any]) -> Iterator[None]:
 
 
 def setting_label(method: str | None, options: dict[str, Any]) -> str:
-    """``dense``, ``fna``, ``fna (s=8, sample_layer=0)``: how tables and file names name a setting."""
+    """``dense`` (unpatched), ``fna``, ``fna (s=8, sample_layer=0)``: how tables and file names name a setting; the
+    ``dense`` method (the model's own attention routed through the patch) is ``dense-routed``, apart from the
+    unpatched row."""
     if method is None:
         return "dense"
+    if method == "dense" and not options:
+        return "dense-routed"
     opts = ", ".join(f"{k}={v}" for k, v in options.items())
     return f"{method} ({opts})" if opts else method
 
@@ -129,7 +133,8 @@ def run_clip_benchmark(
         [0, 1], ``acc5`` NaN under 5 classes; or ``image_retrieval_recall@k``, ``text_retrieval_recall@k``),
         "predictions" (classification: ``[N]`` top-1 class of CLIP_benchmark's logits; retrieval:
         :func:`attnpatch.evals.clip.retrieval_predictions` of its scores), "image_seconds" (wall time in the image
-        tower), "images_per_s"}``; a setting's entry adds ``"diff"`` (metric minus dense's), ``"speedup"``
+        tower), "images_per_s"}``; a setting's entry adds ``"diff"`` (metric minus dense's), ``"note"`` (``"exact
+        attention: <why>"`` when every patched layer ran exact attention at this resolution), ``"speedup"``
         (dense image seconds / its own) and ``"agreement"`` (top-1 equal to dense's: per image, or per text for
         retrieval).
 
@@ -161,9 +166,12 @@ def run_clip_benchmark(
         for method, opts, shown in plan:
             label = setting_label(method, shown)
             with patched(bundle.model, method, towers=towers, **opts) if method else contextlib.nullcontext():
-                if warmup:
-                    with torch.no_grad(), torch.autocast(device.type, enabled=amp):
+                modes: set[str] = set()
+                if warmup or method:  # one image first: the patch's one-time work stays out of the time, and its modes
+                    with torch.no_grad(), torch.autocast(device.type, enabled=amp), \
+                            (record_stats(bundle.model) if method else contextlib.nullcontext()) as rec:
                         harness.encode_image(torch.zeros(1, 3, bundle.resolution, bundle.resolution, device=device))
+                    modes = {lr.mode for fw in (rec.forwards if rec is not None else []) for lr in fw.values()}
                 routed = patch_info(bundle.model)["towers"] if method else None
                 harness.reset()
                 log(f"{label}: CLIP_benchmark {data.task} ...")
@@ -173,6 +181,9 @@ def run_clip_benchmark(
                      "towers": routed,
                      "metrics": metrics, "predictions": pred, "image_seconds": harness.image_seconds,
                      "images_per_s": harness.images / harness.image_seconds if harness.image_seconds else None}
+            note = exact_note(modes) if method else None
+            if note:  # every patched layer ran exact attention at this resolution: the table and the plot say so
+                entry["note"] = note
             result.update(n_images=n_images, **({"n_texts": n_texts} if n_texts is not None else {}))
             if method is None:
                 result["dense"] = entry

@@ -3,10 +3,13 @@
 
 from __future__ import annotations
 
+import re
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ..run.plots import figure_title
 from ..run.report import Column
 
 __all__ = ["compare_rows", "compare_columns", "pareto_front", "plot_pareto"]
@@ -88,17 +91,26 @@ def plot_pareto(result: dict[str, Any], path: str | Path, title: str | None = No
             fx, fy = [pts[i][0] for i in front], [pts[i][1] for i in front]
             ax.step(fx, fy, where="pre", color="tab:orange", lw=1.5, label="Pareto front", zorder=1)
             ax.plot(fx, fy, "o", ms=13, mfc="none", mec="tab:orange", mew=1.5, zorder=1)  # visible with a single front point too
+        xs_, ys_ = [x for x, _ in pts], [y for _, y in pts]
+        xr, yr = (max(xs_) - min(xs_)) or 1.0, (max(ys_) - min(ys_)) or 1.0
+        labelled: list[tuple[float, float, tuple[int, int]]] = []
         for (x, y), r in zip(pts, rows):
             dense = bool(r.get("baseline"))
             ax.scatter([x], [y], marker="*" if dense else "o", s=140 if dense else 40, color="black" if dense else "tab:blue", zorder=2)
             label = r["method"] + (f" ({r['options_text']})" if r.get("options_text") else "")
-            ax.annotate(label, (x, y), textcoords="offset points", xytext=(5, 5), fontsize=7)
+            # the table's "[exact attention: <why>]" mark, short; long labels wrapped so they stay in the panel
+            label = textwrap.fill(re.sub(r"\[exact attention[^\]]*\]", "[exact]", label), 30)
+            near = {o for x2, y2, o in labelled if abs(x - x2) < 0.12 * xr and abs(y - y2) < 0.06 * yr}
+            offset = next((o for o in ((5, 5), (5, -11), (5, 15), (5, -21)) if o not in near), (5, 5))  # close points: stacked
+            labelled.append((x, y, offset))
+            ax.annotate(label, (x, y), textcoords="offset points", xytext=offset, fontsize=7)
         ax.axvline(1.0, color="grey", lw=0.6, ls="--")
         ax.set_xlabel("speed-up over dense (x)")
         ax.set_ylabel(result.get("metric_label", "metric"))
         m = result.get("match") or []
         matched = ", ".join(f"{x['key']}={x['value']:g}" for x in m)
-        ax.set_title(title or f"{result.get('eval', '')}" + (f" — matched {matched}" if matched else ""), fontsize=9)
+        ax.set_title(figure_title(title or f"{result.get('eval', '')}" + (f" — matched {matched}" if matched else ""), 80), fontsize=9)
+        ax.margins(x=0.3, y=0.15)  # room for the labels right of and above the points
         ax.legend(loc="best", fontsize=8)
         ax.grid(alpha=0.3)
         fig.tight_layout()

@@ -152,8 +152,8 @@ def plot_niah_heatmap(result: dict[str, Any], path: str | Path, title: str = "")
 
     One row of panels per NIAH task (:func:`niah_grids`): dense, patched and patched − dense, over context length
     (tokens, x) × needle depth (% of the haystack before the needle, y), colour and annotation the accuracy in
-    percent (the difference in points); a run without a NIAH task draws task × context length instead
-    (:func:`task_grid`).  An interrupted run's partial result draws its finished cells.
+    percent (the difference in points); the run's other tasks (no needle depth) get a last row of task × context
+    length (:func:`task_grid`), and a run without a NIAH task draws that alone.  An interrupted run's partial result draws its finished cells.
 
     Args:
         result: the result (``"cells"`` with per-sample ``depth`` and scores).
@@ -166,6 +166,9 @@ def plot_niah_heatmap(result: dict[str, Any], path: str | Path, title: str = "")
     grids = niah_grids(result)
     if grids:
         rows = [(task, g, [f"{100 * d:g}%" for d in g["depths"]], "needle depth") for task, g in grids.items()]
+        others = task_grid({"cells": [c for c in result.get("cells") or [] if c["task"] not in grids]})
+        if others is not None:  # the tasks without a needle depth: a last row of task × length, not left out
+            rows.append(("other tasks", others, list(others["tasks"]), "task"))
     else:
         g = task_grid(result)
         if g is None:

@@ -98,10 +98,12 @@ class Point:
 
 def setting_label(row: dict[str, Any]) -> str:
     """A result row's setting as the eval tables name it: ``method (opt=value, ...)``, with the options the user
-    gave (``shown_options``, else ``options``)."""
+    gave (``shown_options``, else ``options``), and `` [exact attention]`` when the row's ``"note"`` says every
+    patched layer ran exact attention (its speed-up is then no approximation's)."""
     opts = row.get("shown_options", row.get("options")) or {}
     shown = ", ".join(f"{k}={v}" for k, v in opts.items())
-    return f"{row.get('method', '?')}" + (f" ({shown})" if shown else "")
+    exact = str(row.get("note") or "").startswith("exact attention")  # every patched layer ran exact: say so
+    return f"{row.get('method', '?')}" + (f" ({shown})" if shown else "") + (" [exact attention]" if exact else "")
 
 
 def _num(v: Any) -> float | None:

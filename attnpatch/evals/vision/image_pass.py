@@ -306,10 +306,19 @@ def run_labels(run: SettingRun) -> dict[str, Any]:
     why (``s >= N``; fewer tokens than ``min_tokens``, the device's break-even length) -- the last entries of every
     result row of an image eval."""
     row: dict[str, Any] = {"sampled_at": {str(k): v for k, v in sorted(run.sampled_at.items())}}
-    if run.modes and all(m.startswith("dense:") for m in run.modes):
-        why = {"dense:s>=N": "s >= N tokens", "dense:short": "N below min_tokens (the break-even length)"}
-        row["note"] = "exact attention: " + "; ".join(why.get(m, m.removeprefix("dense:")) for m in sorted(run.modes))
+    note = exact_note(run.modes)
+    if note:
+        row["note"] = note
     return row
+
+
+def exact_note(modes) -> str | None:
+    """``"exact attention: <why>"`` when every mode a setting's patched layers ran (``record_stats`` layer records'
+    ``mode``) is a hand-back to exact attention (``dense:...``), else ``None``."""
+    if not modes or not all(m.startswith("dense:") for m in modes):
+        return None
+    why = {"dense:s>=N": "s >= N tokens", "dense:short": "N below min_tokens (the break-even length)"}
+    return "exact attention: " + "; ".join(why.get(m, m.removeprefix("dense:")) for m in sorted(modes))
 
 
 def finish(result: dict[str, Any], ip: ImagePass) -> dict[str, Any]:
