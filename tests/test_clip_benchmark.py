@@ -183,6 +183,9 @@ def test_clip_benchmark_zeroshot_equals_eval_zeroshot_dense_and_patched(vitb32, 
             assert math.isclose(theirs["metrics"][k], v, abs_tol=1e-12), (k, theirs["metrics"][k], v)
         assert mine["metrics"]["acc1"] == pytest.approx(mine["top1"]) and mine["metrics"]["acc5"] == pytest.approx(mine["top5"])
     assert len(set(ours["dense"]["predictions"])) > 1  # the images are not all given one class
+    for name, mine, theirs in (("dense", ours["dense"], res["dense"]), ("fna s=8", run, res["runs"][0])):  # shown with -s
+        print(f"zeroshot {name}: ours {mine['metrics']} predictions {mine['predictions']}\n"
+              f"zeroshot {name}: CLIP_benchmark {theirs['metrics']} predictions {theirs['predictions']}")
     assert res["runs"][0]["agreement"] == run["agreement"]
     assert res["runs"][0]["diff"]["acc1"] == pytest.approx(res["runs"][0]["metrics"]["acc1"] - res["dense"]["metrics"]["acc1"])
     assert res["dense"]["images_per_s"] > 0 and res["runs"][0]["speedup"] > 0
@@ -221,6 +224,9 @@ def test_clip_benchmark_retrieval_equals_eval_clip_retrieval_dense_and_patched(v
         assert list(up["metrics"]) == list(mine["metrics"])
         for k, v in mine["metrics"].items():
             assert math.isclose(up["metrics"][k], v, abs_tol=1e-7), (k, up["metrics"][k], v)
+    for name, mine, up in (("dense", ours["dense"], theirs["dense"]), ("fna s=8", ours["runs"][0], theirs["runs"][0])):  # -s
+        print(f"retrieval {name}: ours {mine['metrics']} t2i ranks {mine['predictions']['t2i_rank']}\n"
+              f"retrieval {name}: CLIP_benchmark {up['metrics']} t2i ranks {up['predictions']['t2i_rank']}")
     ranks = ours["dense"]["predictions"]["t2i_rank"]
     assert len(ranks) == 16 and len(set(ranks)) > 2  # the ranks differ between queries
     assert ours["runs"][0]["metrics"]["image_retrieval_recall@1"] == ours["runs"][0]["t2i_recall@1"]
