@@ -55,7 +55,9 @@ def plot_lm_eval(rows: Sequence[dict[str, Any]], path: str | Path, title: str = 
     fig, axes = plt.subplots(nrows, cols, figsize=(6.5 * cols, 4.8 * nrows), squeeze=False)
     for ax, panel in zip(axes.flat, panels):
         metric = f"{panel['metric']} tokens" if panel["metric"].isdigit() else panel["metric"]
-        draw_vs_speedup(ax, panel["points"], "lm-eval score", title=f"{panel['task']}, {metric}",
+        values = [p.value for p in panel["points"] if p.value is not None]
+        fraction = bool(values) and all(0.0 <= v <= 1.0 for v in values)  # accuracy-like scores: shown in percent
+        draw_vs_speedup(ax, panel["points"], "lm-eval score", percent=fraction, title=f"{panel['task']}, {metric}",
                         xlabel="prefill speed-up over dense (×)")
     for ax in list(axes.flat)[len(panels):]:
         ax.set_visible(False)
