@@ -183,9 +183,10 @@ def test_clip_benchmark_zeroshot_equals_eval_zeroshot_dense_and_patched(vitb32, 
             assert math.isclose(theirs["metrics"][k], v, abs_tol=1e-12), (k, theirs["metrics"][k], v)
         assert mine["metrics"]["acc1"] == pytest.approx(mine["top1"]) and mine["metrics"]["acc5"] == pytest.approx(mine["top5"])
     assert len(set(ours["dense"]["predictions"])) > 1  # the images are not all given one class
-    for name, mine, theirs in (("dense", ours["dense"], res["dense"]), ("fna s=8", run, res["runs"][0])):  # shown with -s
-        print(f"zeroshot {name}: ours {mine['metrics']} predictions {mine['predictions']}\n"
-              f"zeroshot {name}: CLIP_benchmark {theirs['metrics']} predictions {theirs['predictions']}")
+    for name, mine, theirs in (("dense", ours["dense"], res["dense"]), ("fna s=8", run, res["runs"][0])):
+        with capsys.disabled():  # shown with -s
+            print(f"zeroshot {name}: ours {mine['metrics']} predictions {mine['predictions']}\n"
+                  f"zeroshot {name}: CLIP_benchmark {theirs['metrics']} predictions {theirs['predictions']}")
     assert res["runs"][0]["agreement"] == run["agreement"]
     assert res["runs"][0]["diff"]["acc1"] == pytest.approx(res["runs"][0]["metrics"]["acc1"] - res["dense"]["metrics"]["acc1"])
     assert res["dense"]["images_per_s"] > 0 and res["runs"][0]["speedup"] > 0
