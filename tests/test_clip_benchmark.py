@@ -269,3 +269,10 @@ def test_bad_inputs_fail_before_the_long_work(vitb32, folders, monkeypatch, caps
     assert "s=0" in err[0] and "--ks 9: above the 8 images" in err[1] and "--classnames x.json: only for a local folder" in err[2]
     assert "no such folder" in err[3] and "is given twice" in err[4]
     assert not list(tmp_path.glob("*.json"))
+
+
+def test_the_routed_dense_setting_never_takes_the_unpatched_rows_name():
+    from attnpatch.evals.clipbench.runner import setting_label
+
+    assert setting_label(None, {}) == "dense" and setting_label("dense", {}) == "dense-routed"
+    assert setting_label("fna", {"s": 8}) == "fna (s=8)"

@@ -34,7 +34,7 @@ def lmeval_panels(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             timed = bool(r.get("prefill_dense_s"))
             panels[key] = {"task": key[0], "metric": key[1],
                            "points": [Point("dense", 1.0 if timed else None, _num(r.get("dense")), dense=True)]}
-        if r.get("setting") != "dense":
+        if "score" in r:  # a setting's row (a run without settings has one unpatched row, without "score")
             why = None if _num(r.get("speedup")) is not None else "no prefill timed"
             panels[key]["points"].append(Point(str(r["setting"]), _num(r.get("speedup")), _num(r.get("score")), why=why))
     return list(panels.values())

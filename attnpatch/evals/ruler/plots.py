@@ -28,6 +28,9 @@ from ..run.plots import pyplot, save_figure
 
 __all__ = ["is_niah", "niah_grids", "task_grid", "plot_niah_heatmap"]
 
+#: The result keys drawn per cell: ``<name>_acc`` / ``<name>_score`` (the patched one only when the run patched).
+_SCORES = ("dense", "patched")
+
 
 def is_niah(task: str) -> bool:
     """Whether ``task`` is a needle-in-a-haystack task (its samples have a needle depth)."""
@@ -70,7 +73,7 @@ def niah_grids(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
         lengths = sorted({int(length) for length, _ in rows})
         binned: dict[str, dict[tuple[float, int], list[float]]] = {"dense": {}, "patched": {}}
         for length, s in rows:
-            for name in ("dense", "patched") if patched else ("dense",):
+            for name in _SCORES if patched else _SCORES[:1]:
                 binned[name].setdefault((round(float(s["depth"]), 6), int(length)), []).append(float(s[f"{name}_score"]))
         dense, n = _grid(depths, lengths, binned["dense"])
         grid: dict[str, Any] = {"depths": depths, "lengths": lengths, "dense": dense, "patched": None, "diff": None, "n": n}
@@ -97,7 +100,7 @@ def task_grid(result: dict[str, Any]) -> dict[str, Any] | None:
     lengths = sorted({int(c["length"]) for c in cells})
     patched = _patched(cells)
     grid: dict[str, Any] = {"tasks": tasks, "lengths": lengths, "patched": None, "diff": None}
-    for name in ("dense", "patched") if patched else ("dense",):
+    for name in _SCORES if patched else _SCORES[:1]:
         values = {(c["task"], int(c["length"])): [float(c[f"{name}_acc"])] for c in cells if c.get(f"{name}_acc") is not None}
         grid[name] = _grid(tasks, lengths, values)[0]
     grid["n"] = np.zeros((len(tasks), len(lengths)), dtype=int)
