@@ -230,7 +230,7 @@ def draw_vs_speedup(
     ys += [p.value + sgn * p.err for p in placed if p.err is not None for sgn in (-1, 1)]
     if ys:
         lo, hi = min(ys), max(ys)
-        span = 0.02 if percent else max(1e-4 * max(abs(lo), abs(hi)), 1e-9)  # equal values: a readable axis around them
+        span = 0.02 if percent else max(0.01 * max(abs(lo), abs(hi)), 1e-9)  # equal values: a readable axis around them
         if hi - lo < span:
             mid = (lo + hi) / 2
             lo, hi = mid - span / 2, mid + span / 2
@@ -240,6 +240,8 @@ def draw_vs_speedup(
         lo, hi = ax.get_ylim()
         ax.set_ylim(max(lo, 0.0), min(hi, 1.0))
         ax.yaxis.set_major_formatter(PercentFormatter(1.0))
+    else:
+        ax.ticklabel_format(axis="y", style="plain", useOffset=False)  # values as they are, no "+1" offset above the axis
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     if title:
