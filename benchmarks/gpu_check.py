@@ -280,6 +280,16 @@ def section_fna(dev: torch.device, cfg: dict, dtype: torch.dtype, deadline: floa
     return rows
 
 
+def failed_row(ident: dict, what: str, err: Exception, dev: torch.device) -> dict:
+    """The row of a timing that raised (e.g. out of memory at 128k): ``ident`` plus the error, printed as one line;
+    the CUDA cache is emptied so the next row starts clean."""
+    row = {**ident, "error": f"{type(err).__name__}: {str(err)[:300]}"}
+    print(f"{what}: {row['error']}", flush=True)
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
 def section_flex(dev: torch.device, cfg: dict, dtype: torch.dtype, deadline: float) -> list[dict]:
     rows = []
     h, hkv, d = cfg["flex_heads"], cfg["flex_kv"], cfg["flex_dim"]
@@ -308,11 +318,7 @@ def section_flex(dev: torch.device, cfg: dict, dtype: torch.dtype, deadline: flo
                            "sdpa_ms": t["sdpa"] * 1e3, "flex_ms": t["flex"] * 1e3, "speedup": t["sdpa"] / t["flex"],
                            "compile_s": first.seconds, "peak_extra_flex": peak_extra(flex, dev)}
             except Exception as err:  # noqa: BLE001 - e.g. out of memory at 128k: recorded, the next row still runs
-                row = {"method": method, "N": n, "error": f"{type(err).__name__}: {str(err)[:300]}"}
-                print(f"{method} N={n}: {row['error']}", flush=True)
-                if dev.type == "cuda":
-                    torch.cuda.empty_cache()
-                rows.append(row)
+                rows.append(failed_row({"method": method, "N": n}, f"{method} N={n}", err, dev))
                 continue
             rows.append(row)
             print(f"{method} N={n}: sdpa {row['sdpa_ms']:.3f} ms, flex {row['flex_ms']:.3f} ms ({row['speedup']:.2f}x), "
@@ -378,11 +384,7 @@ def anchor_rows(dev: torch.device, cfg: dict, q, k, v, scale: float, n: int, set
                        "recall_min_head": float(st.recall.min()) if recall else None,
                        "peak_extra_anchor": peak_extra(anchor, dev), "peak_extra_sdpa": peak_extra(sdpa, dev)}
         except Exception as err:  # noqa: BLE001 - e.g. out of memory at 128k: recorded, the next row still runs
-            row = {"setting": name, "input": source, "N": n, "error": f"{type(err).__name__}: {str(err)[:300]}"}
-            print(f"anchor {name} ({source}) N={n}: {row['error']}", flush=True)
-            if dev.type == "cuda":
-                torch.cuda.empty_cache()
-            rows.append(row)
+            rows.append(failed_row({"setting": name, "input": source, "N": n}, f"anchor {name} ({source}) N={n}", err, dev))
             continue
         rows.append(row)
         print(f"anchor {name} ({source}) N={n}: sdpa {row['sdpa_ms']:.3f} ms, anchor {row['anchor_ms']:.3f} ms "
