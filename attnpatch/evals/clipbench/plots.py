@@ -13,14 +13,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ..run.plots import Point, draw_vs_speedup, figure_title, pyplot, save_figure
+from ..run.plots import Point, as_number, draw_vs_speedup, figure_title, pyplot, save_figure
 
 __all__ = ["clipbench_panels", "plot_clip_benchmark"]
-
-
-def _num(v: Any) -> float | None:
-    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and v == v  # NaN (acc5 under 5 classes) is no value
-    return float(v) if ok else None
 
 
 def clipbench_panels(result: dict[str, Any]) -> list[dict[str, Any]]:
@@ -38,10 +33,10 @@ def clipbench_panels(result: dict[str, Any]) -> list[dict[str, Any]]:
     d = result["dense"]
     panels = []
     for key, label in keys:
-        pts = [Point("dense", 1.0 if d.get("image_seconds") else None, _num(d["metrics"].get(key)), dense=True)]
+        pts = [Point("dense", 1.0 if d.get("image_seconds") else None, as_number(d["metrics"].get(key)), dense=True)]
         for e in result.get("runs") or []:
             label = str(e["setting"]) + (" [exact attention]" if e.get("note") else "")
-            pts.append(Point(label, _num(e.get("speedup")), _num((e.get("metrics") or {}).get(key))))
+            pts.append(Point(label, as_number(e.get("speedup")), as_number((e.get("metrics") or {}).get(key))))
         panels.append({"key": key, "label": label, "points": pts})
     return panels
 

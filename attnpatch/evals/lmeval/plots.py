@@ -14,13 +14,9 @@ import math
 from pathlib import Path
 from typing import Any, Sequence
 
-from ..run.plots import Point, draw_vs_speedup, figure_title, pyplot, save_figure
+from ..run.plots import Point, as_number, draw_vs_speedup, figure_title, pyplot, save_figure
 
 __all__ = ["lmeval_panels", "plot_lm_eval"]
-
-
-def _num(v: Any) -> float | None:
-    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
 
 def lmeval_panels(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -33,10 +29,10 @@ def lmeval_panels(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         if key not in panels:
             timed = bool(r.get("prefill_dense_s"))
             panels[key] = {"task": key[0], "metric": key[1],
-                           "points": [Point("dense", 1.0 if timed else None, _num(r.get("dense")), dense=True)]}
+                           "points": [Point("dense", 1.0 if timed else None, as_number(r.get("dense")), dense=True)]}
         if "score" in r:  # a setting's row (a run without settings has one unpatched row, without "score")
-            why = None if _num(r.get("speedup")) is not None else "no prefill timed"
-            panels[key]["points"].append(Point(str(r["setting"]), _num(r.get("speedup")), _num(r.get("score")), why=why))
+            why = None if as_number(r.get("speedup")) is not None else "no prefill timed"
+            panels[key]["points"].append(Point(str(r["setting"]), as_number(r.get("speedup")), as_number(r.get("score")), why=why))
     return list(panels.values())
 
 

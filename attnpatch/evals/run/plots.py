@@ -22,7 +22,7 @@ from typing import Any
 
 from ...errors import AttnpatchError
 
-__all__ = ["pyplot", "plot_path", "check_plot_path", "save_figure", "Point", "setting_label", "setting_points",
+__all__ = ["pyplot", "plot_path", "check_plot_path", "save_figure", "Point", "as_number", "setting_label", "setting_points",
            "draw_vs_speedup", "setting_colour", "figure_title", "SPEEDUP_LABEL"]
 
 #: The x axis of every metric-vs-speed-up panel.
@@ -106,8 +106,11 @@ def setting_label(row: dict[str, Any]) -> str:
     return f"{row.get('method', '?')}" + (f" ({shown})" if shown else "") + (" [exact attention]" if exact else "")
 
 
-def _num(v: Any) -> float | None:
-    return None if v is None or isinstance(v, bool) or not isinstance(v, (int, float)) else float(v)
+def as_number(v: Any) -> float | None:
+    """``v`` as a float when it is a number (not a bool, not NaN, e.g. CLIP_benchmark's ``acc5`` under 5 classes),
+    else ``None``: a value a panel can place."""
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
+    return float(v) if ok else None
 
 
 def setting_points(result: dict[str, Any], key: str, err_key: str | None = None, dense_value: float | None = None) -> list[Point]:
@@ -120,10 +123,10 @@ def setting_points(result: dict[str, Any], key: str, err_key: str | None = None,
     """
     d = result.get("dense") or {}
     timed = bool(d.get("seconds"))
-    value = _num(d.get(key)) if d.get(key) is not None else dense_value
-    pts = [Point("dense", 1.0 if timed else None, value, dense=True, err=_num(d.get(err_key)) if err_key else None)]
+    value = as_number(d.get(key)) if d.get(key) is not None else dense_value
+    pts = [Point("dense", 1.0 if timed else None, value, dense=True, err=as_number(d.get(err_key)) if err_key else None)]
     for r in result.get("runs") or []:
-        pts.append(Point(setting_label(r), _num(r.get("speedup")), _num(r.get(key)), err=_num(r.get(err_key)) if err_key else None))
+        pts.append(Point(setting_label(r), as_number(r.get("speedup")), as_number(r.get(key)), err=as_number(r.get(err_key)) if err_key else None))
     return pts
 
 
