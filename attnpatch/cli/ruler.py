@@ -147,13 +147,9 @@ def _rank_lines(cells: list[dict[str, Any]]) -> list[str]:
 def _handback_note(cells: list[dict[str, Any]]) -> str | None:
     """One line naming the cells whose patched prefills ran the model's own attention in every layer (record mode
     ``dense:short``: prompts shorter than the method's minimum length), or ``None``."""
-    short = [f"{c['task']} {c['length']}" for c in cells if c.get("patched_modes") == ["dense:short"]]
-    if not short:
-        return None
-    which = "every cell" if len(short) == len(cells) else ", ".join(short)
-    return (f"note: in {which} the patch ran the model's own attention in every layer (record mode dense:short: the "
-            "prompt is below the method's minimum length, e.g. anchor_attention's min_len); the patched answers there "
-            "are the unpatched model's")
+    from ..evals.run.report import handback_note
+
+    return handback_note([f"{c['task']} {c['length']}" for c in cells if c.get("patched_modes") == ["dense:short"]], len(cells), "cell")
 
 
 def add_parser(esub) -> None:

@@ -12,6 +12,7 @@ import statistics
 from typing import Any, Sequence
 
 from ..run.report import Column
+from ..run.report import handback_note as report_note
 
 __all__ = ["LMEVAL_COLUMNS", "sample_records", "score_rows", "handback_note", "same_samples"]
 
@@ -169,10 +170,4 @@ def handback_note(rows: Sequence[dict[str, Any]]) -> str | None:
     """One line naming the rows whose patched prefills ran the model's own attention in every layer (record mode
     ``dense:short``: prompts below the method's minimum length), or ``None``."""
     short = [f"{r['task']} {r['metric']} ({r['setting']})" for r in rows if r.get("modes") == "dense:short"]
-    if not short:
-        return None
-    patched = [r for r in rows if "modes" in r]
-    which = "every row" if len(short) == len(patched) else ", ".join(short)
-    return (f"note: in {which} the patch ran the model's own attention in every layer (record mode dense:short: the "
-            "prompt is below the method's minimum length, e.g. anchor_attention's min_len); the patched answers there "
-            "are the unpatched model's")
+    return report_note(short, sum(1 for r in rows if "modes" in r), "row")

@@ -15,7 +15,7 @@ from ...patchers.break_even import resolved_break_evens
 
 __all__ = [
     "Column", "RULER_COLUMNS", "BENCH_ATTENTION_COLUMNS", "BENCH_VISION_COLUMNS", "BENCH_LM_COLUMNS", "VISION_COLUMNS", "ZEROSHOT_COLUMNS", "CLIP_RETRIEVAL_COLUMNS", "vision_rows", "clip_rows",
-    "rows_to_markdown", "print_table", "write_json", "write_text", "machine_info", "EvalInterrupted",
+    "rows_to_markdown", "print_table", "write_json", "write_text", "machine_info", "EvalInterrupted", "handback_note",
 ]
 
 
@@ -283,3 +283,20 @@ def _jsonable(x: Any) -> Any:
     if isinstance(x, float) and math.isinf(x):
         return "inf" if x > 0 else "-inf"
     raise TypeError(f"not JSON serialisable: {type(x).__name__}")
+
+
+def handback_note(short: Sequence[str], total: int, unit: str) -> str | None:
+    """The note under a long-context table naming where the patch ran the model's own attention in every layer (record
+    mode ``dense:short``: prompts below the method's minimum length), or ``None`` when nowhere.
+
+    Args:
+        short: the names of those table entries (e.g. ``"niah_single 1024"``).
+        total: how many patched entries the table has (all of them short: "every <unit>").
+        unit: what an entry is called (``"cell"``, ``"row"``).
+    """
+    if not short:
+        return None
+    which = f"every {unit}" if len(short) == total else ", ".join(short)
+    return (f"note: in {which} the patch ran the model's own attention in every layer (record mode dense:short: the "
+            "prompt is below the method's minimum length, e.g. anchor_attention's min_len); the patched answers there "
+            "are the unpatched model's")
