@@ -35,6 +35,7 @@ import os
 import torch
 
 from ..errors import OptionError
+from .triton_target import device_ok, sm_count as _sm_count
 
 try:  # Triton ships with PyTorch's CUDA wheels; without it the PyTorch path runs everywhere
     import triton
@@ -142,16 +143,6 @@ else:  # pragma: no cover
     _INTERPRETED = False
 
 
-_SM_COUNT: dict[int, int] = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SM_COUNT:
-        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SM_COUNT[idx]
-
-
 def _blocks(n: int, d: int) -> tuple[int, int]:
     """``(BLOCK_N, BLOCK_D)`` for ``n`` tokens of ``d`` features: on a GPU at most 128 columns and 8192 elements per
     tile (registers); under the interpreter, whose cost is per operation, not per element, up to 512 tokens a tile."""
@@ -166,7 +157,7 @@ def fps_programs(x: torch.Tensor) -> int:
     over the multiprocessors (``B * P`` at most their count, at most one token block each); 1 under the
     interpreter or when ``B`` alone fills the GPU."""
     b, n, d = x.shape
-    if x.device.type != "cuda":
+    if not device_ok(x) or interpreted():
         return 1
     block_n, _ = _blocks(n, d)
     return max(1, min(_sm_count(x.device) // max(b, 1), triton.cdiv(n, block_n)))
@@ -182,7 +173,7 @@ def _fps_launch(
         raise OptionError(f"s={s}: farthest-point sampling needs {max(prefix, 1)} <= s <= N={n} tokens")
     if not TRITON_AVAILABLE:
         raise RuntimeError("farthest_point_sampling_triton needs Triton (pip install triton); use kernel='torch'")
-    if x.device.type != "cuda" and not interpreted():
+    if not (device_ok(x) or interpreted()):
         raise RuntimeError(
             f"farthest_point_sampling_triton on a {x.device.type} tensor needs TRITON_INTERPRET=1 set before "
             "attnpatch is imported; use kernel='torch' on the CPU")

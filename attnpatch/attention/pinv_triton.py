@@ -21,6 +21,7 @@ import torch
 
 from .landmarks_triton import TRITON_AVAILABLE, interpreted
 from .pinv_matmul import SQUARINGS, filter_steps
+from .triton_target import device_ok
 
 if TRITON_AVAILABLE:
     import triton
@@ -101,7 +102,7 @@ def landmark_pinv_triton(a: torch.Tensor, rtol: float = 1e-2) -> torch.Tensor:
             f"rtol={rtol}, dtype {a.dtype}: the float32 kernel needs rtol in [1e-2, 1) and no float64 input")
     if not TRITON_AVAILABLE:
         raise RuntimeError("landmark_pinv_triton needs Triton; use landmark_pinv_matmul")
-    if a.device.type != "cuda" and not interpreted():
+    if not (device_ok(a) or interpreted()):
         raise RuntimeError(f"landmark_pinv_triton on a {a.device.type} tensor needs TRITON_INTERPRET=1 set before "
                            "attnpatch is imported")
     k = filter_steps(rtol)
