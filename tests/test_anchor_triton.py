@@ -282,3 +282,121 @@ def test_auto_on_cuda_takes_the_triton_path(monkeypatch):
     out, _ = anchor_attention(q, k, v, AnchorConfig(**cfg), scale=0.125)
     ref, _ = anchor_attention(q.float(), k.float(), v.float(), AnchorConfig(**cfg, kernel="torch"), scale=0.125)
     assert calls and float((out.float() - ref).abs().max()) < 3e-2
+
+
+# ------------------------------------------------------------------------------------------------ against float64
+
+
+def _margins_float64(q, k, cfg, scale):
+    """``(margin, size)`` ``[B, H, nb, Lk]`` float64 (no padding, queries from position 0): each key's largest
+    ``q_bar . k_j * scale - (a_bar - theta)`` over the block's pools (AnchorAttention Eq. 2-4), and the size of the
+    terms it is made of, ``1 + |a_bar| + |q_bar| |k_j| scale`` (the scale of its rounding error)."""
+    b, h, n, d = q.shape
+    g = h // k.shape[1]
+    qd, kd = q.double().cpu(), k.double().cpu().repeat_interleave(g, 1)
+    s = qd @ kd.transpose(-1, -2) * scale
+    bq, st = cfg.block_size, cfg.stride
+    nb = -(-n // bq)
+    i = torch.arange(n)
+    margin = torch.full((b, h, nb, n), -math.inf, dtype=torch.float64)
+    size = torch.zeros(b, h, nb, n, dtype=torch.float64)
+    for blk in range(nb):
+        r0, r1 = blk * bq, min(n, (blk + 1) * bq)
+        cand = (i < cfg.init_block) | ((i >= r1 - cfg.local_window) & (i < r1))
+        anchor = s[:, :, r0:r1].masked_fill(~(cand[None, :] & (i[None, :] <= i[r0:r1, None])), -math.inf).amax(-1)
+        for p0 in range(r0, r1, st):
+            p1 = min(r1, p0 + st)
+            qbar, abar = qd[:, :, p0:p1].mean(2), anchor[..., p0 - r0 : p1 - r0].mean(-1)
+            m = torch.einsum("bhd,bhjd->bhj", qbar, kd) * scale - (abar[..., None] - cfg.theta)
+            sz = 1 + abar.abs()[..., None] + qbar.norm(dim=-1)[..., None] * kd.norm(dim=-1) * scale
+            better = m > margin[:, :, blk]
+            margin[:, :, blk] = torch.where(better, m, margin[:, :, blk])
+            size[:, :, blk] = torch.where(better, sz, size[:, :, blk])
+    return margin, size
+
+
+#: The documented tolerance of the Triton selection (docs/methods.md, "The Triton kernels' precision"): a stripe whose
+#: float64 margin is farther than this times the size of its terms from the threshold is kept as float64 keeps it.
+SELECT_TOL = {"float32": 1e-3, "bfloat16": 1e-2}
+
+
+@pytest.mark.parametrize("dtype,d,select_dtype", [(torch.float32, 16, "float32"), (torch.float32, 128, "float32"),
+                                                  (torch.bfloat16, 64, "float32"), (torch.float32, 64, "bfloat16")])
+def test_kept_stripes_equal_float64_beyond_the_documented_tolerance(dtype, d, select_dtype):
+    """The bitmask against the float64 rule: every stripe whose margin lies beyond the documented tolerance is kept
+    exactly when float64 keeps it (float32 inputs multiply in three products of split parts: ``tf32x3`` up to head dim
+    64, ``bf16x3`` above, which the interpreter computes as on the GPU; half inputs in exact products)."""
+    q, k, _ = _qkv(1, 4, 2, 256, d, seed=d, dtype=dtype)
+    cfg = AnchorConfig(**{**SMALL, "theta": 2.0, "select_dtype": select_dtype, "kernel": "triton"})
+    geo = call_geometry(q, k, cfg, 0, None)
+    got = ts.unpack_bits(ts.select_bits(q, k, cfg, d**-0.5, geo), 256).cpu()
+    margin, size = _margins_float64(q, k, cfg, d**-0.5)
+    j = torch.arange(256)
+    end = torch.tensor([min(256, (n + 1) * cfg.block_size) for n in range(geo.nb)])
+    always = (j[None, :] < cfg.init_block) | ((j[None, :] >= end[:, None] - cfg.local_window) & (j[None, :] < end[:, None]))
+    want = ((margin >= 0) | always[None, None]) & (j[None, :] < end[:, None])[None, None]
+    clear = (margin - 0).abs() > SELECT_TOL[select_dtype] * size
+    assert float(clear.float().mean()) > 0.9 and 0.1 < float(want[clear].float().mean()) < 0.9
+    assert torch.equal(got[clear], want[clear])
+
+
+def test_float32_at_head_dim_128_attends_within_its_precision():
+    """Float32 tiles of 128 columns multiply in three bfloat16 products (``bf16x3``, about 2^-16 per product): the
+    attention over every causal key (theta = 1e30 through the public call) against float64 causal SDPA."""
+    from attnpatch.attention.anchor.triton_dots import qk_precision
+
+    assert qk_precision(torch.float32, 128) == "bf16x3" and qk_precision(torch.float32, 64) == "tf32x3"
+    assert qk_precision(torch.bfloat16, 128) == "native"
+    q, k, v = _qkv(1, 2, 1, 128, 128, seed=7)
+    cfg = AnchorConfig(**{**SMALL, "theta": 1e30, "kernel": "triton", "dense_last": 16})
+    out, st = anchor_attention(q, k, v, cfg, scale=128**-0.5, return_stats=True)
+    want = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True,
+                                                            scale=128**-0.5, enable_gqa=True)
+    assert float(st.kept_pairs.sum()) == float(st.causal_pairs.sum())  # every key kept: the kernels ran exact attention
+    err = float((out.double() - want).norm() / want.norm())
+    print(f"bf16x3 relative error {err:.2e}")
+    assert err < 1e-4
+
+
+# ------------------------------------------------------------------------------------------------ at patch time
+
+
+def test_a_kernel_the_models_device_cannot_run_is_refused_at_patch_time(monkeypatch):
+    """kernel='triton' on a CPU model outside the Triton interpreter, and kernel='compiled' on a model that is not
+    float32, are refused by patch() (naming the model, its dtype and device, and the kernels allowed), not by the
+    first forward."""
+    from attnpatch import is_patched, patch
+    from tiny_models import tiny_causal_lm
+
+    model = tiny_causal_lm()
+    monkeypatch.setattr(ts, "_INTERPRETED", False)  # a CPU tensor outside the interpreter
+    with pytest.raises(OptionError, match=r"LlamaForCausalLM \(torch.float32 on cpu\): kernel='triton' runs on CUDA "
+                                          r"tensors.*allowed here: 'auto', 'compiled', 'torch'"):
+        patch(model, "anchor_attention", kernel="triton")
+    assert not is_patched(model)
+    with pytest.raises(OptionError, match=r"LlamaForCausalLM \(torch.bfloat16 on cpu\): kernel='compiled' takes float32 "
+                                          r"CPU tensors; allowed here: 'auto', 'torch'$"):
+        patch(model.to(torch.bfloat16), "anchor_attention", kernel="compiled")
+    with pytest.raises(OptionError, match=r"\(torch.bfloat16 on cpu\): kernel='triton' runs on CUDA tensors.*allowed here: "
+                                          r"'auto', 'torch'$"):  # not 'compiled', which takes float32 only
+        patch(model, "anchor_attention", kernel="triton")
+    assert not is_patched(model)
+    monkeypatch.setattr(ts, "_INTERPRETED", True)
+    patch(model.float(), "anchor_attention", kernel="triton")  # under the interpreter the CPU runs the kernels
+    assert is_patched(model)
+
+
+def test_patch_builds_the_compiled_kernel_before_any_forward(monkeypatch):
+    """The compiled CPU kernel (AnchorAttention's stripes, FNA's farthest-point sampling) is built, or loaded from the
+    build cache, by patch(): no timed forward pays its build."""
+    import attnpatch.attention.cpu_kernel as ck
+    from attnpatch import patch, unpatch
+    from tiny_models import tiny_causal_lm, tiny_dinov2
+
+    if ck.kernel_supported() is not None:
+        pytest.skip(ck.kernel_supported())
+    for model, method in ((tiny_causal_lm(), "anchor_attention"), (tiny_dinov2(), "fna")):
+        monkeypatch.setattr(ck, "_state", {})
+        patch(model, method)
+        assert ck._state.get("module") is not None, method
+        unpatch(model)

@@ -207,7 +207,10 @@ def patch(model: torch.nn.Module, method: str = "anchor_attention", *, towers: A
     if m.prepare is not None:
         param = next((p for p in model.parameters() if p.is_floating_point()), None)
         if param is not None:
-            m.prepare(handle.config, geometry, param.device, param.dtype)
+            try:
+                m.prepare(handle.config, geometry, param.device, param.dtype)
+            except OptionError as e:  # an option the model's device or dtype cannot run: say which model
+                raise OptionError(f"{type(model).__name__} ({param.dtype} on {param.device.type}): {e}") from None
     handle.install()
     object.__setattr__(model, HANDLE_ATTR, handle)
     return model

@@ -14,9 +14,10 @@ sum and a float32 accumulator (online softmax, Dao 2023, Alg. 1) over
 A block the recall guard makes dense (``dense_blocks``) and the last ``Lq - dense_from`` queries (``dense_last``) take
 every valid causal key instead, in contiguous tiles (a second launch over the dense rows, in tiles that need not
 align with the blocks).  Padding keys (``key_valid``) are masked wherever keys are read; a query without a valid key
-gives zeros.  Products run on the tensor cores in the input dtype (float16, bfloat16; float32 in IEEE precision) with
-float32 accumulation; the probabilities are rounded to the value dtype before the product with ``V``, as in
-FlashAttention.  Under the Triton interpreter, whose ``tl.dot`` on bfloat16 is broken (triton issue 11584), tiles are
+gives zeros.  Products run on the tensor cores with float32 accumulation: half-precision tiles as they are, the
+probabilities rounded to the value dtype before the product with ``V``, as in FlashAttention; float32 tiles in three
+products of split operands (:func:`~.triton_dots.qk_precision`: TF32 up to head dim 64, bfloat16 above), ``P V``
+too.  Under the Triton interpreter, whose ``tl.dot`` on bfloat16 is broken (triton issue 11584), tiles are
 upcast to float32 after loading (the probabilities still rounded to the value dtype first).
 
 Probe masses (:func:`_mass_kernel`): for the rows of chosen query blocks, one pass over every causal key keeps a
@@ -35,7 +36,11 @@ import torch
 from .config import AnchorConfig
 from .guard import causal_guard, causal_probe_blocks, probe_blocks, probe_recall
 from .select import CallGeometry
+from .triton_dots import qk_precision
 from .triton_select import TRITON_AVAILABLE, head_tile, interpreted, tile_rows, warps
+
+if TRITON_AVAILABLE:
+    from .triton_dots import dot3, qk, split_bf16
 
 if TRITON_AVAILABLE:
     import triton
@@ -50,32 +55,40 @@ _POP8 = None  # [256] uint8 popcounts (built on first use)
 if TRITON_AVAILABLE:
 
     @triton.jit
-    def _update(qt, kt, vt, ok, m_i, l_i, acc, qk_scale, UPCAST: tl.constexpr, IEEE: tl.constexpr):
-        """One online-softmax step of the query tile ``qt`` over the key/value tile ``kt``/``vt`` where ``ok``."""
+    def _update(qt, q_lo, kt, vt, ok, m_i, l_i, acc, qk_scale, UPCAST: tl.constexpr, QK: tl.constexpr):
+        """One online-softmax step of the query tile ``qt`` over the key/value tile ``kt``/``vt`` where ``ok``: the
+        logits by :func:`~.triton_dots.qk` (``"bf16x3"``: ``qt``, ``q_lo`` are the query tile's split parts, made
+        once per program); ``P V`` in the same precision for float32 inputs, for half-precision ones with ``P``
+        rounded to the value dtype (as FlashAttention does)."""
         if UPCAST:
-            s = tl.dot(qt, tl.trans(kt.to(tl.float32)), input_precision="ieee")
-        elif IEEE:
-            s = tl.dot(qt, tl.trans(kt), input_precision="ieee")
+            kt = kt.to(tl.float32)
+        if QK == "bf16x3":
+            k_hi, k_lo = split_bf16(kt)
+            s = dot3(qt, q_lo, tl.trans(k_hi), tl.trans(k_lo), 0.0, UPCAST)
         else:
-            s = tl.dot(qt, tl.trans(kt))
+            s = qk(qt, kt, QK, UPCAST)
         s = tl.where(ok, s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None]
-        if UPCAST:
-            acc += tl.dot(p.to(vt.dtype).to(tl.float32), vt.to(tl.float32), input_precision="ieee")
-        elif IEEE:
-            acc += tl.dot(p, vt, input_precision="ieee")
+        if QK == "bf16x3":
+            p_hi, p_lo = split_bf16(p)
+            v_hi, v_lo = split_bf16(vt)
+            acc = dot3(p_hi, p_lo, v_hi, v_lo, acc, UPCAST)
+        elif QK == "tf32x3":
+            acc = tl.dot(p, vt, acc, input_precision="tf32x3")
+        elif UPCAST:
+            acc += tl.dot(p.to(vt.dtype).to(tl.float32), vt.to(tl.float32))
         else:
             acc += tl.dot(p.to(vt.dtype), vt)
         return m_new, l_i, acc
 
     @triton.jit
-    def _dense_part(qt, m_i, l_i, acc, k_base, v_base, valid_base, pos, lo, hi, stride_kn, stride_vn, offs_d, d,
+    def _dense_part(qt, q_lo, m_i, l_i, acc, k_base, v_base, valid_base, pos, lo, hi, stride_kn, stride_vn, offs_d, d,
                     qk_scale, BN: tl.constexpr, CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr, UPCAST: tl.constexpr,
-                    IEEE: tl.constexpr):
+                    QK: tl.constexpr):
         """Every valid key ``lo .. hi - 1`` (``CAUSAL``: at or before each query's position ``pos``)."""
         for j0 in range(lo, hi, BN):
             keys = j0 + tl.arange(0, BN)
@@ -88,7 +101,7 @@ if TRITON_AVAILABLE:
             ok = kin[None, :]
             if CAUSAL:
                 ok = ok & (keys[None, :] <= pos[:, None])
-            m_i, l_i, acc = _update(qt, kt, vt, ok, m_i, l_i, acc, qk_scale, UPCAST, IEEE)
+            m_i, l_i, acc = _update(qt, q_lo, kt, vt, ok, m_i, l_i, acc, qk_scale, UPCAST, QK)
         return m_i, l_i, acc
 
     @triton.jit
@@ -97,7 +110,7 @@ if TRITON_AVAILABLE:
                        H, G, lk, q_offset, rows_per, row_start, row_stop, nb, nwords, qk_scale, d,
                        BQ: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, NW: tl.constexpr,
                        DENSE: tl.constexpr, HAS_FLAGS: tl.constexpr, HAS_PAD: tl.constexpr, UPCAST: tl.constexpr,
-                       IEEE: tl.constexpr):
+                       QK: tl.constexpr):
         """Rows ``row_start + program_id(0) * rows_per ..`` (below ``row_stop``) of (batch, head) ``program_id(1)``
         (module docstring); ``DENSE``: every causal key, else the kept keys of block ``program_id(0)``'s bitmask row."""
         blk = tl.program_id(0)
@@ -120,6 +133,10 @@ if TRITON_AVAILABLE:
                      mask=row_in[:, None] & (offs_d[None, :] < d), other=0.0)
         if UPCAST:
             qt = qt.to(tl.float32)
+        if QK == "bf16x3":
+            qt, q_lo = split_bf16(qt)
+        else:
+            q_lo = qt
         m_i = tl.full([BQ], -1.0e30, tl.float32)  # finite: a row without keys so far stays at p = 0, alpha = 1
         l_i = tl.zeros([BQ], tl.float32)
         acc = tl.zeros([BQ, BD], tl.float32)
@@ -127,8 +144,8 @@ if TRITON_AVAILABLE:
         if HAS_FLAGS:
             dense = tl.load(flags_ptr + bh.to(tl.int64) * nb + blk) != 0
         if dense:
-            m_i, l_i, acc = _dense_part(qt, m_i, l_i, acc, k_base, v_base, valid_base, pos, 0, p0, sk_n, sv_n,
-                                        offs_d, d, qk_scale, BN, False, HAS_PAD, UPCAST, IEEE)
+            m_i, l_i, acc = _dense_part(qt, q_lo, m_i, l_i, acc, k_base, v_base, valid_base, pos, 0, p0, sk_n, sv_n,
+                                        offs_d, d, qk_scale, BN, False, HAS_PAD, UPCAST, QK)
         else:
             # (1) the kept keys before the block, BN at a time from the bitmask row
             bits_row = bits_ptr + (bh.to(tl.int64) * nb + blk) * nwords
@@ -159,12 +176,12 @@ if TRITON_AVAILABLE:
                     ld = ok[:, None] & (offs_d[None, :] < d)
                     kt = tl.load(k_base + key[:, None].to(tl.int64) * sk_n + offs_d[None, :], mask=ld, other=0.0)
                     vt = tl.load(v_base + key[:, None].to(tl.int64) * sv_n + offs_d[None, :], mask=ld, other=0.0)
-                    m_i, l_i, acc = _update(qt, kt, vt, ok[None, :], m_i, l_i, acc, qk_scale, UPCAST, IEEE)
+                    m_i, l_i, acc = _update(qt, q_lo, kt, vt, ok[None, :], m_i, l_i, acc, qk_scale, UPCAST, QK)
                     nxt = tl.where(total > BN, tl.max(tl.where(ok, key, -1), axis=0) + 1, nxt)
                 cur = nxt
         # (2) the tile's own keys, causal
-        m_i, l_i, acc = _dense_part(qt, m_i, l_i, acc, k_base, v_base, valid_base, pos, p0, hi, sk_n, sv_n,
-                                    offs_d, d, qk_scale, BN, True, HAS_PAD, UPCAST, IEEE)
+        m_i, l_i, acc = _dense_part(qt, q_lo, m_i, l_i, acc, k_base, v_base, valid_base, pos, p0, hi, sk_n, sv_n,
+                                    offs_d, d, qk_scale, BN, True, HAS_PAD, UPCAST, QK)
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         out = tl.where((l_i > 0)[:, None], out, 0.0)
         o_base = o_ptr + b.to(tl.int64) * so_b + h.to(tl.int64) * so_h
@@ -176,7 +193,7 @@ if TRITON_AVAILABLE:
                      sq_b, sq_h, sq_n, sk_b, sk_h, sk_n,
                      H, G, lq, lk, q_offset, bq, nb, nwords, n_blocks, scale, d,
                      BQ: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, HAS_FLAGS: tl.constexpr,
-                     HAS_PAD: tl.constexpr):
+                     HAS_PAD: tl.constexpr, UPCAST: tl.constexpr, QK: tl.constexpr):
         """Mass on the kept keys and kept causal keys of each row of block ``blocks[program_id(0)]``, (batch, head)
         ``program_id(1)`` (module docstring), in float32."""
         i = tl.program_id(0)
@@ -195,8 +212,10 @@ if TRITON_AVAILABLE:
         k_base = k_ptr + b.to(tl.int64) * sk_b + kvh.to(tl.int64) * sk_h
         valid_base = valid_ptr + b.to(tl.int64) * lk
         bits_row = bits_ptr + (bh.to(tl.int64) * nb + blk) * nwords
-        qs = tl.load(q_base + rows[:, None].to(tl.int64) * sq_n + offs_d[None, :],
-                     mask=row_in[:, None] & (offs_d[None, :] < d), other=0.0).to(tl.float32) * scale
+        qt = tl.load(q_base + rows[:, None].to(tl.int64) * sq_n + offs_d[None, :],
+                     mask=row_in[:, None] & (offs_d[None, :] < d), other=0.0)
+        if UPCAST:
+            qt = qt.to(tl.float32)
         every = False
         if HAS_FLAGS:
             every = tl.load(flags_ptr + bh.to(tl.int64) * nb + blk) != 0
@@ -208,13 +227,15 @@ if TRITON_AVAILABLE:
             keys = j0 + tl.arange(0, BN)
             kin = keys < block_end
             kt = tl.load(k_base + keys[:, None].to(tl.int64) * sk_n + offs_d[None, :],
-                         mask=kin[:, None] & (offs_d[None, :] < d), other=0.0).to(tl.float32)
+                         mask=kin[:, None] & (offs_d[None, :] < d), other=0.0)
+            if UPCAST:
+                kt = kt.to(tl.float32)
             if HAS_PAD:
                 kin = kin & (tl.load(valid_base + keys, mask=kin, other=0) != 0)
             word = tl.load(bits_row + keys // 32, mask=kin, other=0)
             kept = (((word >> (keys % 32)) & 1) != 0) | every
             ok = kin[None, :] & (keys[None, :] <= pos[:, None])
-            s = tl.where(ok, tl.dot(qs, tl.trans(kt), input_precision="ieee"), float("-inf"))
+            s = tl.where(ok, qk(qt, kt, QK, UPCAST) * scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(s - m_new[:, None])
@@ -228,10 +249,23 @@ if TRITON_AVAILABLE:
         tl.store(count_ptr + out, cnt, mask=row_in)
 
 
-def _tiles(interp: bool) -> tuple[int, int]:
-    """``(BN, NW)``: keys per tile and bitmask words per gather window; under the interpreter (cost per operation,
-    not per element) larger key tiles."""
-    return (128, 16) if interp else (64, 32)
+def _tiles(interp: bool, dtype: torch.dtype = torch.bfloat16, d: int = 64) -> tuple[int, int]:
+    """``(BN, NW)``: keys per tile and bitmask words per gather window of the attention.  On a GPU 64 keys a tile for
+    half-precision inputs; float32 inputs hold their products' split parts (:func:`~.triton_dots.qk_precision`) in
+    twice the registers: 16 keys a tile in three TF32 products, 32 in three bfloat16 products (the tiles that do not
+    spill on sm_90: ``benchmarks/triton_compile.py``).  Under the interpreter (cost per operation, not per element)
+    larger key tiles."""
+    if interp:
+        return 128, 16
+    return {"native": 64, "tf32x3": 16, "bf16x3": 32}[qk_precision(dtype, d)], 32
+
+
+def _mass_tile(interp: bool, dtype: torch.dtype) -> int:
+    """Keys per tile of the probe masses (no ``V`` tile): 64 on a GPU, 32 for float32 inputs, 128 under the
+    interpreter."""
+    if interp:
+        return 128
+    return 32 if dtype == torch.float32 else 64
 
 
 def _flags(dense_blocks: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
@@ -262,12 +296,12 @@ def attend_bits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bits: torch.T
         return out
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     interp = interpreted()
-    bn, nw = _tiles(interp)
+    bn, nw = _tiles(interp, q.dtype, d)
     has_pad = geo.padded  # no read-back of the mask
     valid = geo.key_valid.to(torch.int8).contiguous()
     flags = _flags(dense_blocks, valid)
     ls = lq if dense_from is None else max(0, min(lq, dense_from))
-    common = dict(BN=bn, BD=head_tile(d), NW=nw, HAS_PAD=has_pad, UPCAST=interp, IEEE=q.dtype == torch.float32)
+    common = dict(BN=bn, BD=head_tile(d), NW=nw, HAS_PAD=has_pad, UPCAST=interp, QK=qk_precision(q.dtype, d))
     args = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2), h, h // hkv, lk,
             geo.q_offset)
@@ -307,13 +341,13 @@ def block_masses(q: torch.Tensor, k: torch.Tensor, bits: torch.Tensor, geo: Call
     if n and b * h and lq:
         q, k = q.contiguous(), k.contiguous()
         valid = geo.key_valid.to(torch.int8).contiguous()
-        bn = _tiles(interpreted())[0]
+        bn = _mass_tile(interpreted(), q.dtype)
         _mass_kernel[(n, b * h)](
             q, k, bits, _flags(dense_blocks, valid), valid, torch.tensor(list(blocks), dtype=torch.int32, device=q.device),
             mass, count, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             h, h // hkv, lq, lk, geo.q_offset, bq, bits.shape[2], bits.shape[3], n, float(scale), d,
             BQ=tile_rows(bq), BN=bn, BD=head_tile(d), HAS_FLAGS=dense_blocks is not None,
-            HAS_PAD=geo.padded, num_warps=warps(tile_rows(bq)))
+            HAS_PAD=geo.padded, UPCAST=interpreted(), QK=qk_precision(q.dtype, d), num_warps=warps(tile_rows(bq)))
     return mass[..., :bq], count[..., :bq]
 
 

@@ -1,8 +1,8 @@
 """AnchorAttention's stripe selection as one Triton kernel: anchors, pooled scores and the threshold on the device,
 the kept keys written as a bitmask (arXiv 2505.23520, Sec. 3, Eq. 2-4).
 
-Kernel (:func:`_select_kernel`): one program per (query block, batch x query head).  It loads the block's queries
-(float32, the logit scale folded in, as the PyTorch path does), takes each query's *anchor* (their Eq. 2: the largest
+Kernel (:func:`_select_kernel`): one program per (query block, batch x query head).  It loads the block's queries in
+their dtype, takes each query's *anchor* (their Eq. 2: the largest
 logit over the keys of the initial block, from the sequence's first valid key, and of the local window ending at the
 block's end; causal, valid keys only), averages queries and anchors over each pool of ``pool_stride`` valid queries
 (a product with a ``[pools, block]`` 0/1 matrix, then a division by the pool's count), and streams the causal keys
@@ -12,14 +12,21 @@ block's end.  Pools without a valid query keep nothing.  ``theta = inf`` keeps e
 block and the window only (no scoring).  ``select_dtype="bfloat16"`` scores in bfloat16 with float32 accumulation and
 compares the score and the threshold rounded to bfloat16, as the PyTorch path does.
 
+Precision (:mod:`.triton_dots`): every product on the tensor cores with float32 accumulation, the logit scale applied
+to the float32 sums.  Half-precision tiles multiply as they are (exact products); float32 tiles in three
+TF32 products up to head dim 64, three bfloat16 products above (docs/methods.md, "The Triton kernels' precision", has
+the kept set's tolerance against float64).  Tiles are sized so that no variant spills registers on sm_90 at the GPU
+check's shapes (``benchmarks/triton_compile.py``; the budgets: ``tests/test_triton_compile.py``).
+
 The kept keys leave the kernel as a bitmask, ``[B, H, nb, ceil(Lk / 32)]`` int32 words, bit ``j % 32`` of word
 ``j // 32`` for key ``j``: ``N^2 / (8 * block_size)`` bytes per head for ``N`` tokens, written with no host
 synchronisation; :mod:`.triton_attend` reads it directly.  :func:`unpack_bits` turns it into the PyTorch path's
 ``[B, H, nb, Lk]`` bool mask (for tests and :func:`~.select.select_stripes`).
 
-Dispatch (:func:`use_triton`): ``kernel="triton"`` runs here for CUDA tensors, and for CPU tensors only when this
-module was imported under ``TRITON_INTERPRET=1`` (the Triton interpreter; tests); ``kernel="auto"`` runs here for
-CUDA tensors where Triton is installed.
+Dispatch (:func:`use_triton`, :func:`triton_refusal`): ``kernel="triton"`` runs here for CUDA tensors, and for CPU
+tensors only when this module was imported under ``TRITON_INTERPRET=1`` (the Triton interpreter; tests) or inside
+:func:`~attnpatch.attention.triton_target.compile_only` (compiled for a target, never launched); ``kernel="auto"`` runs
+here for CUDA tensors where Triton is installed.
 
 Source: AnchorAttention, arXiv 2505.23520, Sec. 3, Eq. 2-4.
 """
@@ -32,7 +39,9 @@ import os
 import torch
 
 from ...errors import OptionError
+from ..triton_target import compiling
 from .config import AnchorConfig
+from .triton_dots import qk_precision
 
 try:  # Triton ships with PyTorch's CUDA wheels; without it the PyTorch path runs everywhere
     import triton
@@ -41,7 +50,7 @@ except ImportError:  # pragma: no cover - exercised only on installs without Tri
     triton = None
     tl = None
 
-__all__ = ["TRITON_AVAILABLE", "TRITON_DTYPES", "interpreted", "use_triton", "select_bits", "unpack_bits", "n_words",
+__all__ = ["TRITON_AVAILABLE", "TRITON_DTYPES", "interpreted", "triton_refusal", "allowed_kernels", "use_triton", "select_bits", "unpack_bits", "n_words",
            "tile_rows", "head_tile", "warps"]
 
 TRITON_AVAILABLE = triton is not None
@@ -56,12 +65,42 @@ def interpreted() -> bool:
     return TRITON_AVAILABLE and _INTERPRETED
 
 
+def allowed_kernels(device: torch.device | str, dtype: torch.dtype) -> list[str]:
+    """The ``kernel`` values that run tensors of ``dtype`` on ``device``: ``auto`` and ``torch`` everywhere,
+    ``compiled`` for float32 on the CPU, ``triton`` where :func:`triton_refusal` has no objection."""
+    kind = torch.device(device).type
+    out = ["auto"] + (["compiled"] if kind == "cpu" and dtype == torch.float32 else []) + ["torch"]
+    return out + (["triton"] if triton_refusal(device, dtype, hint=False) is None else [])
+
+
+def triton_refusal(device: torch.device | str, dtype: torch.dtype, *, hint: bool = True) -> str | None:
+    """Why ``kernel="triton"`` cannot run on tensors of ``dtype`` on ``device`` (one line ending, with ``hint``, in
+    the kernels that can, :func:`allowed_kernels`), or ``None`` where it can: Triton installed, a dtype in
+    :data:`TRITON_DTYPES`, a CUDA device (a CPU device only under the Triton interpreter, or inside
+    :func:`~attnpatch.attention.triton_target.compile_only`)."""
+    kind = torch.device(device).type
+    if not TRITON_AVAILABLE:
+        why = "kernel='triton' needs Triton (pip install triton)"
+    elif dtype not in TRITON_DTYPES:
+        why = f"kernel='triton' takes float32, float16 or bfloat16 tensors, not {dtype}"
+    elif kind == "cuda" or compiling() or (kind == "cpu" and interpreted()):
+        return None
+    elif kind == "cpu":
+        why = ("kernel='triton' runs on CUDA tensors (on CPU tensors only under the Triton interpreter, "
+               "TRITON_INTERPRET=1 set before attnpatch is imported)")
+    else:
+        why = f"kernel='triton' runs on CUDA tensors, not {kind} tensors"
+    if not hint:
+        return why
+    return f"{why}; allowed here: {', '.join(map(repr, allowed_kernels(device, dtype)))}"
+
+
 def use_triton(cfg: AnchorConfig, q: torch.Tensor) -> bool:
     """Whether the attention call on ``q`` runs the Triton path under ``cfg.kernel``.
 
-    ``"triton"``: always (checked here); ``"auto"``: for CUDA tensors of a dtype in :data:`TRITON_DTYPES` where
-    Triton is installed (on the CPU, the compiled kernel or PyTorch operations as before); ``"compiled"``,
-    ``"torch"``: never.
+    ``"triton"``: always (checked here, :func:`triton_refusal`); ``"auto"``: for CUDA tensors of a dtype in
+    :data:`TRITON_DTYPES` where Triton is installed (on the CPU, the compiled kernel or PyTorch operations as
+    before); ``"compiled"``, ``"torch"``: never.
 
     Raises:
         OptionError: ``kernel="triton"`` without Triton, for a dtype it does not take, or for a tensor that is
@@ -72,15 +111,9 @@ def use_triton(cfg: AnchorConfig, q: torch.Tensor) -> bool:
         return TRITON_AVAILABLE and q.device.type == "cuda" and q.dtype in TRITON_DTYPES
     if cfg.kernel != "triton":
         return False
-    if not TRITON_AVAILABLE:
-        raise OptionError("kernel='triton' needs Triton (pip install triton); allowed here: 'auto', 'compiled', 'torch'")
-    if q.dtype not in TRITON_DTYPES:
-        raise OptionError(f"kernel='triton' takes float32, float16 or bfloat16 tensors, not {q.dtype}; use kernel='auto' "
-                          "or 'torch'")
-    if q.device.type != "cuda" and not (q.device.type == "cpu" and interpreted()):
-        raise OptionError(
-            f"kernel='triton' runs on CUDA tensors (on {q.device.type} tensors only under the Triton interpreter, "
-            "TRITON_INTERPRET=1 set before attnpatch is imported); allowed here: 'auto', 'compiled', 'torch'")
+    reason = triton_refusal(q.device, q.dtype)
+    if reason is not None:
+        raise OptionError(reason)
     return True
 
 
@@ -106,21 +139,26 @@ def warps(rows: int) -> int:
 
 
 if TRITON_AVAILABLE:
+    from .triton_dots import dot2, qk, split_bf16
+
     _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
     @triton.jit
-    def _anchor_part(qs, anchor, k_base, valid_base, pos, lo, hi, lk, stride_kn, offs_d, d,
-                     BN: tl.constexpr, HAS_PAD: tl.constexpr, UPCAST: tl.constexpr):
-        """``anchor`` updated with the largest logit of ``qs`` (``[BQ, BD]`` float32, scaled) over the keys
-        ``lo .. hi - 1`` that are valid and at or before each query's position ``pos``."""
+    def _anchor_part(qt, anchor, k_base, valid_base, pos, lo, hi, stride_kn, offs_d, d, scale,
+                     BN: tl.constexpr, HAS_PAD: tl.constexpr, UPCAST: tl.constexpr, QK: tl.constexpr):
+        """``anchor`` updated with the largest logit of the query tile ``qt`` (``[BQ, BD]`` in the input dtype, the
+        logit ``scale`` applied to the products) over the keys ``lo .. hi - 1`` that are valid and at or before each
+        query's position ``pos``."""
         for j0 in range(lo, hi, BN):
             keys = j0 + tl.arange(0, BN)
             kin = keys < hi
             kt = tl.load(k_base + keys[:, None].to(tl.int64) * stride_kn + offs_d[None, :],
-                         mask=kin[:, None] & (offs_d[None, :] < d), other=0.0).to(tl.float32)
+                         mask=kin[:, None] & (offs_d[None, :] < d), other=0.0)
+            if UPCAST:
+                kt = kt.to(tl.float32)
             if HAS_PAD:
                 kin = kin & (tl.load(valid_base + keys, mask=kin, other=0) != 0)
-            s = tl.dot(qs, tl.trans(kt), input_precision="ieee")
+            s = qk(qt, kt, QK, UPCAST) * scale
             s = tl.where(kin[None, :] & (keys[None, :] <= pos[:, None]), s, float("-inf"))
             anchor = tl.maximum(anchor, tl.max(s, axis=1))
         return anchor
@@ -131,7 +169,7 @@ if TRITON_AVAILABLE:
                        H, G, lq, lk, q_offset, bq, pool, init_block, local_window, nwords, theta, scale,
                        d, BQ: tl.constexpr, NP: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
                        SCORE: tl.constexpr, KEEP_ALL: tl.constexpr, SEL_BF16: tl.constexpr, HAS_PAD: tl.constexpr,
-                       UPCAST: tl.constexpr):
+                       UPCAST: tl.constexpr, QK: tl.constexpr, QK_F32: tl.constexpr):
         """The bitmask row of query block ``program_id(0)`` of (batch, head) ``program_id(1)`` (module docstring).
         Strides along the head dim are 1 (the launcher makes the inputs contiguous)."""
         blk = tl.program_id(0)
@@ -154,25 +192,35 @@ if TRITON_AVAILABLE:
             row_in = rows < n_rows
             pos = q_offset + r0 + rows
             q_base = q_ptr + b.to(tl.int64) * sq_b + h.to(tl.int64) * sq_h
-            qs = tl.load(q_base + (r0 + rows)[:, None].to(tl.int64) * sq_n + offs_d[None, :],
-                         mask=row_in[:, None] & (offs_d[None, :] < d), other=0.0).to(tl.float32) * scale
+            qt = tl.load(q_base + (r0 + rows)[:, None].to(tl.int64) * sq_n + offs_d[None, :],
+                         mask=row_in[:, None] & (offs_d[None, :] < d), other=0.0)
+            if UPCAST:
+                qt = qt.to(tl.float32)
             qvalid = row_in
             if HAS_PAD:
                 qvalid = qvalid & (tl.load(valid_base + pos, mask=row_in, other=0) != 0)
             # (1) anchors over the initial block and the local window (their Eq. 2)
             anchor = tl.full([BQ], float("-inf"), tl.float32)
-            anchor = _anchor_part(qs, anchor, k_base, valid_base, pos, start, init_end, lk, sk_n, offs_d, d,
-                                  BN, HAS_PAD, UPCAST)
-            anchor = _anchor_part(qs, anchor, k_base, valid_base, pos, win_lo, block_end, lk, sk_n, offs_d, d,
-                                  BN, HAS_PAD, UPCAST)
+            anchor = _anchor_part(qt, anchor, k_base, valid_base, pos, start, init_end, sk_n, offs_d, d, scale,
+                                  BN, HAS_PAD, UPCAST, QK)
+            anchor = _anchor_part(qt, anchor, k_base, valid_base, pos, win_lo, block_end, sk_n, offs_d, d, scale,
+                                  BN, HAS_PAD, UPCAST, QK)
             anchor = tl.where(qvalid, anchor, 0.0)
-            # (2) pooling: a [NP, BQ] 0/1 matrix of the valid queries of each pool
+            # (2) pooling: a [NP, BQ] 0/1 matrix of the valid queries of each pool times the query tile (exact
+            # products, float32 sums), then the mean and the logit scale
             pools = tl.arange(0, NP)
             member = ((rows[None, :] // pool) == pools[:, None]) & qvalid[None, :]
-            pm = member.to(tl.float32)
-            cnt = tl.sum(pm, axis=1)
-            qbar = tl.dot(pm, qs, input_precision="ieee") / tl.maximum(cnt, 1.0)[:, None]
-            abar = tl.sum(pm * anchor[None, :], axis=1) / tl.maximum(cnt, 1.0)
+            cnt = tl.sum(member.to(tl.float32), axis=1)
+            pm = member.to(qt.dtype)
+            if QK == "bf16x3":  # the 0/1 matrix is exact in bfloat16: two products, the tile's high and low parts
+                q_hi, q_lo = split_bf16(qt)
+                qsum = dot2(pm.to(tl.bfloat16), q_hi, q_lo, UPCAST)
+            elif QK == "tf32x3":
+                qsum = tl.dot(pm, qt, input_precision="tf32x3")
+            else:
+                qsum = tl.dot(pm, qt)
+            qbar = qsum * (scale / tl.maximum(cnt, 1.0))[:, None]
+            abar = tl.sum(member.to(tl.float32) * anchor[None, :], axis=1) / tl.maximum(cnt, 1.0)
             thr = tl.where(cnt > 0, abar - theta, float("inf"))  # pools without a valid query keep nothing
             if SEL_BF16:
                 qbar = qbar.to(tl.bfloat16)
@@ -197,7 +245,7 @@ if TRITON_AVAILABLE:
                         kt = kt.to(tl.float32)
                     sc = tl.dot(qbar, tl.trans(kt)).to(tl.bfloat16).to(tl.float32)
                 else:
-                    sc = tl.dot(qbar, tl.trans(kt.to(tl.float32)), input_precision="ieee")
+                    sc = qk(qbar, kt.to(tl.float32), QK_F32, UPCAST)
                 best = tl.max(sc - thr[:, None], axis=0)
                 keep = keep | (best >= 0)
             keep = keep & kin
@@ -208,9 +256,13 @@ else:  # pragma: no cover
     _INTERPRETED = False
 
 
-def _key_tile(interp: bool) -> int:
-    """Keys per tile of the selection: 64 on a GPU (registers), 128 under the interpreter (its cost is per operation)."""
-    return 128 if interp else 64
+def _key_tile(interp: bool, dtype: torch.dtype = torch.bfloat16) -> int:
+    """Keys per tile of the selection: 64 on a GPU, 32 for float32 inputs (their split bfloat16 parts hold twice
+    the registers: at 64 a head dim of 128 spills on sm_90, ``benchmarks/triton_compile.py``); 128 under the
+    interpreter (its cost is per operation)."""
+    if interp:
+        return 128
+    return 32 if dtype == torch.float32 else 64
 
 
 def select_bits(q: torch.Tensor, k: torch.Tensor, cfg: AnchorConfig, scale: float, geo) -> torch.Tensor:
@@ -247,9 +299,10 @@ def select_bits(q: torch.Tensor, k: torch.Tensor, cfg: AnchorConfig, scale: floa
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         h, h // hkv, lq, lk, geo.q_offset, cfg.block_size, cfg.stride, cfg.init_block, cfg.local_window, nw,
         float(cfg.theta) if score else 0.0, float(scale), d,
-        BQ=tile_rows(cfg.block_size), NP=max(16, 1 << (npool - 1).bit_length()), BN=_key_tile(interp),
+        BQ=tile_rows(cfg.block_size), NP=max(16, 1 << (npool - 1).bit_length()), BN=_key_tile(interp, q.dtype),
         BD=head_tile(d), SCORE=score, KEEP_ALL=cfg.theta == math.inf, SEL_BF16=sel_bf16, HAS_PAD=has_pad,
-        UPCAST=interp, num_warps=warps(tile_rows(cfg.block_size)),
+        UPCAST=interp, QK=qk_precision(q.dtype, d), QK_F32=qk_precision(torch.float32, d),
+        num_warps=warps(tile_rows(cfg.block_size)),
     )
     return bits
 

@@ -17,6 +17,7 @@ import torch
 
 from ...attention.anchor import AnchorConfig, anchor_attention, select_stripes
 from ...attention.anchor.config import BREAK_EVEN_BY_WORD
+from ...attention.anchor.triton_select import TRITON_AVAILABLE, TRITON_DTYPES, allowed_kernels, triton_refusal
 from ...errors import OptionError
 from ..bench_hook import BenchCase, BenchInputs
 from ...options import options_of
@@ -132,12 +133,56 @@ def _with_min_len(cfg: AnchorConfig, tokens: int) -> AnchorConfig:
     return dataclasses.replace(cfg, min_len=tokens)
 
 
+def kernel_refusal(cfg: AnchorConfig, device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why ``cfg.kernel`` cannot run a model whose weights are ``dtype`` on ``device`` (one line), or ``None``:
+    ``"triton"`` needs a CUDA device (:func:`~attnpatch.attention.anchor.triton_select.triton_refusal`), ``"compiled"``
+    float32 on the CPU."""
+    if cfg.kernel == "triton":
+        return triton_refusal(device, dtype)
+    if cfg.kernel == "compiled" and (torch.device(device).type != "cpu" or dtype != torch.float32):
+        return (f"kernel='compiled' takes float32 CPU tensors; allowed here: "
+                f"{', '.join(map(repr, allowed_kernels(device, dtype)))}")
+    return None
+
+
 def prepare_anchor(cfg: AnchorConfig, geo: ModelGeometry, device: torch.device, dtype: torch.dtype) -> None:
-    """At patch time: resolve a ``min_len`` word for the model's heads, device and dtype (a calibration then runs here,
-    not inside the first, timed, prefill)."""
+    """At patch time: refuse a ``kernel`` that cannot run on the model's device and dtype (:func:`kernel_refusal`);
+    resolve a ``min_len`` word for the model's heads, device and dtype (a calibration then runs here, not inside the
+    first, timed, prefill).
+
+    Raises:
+        OptionError: ``kernel="triton"`` where Triton cannot run (a CPU model outside the Triton interpreter, no
+            Triton, float64), ``kernel="compiled"`` for a model that is not float32 on the CPU.
+    """
+    reason = kernel_refusal(cfg, device, dtype)
+    if reason is not None:
+        raise OptionError(reason)
     probe = None if isinstance(cfg.min_len, int) else probe_inputs(geo, device, dtype)
     if probe is not None:
         resolved(cfg, *probe)
+    warm_up(cfg, geo, torch.device(device), dtype)
+
+
+def warm_up(cfg: AnchorConfig, geo: ModelGeometry, device: torch.device, dtype: torch.dtype) -> None:
+    """At patch time, the one-time work of the kernels the patched prefill will run, so that no timed call pays it:
+    on the CPU (float32, ``kernel`` ``"auto"`` or ``"compiled"``) the compiled kernel's build (a C++ build the first
+    time on a machine, then a load; :func:`~attnpatch.attention.cpu_kernel.stripe_kernel`); where the Triton path runs,
+    one call of it on a small :func:`synthetic_prefill` of the model's head geometry (the kernels' JIT compile)."""
+    if cfg.theta == math.inf:
+        return  # every layer hands back to the model's own attention
+    if device.type == "cpu" and dtype == torch.float32 and cfg.kernel in ("auto", "compiled"):
+        from ...attention.cpu_kernel import stripe_kernel
+
+        stripe_kernel()
+    elif cfg.kernel == "triton" or (cfg.kernel == "auto" and device.type == "cuda" and TRITON_AVAILABLE
+                                    and dtype in TRITON_DTYPES):
+        if not (geo.heads and geo.head_dim):
+            return
+        n = 3 * cfg.block_size + cfg.dense_last  # a sparse block, the guard's probes, the dense tail
+        q, k, v = synthetic_prefill(n, geo.heads, geo.kv_heads or geo.heads, geo.head_dim, dtype=dtype, device=device)
+        with torch.no_grad():
+            anchor_attention(q, k, v, _with_min_len(cfg, 0), scale=geo.head_dim ** -0.5, return_stats=True,
+                             compute_recall=True)
 
 
 def anchor_forward(
