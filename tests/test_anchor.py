@@ -395,7 +395,7 @@ def test_kernel_auto_falls_back_when_the_build_fails(monkeypatch, tmp_path):
     monkeypatch.setattr(ck, "_SOURCE", tmp_path / "missing.cpp")
     q, k, v, _ = _inputs(1, 4, 2, 40, 40, 8)
     kw = dict(theta=1.0, block_size=8, init_block=4, local_window=8, min_len=0, dense_last=0)
-    with pytest.warns(RuntimeWarning, match="AnchorAttention runs its PyTorch path: building missing.cpp failed"):
+    with pytest.warns(RuntimeWarning, match="run their PyTorch paths: building missing.cpp failed"):
         auto = anchor_attention(q, k, v, AnchorConfig(**kw), scale=8**-0.5)[0]
     assert torch.equal(auto, anchor_attention(q, k, v, AnchorConfig(**kw, kernel="torch"), scale=8**-0.5)[0])
     with pytest.raises(RuntimeError, match="kernel='compiled': compiled CPU kernel: unavailable \\(building missing.cpp failed"):

@@ -92,6 +92,79 @@ def test_fps_matches_reference_distinct_prefix_deterministic(shape, s, prefix):
         assert row[:prefix].tolist() == list(range(prefix))
 
 
+def _fps_kernels() -> list[str]:
+    """The FPS paths this machine runs: the PyTorch loop, the compiled CPU kernel where it builds, the Triton kernel
+    under the interpreter (conftest.py sets TRITON_INTERPRET=1)."""
+    from attnpatch.attention import landmarks_triton
+    from attnpatch.attention.cpu_kernel import stripe_kernel
+
+    return ["torch"] + (["compiled"] if stripe_kernel() is not None else []) + (
+        ["triton"] if landmarks_triton.interpreted() else [])
+
+
+FPS_KERNELS = _fps_kernels()
+
+
+@pytest.mark.parametrize("kernel", FPS_KERNELS)
+def test_fps_takes_exact_copies_last_and_in_index_order(kernel):
+    """20 distinct tokens, each also copied twice: every distinct token is taken before any copy (a copy of a taken
+    token is at distance exactly 0), then the copies in index order, as the float64 reference takes them.  The
+    |x|^2 + |c|^2 - 2 x.c distances of the earlier loop left a rounding residue on copies and took 10 copies of one
+    token."""
+    base = torch.randn(20, 64, generator=torch.Generator().manual_seed(0)) * 3 + 1
+    x = base[torch.arange(60) % 20][None]  # tokens 20..59 copy tokens 0..19
+    idx = farthest_point_sampling(x, 32, 1, kernel=kernel)[0].tolist()
+    assert idx == farthest_point_sampling_reference(x, 32, 1)[0].tolist()
+    assert sorted(idx[:20]) == list(range(20)) and idx[20:] == list(range(20, 32))
+    # FNA on those landmarks: the copies cost nothing (every token is represented once)
+    q, v = (torch.randn(1, 2, 60, 32, generator=torch.Generator().manual_seed(s)) for s in (1, 2))
+    k = x.reshape(1, 60, 2, 32).transpose(1, 2)
+    want = nystrom_attention(q.double(), k.double(), v.double(), torch.tensor([idx]), scale=32 ** -0.5)
+    got = nystrom_attention(q, k, v, farthest_point_sampling(x, 32, 1, kernel=kernel), scale=32 ** -0.5)
+    assert float((got.double() - want).norm() / want.norm()) < 1e-4
+
+
+@pytest.mark.parametrize("kernel", FPS_KERNELS)
+def test_fps_resolves_near_copies_like_the_float64_reference(kernel):
+    """Copies perturbed by 1e-3 of the spread: squared distances about 1e-6 of the distinct ones', which the exact
+    squared differences still order as float64 does."""
+    g = torch.Generator().manual_seed(1)
+    base = torch.randn(2, 24, 48, generator=g)
+    x = torch.cat([base, base + 1e-3 * torch.randn(2, 24, 48, generator=g)], 1)
+    for s in (24, 40):
+        assert torch.equal(farthest_point_sampling(x, s, 1, kernel=kernel), farthest_point_sampling_reference(x, s, 1))
+
+
+@pytest.mark.parametrize("kernel", FPS_KERNELS)
+def test_fps_nan_tokens_count_as_far_and_the_indices_stay_distinct(kernel):
+    x = torch.randn(2, 12, 8, generator=torch.Generator().manual_seed(4))
+    x[0, 4, 2] = float("nan")
+    x[1, 0, 0] = float("nan")  # the first centre itself
+    idx = farthest_point_sampling(x, 8, 1, kernel=kernel)
+    assert torch.equal(idx, farthest_point_sampling_reference(x, 8, 1))
+    assert all(len(set(row.tolist())) == 8 for row in idx) and int(idx[0, 1]) == 4
+
+
+@pytest.mark.parametrize("kernel", FPS_KERNELS)
+def test_fps_at_tiny_scales_follows_the_distances_not_a_tolerance(kernel):
+    """Features of size 1e-5 (squared distances about 1e-9): the traversal is the one of the same features at size 1,
+    for the kernels and the float64 reference alike."""
+    x = torch.randn(1, 30, 16, generator=torch.Generator().manual_seed(5))
+    want = farthest_point_sampling_reference(x, 10, 1)
+    assert torch.equal(farthest_point_sampling_reference(x * 1e-5, 10, 1), want)
+    assert torch.equal(farthest_point_sampling(x * 1e-5, 10, 1, kernel=kernel), want)
+
+
+def test_fps_checks_its_input_and_ignores_autograd():
+    x = torch.randn(1, 20, 8, requires_grad=True)
+    for kernel in FPS_KERNELS:
+        assert torch.equal(farthest_point_sampling(x, 6, 1, kernel=kernel), farthest_point_sampling_reference(x.detach(), 6, 1))
+    with pytest.raises(OptionError, match=r"features of shape \(20, 8\): farthest-point sampling takes \[B, N, D\]"):
+        farthest_point_sampling(x[0], 6, 1)
+    with pytest.raises(OptionError, match="s=6.0: farthest-point sampling takes an integer"):
+        farthest_point_sampling(x, 6.0, 1)
+
+
 def test_fps_with_duplicate_points_still_distinct():
     x = torch.zeros(1, 10, 4)
     x[0, 5] = 1.0

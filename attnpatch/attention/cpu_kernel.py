@@ -1,10 +1,11 @@
-"""The compiled CPU kernel of AnchorAttention's stripe attention (``csrc/anchor_cpu.cpp``).
+"""The compiled CPU kernels (``csrc/anchor_cpu.cpp``): AnchorAttention's stripe selection and attention, and FNA's
+farthest-point sampling.
 
 Built on first use with :func:`torch.utils.cpp_extension.load` (a C++ compiler, the Python headers
 and ``ninja`` are needed; once, then cached by PyTorch under ``TORCH_EXTENSIONS_DIR``; the build time is in BENCHMARKS.md).
 Where it cannot be built, :func:`stripe_kernel` returns ``None`` and says why in
-:func:`kernel_status` (a failed build also warns once); AnchorAttention's ``kernel="auto"`` then
-runs its PyTorch path.
+:func:`kernel_status` (a failed build also warns once); AnchorAttention's ``kernel="auto"`` and
+farthest-point sampling then run their PyTorch paths (the same results, more slowly).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def kernel_supported() -> str | None:
 def stripe_kernel() -> ModuleType | None:
     """The built extension, or ``None`` if it cannot be built here (the reason: :func:`kernel_status`).
 
-    The extension has two functions, float32 CPU tensors only (AnchorAttention, arXiv 2505.23520, Sec. 3;
+    The extension's functions take float32 CPU tensors only (AnchorAttention, arXiv 2505.23520, Sec. 3;
     online softmax as in FlashAttention, Dao et al. 2022, Alg. 1):
 
     * ``stripe_attention(q, k, v, keep, q_offset, block, scale, kv_tile, q_tile)``: ``q`` ``[B, H, Lq, D]``,
@@ -53,6 +54,10 @@ def stripe_kernel() -> ModuleType | None:
       and its own keys causally.  ``q_offset``, ``block``, ``kv_tile``, ``q_tile`` in tokens.
     * ``kept_mass(q, k, keep, blocks, q_offset, block, scale, kv_tile, q_tile)``: ``blocks`` int64 ``[P]``;
       returns float64 ``[B, H, P * block]``: each query's exact softmax mass on its kept causal keys.
+    * ``stripe_select(...)``: AnchorAttention's kept keys (:func:`~attnpatch.attention.anchor.select.select_kept`).
+    * ``farthest_point_sampling(x, s, first)``: ``x`` ``[B, N, D]`` contiguous; returns int64 ``[B, s]``, the
+      farthest-point traversal with exact squared differences, ties to the lowest index
+      (:func:`~attnpatch.attention.landmarks.farthest_point_sampling`).
 
     Both raise ``RuntimeError`` for inputs of another dtype, layout or shape.  This function raises
     nothing: a failed build warns once (``RuntimeWarning``) and returns ``None``.  Thread-safe; the
@@ -83,7 +88,8 @@ def stripe_kernel() -> ModuleType | None:
                 finally:
                     log.setLevel(level)
                 if mod is None:
-                    warnings.warn(f"AnchorAttention runs its PyTorch path: {reason}", RuntimeWarning, stacklevel=3)
+                    warnings.warn(f"the compiled CPU kernels are unavailable, AnchorAttention and farthest-point sampling "
+                                  f"run their PyTorch paths: {reason}", RuntimeWarning, stacklevel=3)
             _state["module"], _state["reason"] = mod, reason
         return _state["module"]  # type: ignore[return-value]
 

@@ -30,9 +30,12 @@ STRATEGIES = ("fps", "random", "strided", "kmeans")
 
 
 #: :func:`farthest_point_sampling`'s ``kernel="auto"``: ``"triton"`` runs CUDA tensors through the one-launch Triton
-#: kernel (:mod:`.landmarks_triton`), ``"torch"`` keeps every device on the PyTorch loop below (for comparison).
+#: kernel (:mod:`.landmarks_triton`), ``"torch"`` keeps CUDA tensors on the PyTorch loop below (for comparison).
 FPS_KERNEL = "triton"
-FPS_KERNELS = ("auto", "torch", "triton")
+FPS_KERNELS = ("auto", "torch", "compiled", "triton")
+
+#: Elements of the PyTorch loop's difference buffer per chunk of tokens (1 MiB of float32: stays in cache).
+_CHUNK_ELEMENTS = 1 << 18
 
 
 def farthest_point_sampling(x: torch.Tensor, s: int, prefix: int = 1, *, kernel: str = "auto") -> torch.Tensor:
@@ -40,31 +43,44 @@ def farthest_point_sampling(x: torch.Tensor, s: int, prefix: int = 1, *, kernel:
 
     Greedy: the ``prefix`` first tokens (CLS, registers) are taken first; then, ``s - prefix``
     times, the token whose squared Euclidean distance to the nearest already-taken token is
-    largest (ties: lowest index).  Time ``O(s N D)``, extra memory ``O(N)`` per item (a running
-    minimum distance; no pairwise distance matrix).
+    largest (ties: lowest index).  Distances are exact squared differences ``sum_k (x_ik - x_ck)^2``
+    in float32 on every path: a copy of a taken token is at distance exactly 0, so copies are taken
+    only once every other token is, and then in index order.  Time ``O(s N D)``, extra memory
+    ``O(N)`` per item (a running minimum distance; no pairwise distance matrix).
 
     Args:
         x: ``[B, N, D]`` features (computed in float32 whatever the input dtype).
         s: number of indices per item, ``prefix <= s <= N``.
         prefix: leading tokens always included (CLS, registers); with ``prefix = 0`` the
             traversal starts from token 0, as with ``prefix = 1``.
-        kernel: ``"torch"`` this PyTorch loop (one small batched step per landmark; distances
-            ``|x_i|^2 + |x_c|^2 - 2 x_i.x_c``); ``"triton"`` the one-launch Triton kernel
-            (:func:`~attnpatch.attention.landmarks_triton.farthest_point_sampling_triton`: exact
-            squared differences, no host sync, CUDA-graph capturable; CPU tensors only under
-            ``TRITON_INTERPRET=1``); ``"auto"`` the Triton kernel for CUDA tensors when Triton is
-            installed and :data:`FPS_KERNEL` is ``"triton"``, else the loop.  The two round
-            distances differently, so on near-ties they can pick different tokens.
+        kernel: ``"torch"`` a PyTorch loop (a few batched operations per landmark, tokens in
+            cache-sized chunks); ``"compiled"`` the compiled CPU kernel (:mod:`.cpu_kernel`: one
+            parallel pass per landmark; CPU tensors; an error where it cannot be built);
+            ``"triton"`` the one-launch Triton kernel
+            (:func:`~attnpatch.attention.landmarks_triton.farthest_point_sampling_triton`: no host
+            sync, CUDA-graph capturable; CPU tensors only under ``TRITON_INTERPRET=1``); ``"auto"``
+            the Triton kernel for CUDA tensors when Triton is installed and :data:`FPS_KERNEL` is
+            ``"triton"``, the compiled kernel for CPU tensors where it builds, else the loop.  The
+            paths sum the squares in different orders, so on near-ties (distances equal to float32
+            rounding) they can pick different tokens; on exact ties they agree.
 
     Returns:
-        ``[B, s]`` int64 indices, distinct per item, the prefix tokens first in order.
+        ``[B, s]`` int64 indices, distinct per item, the prefix tokens first in order.  A token with a NaN
+        feature counts as infinitely far (it is taken early), on every path.
 
     Raises:
-        OptionError: ``s`` outside ``[max(prefix, 1), N]``, or an unknown ``kernel``.
+        OptionError: ``x`` not ``[B, N, D]``, ``s`` not an integer in ``[max(prefix, 1), N]``, or an unknown
+            ``kernel``.
+        RuntimeError: ``kernel="compiled"`` where the compiled kernel cannot be built, or for a tensor
+            not on the CPU.
 
     Source: Gonzalez 1985 (farthest-first traversal); used for landmarks in FNA (arXiv 2507.16018, Sec. 3).
     """
-    b, n, _ = x.shape
+    if x.dim() != 3:
+        raise OptionError(f"features of shape {tuple(x.shape)}: farthest-point sampling takes [B, N, D] features")
+    if isinstance(s, bool) or not isinstance(s, int):
+        raise OptionError(f"s={s!r}: farthest-point sampling takes an integer number of tokens")
+    b, n, d_ = x.shape
     if not max(prefix, 1) <= s <= n:
         raise OptionError(f"s={s}: farthest-point sampling needs {max(prefix, 1)} <= s <= N={n} tokens")
     if kernel not in FPS_KERNELS:
@@ -74,33 +90,52 @@ def farthest_point_sampling(x: torch.Tensor, s: int, prefix: int = 1, *, kernel:
 
         if kernel == "triton" or landmarks_triton.TRITON_AVAILABLE:
             return landmarks_triton.farthest_point_sampling_triton(x, s, prefix)
-    x = x.float()
-    sq = (x * x).sum(-1)  # [B, N]
-    xt = x.transpose(1, 2)  # [B, D, N] (a view; bmm reads it strided)
-    dist = torch.full((b, n), float("inf"), device=x.device)
     first = max(prefix, 1)
+    if kernel == "compiled" or (kernel == "auto" and x.device.type == "cpu"):
+        from .cpu_kernel import kernel_status, stripe_kernel
+
+        mod = stripe_kernel() if x.device.type == "cpu" else None
+        if mod is not None:
+            return mod.farthest_point_sampling(x.detach().float().contiguous(), s, first)
+        if kernel == "compiled":
+            raise RuntimeError(f"kernel='compiled' runs CPU tensors (this one is on {x.device.type})"
+                               if x.device.type != "cpu" else f"kernel='compiled': {kernel_status()}")
+    with torch.no_grad():  # indices only: no gradient, and the loop writes into buffers
+        return _fps_loop(x.detach().float().contiguous(), s, first)
+
+
+def _fps_loop(x: torch.Tensor, s: int, first: int) -> torch.Tensor:
+    """:func:`farthest_point_sampling`'s PyTorch loop on float32 ``[B, N, D]`` ``x``: exact squared differences in
+    chunks of :data:`_CHUNK_ELEMENTS`, the running minimum by ``fmin`` (a NaN distance leaves it as it was)."""
+    b, n, d_ = x.shape
+    dist = torch.full((b, n), float("inf"), device=x.device)
+    rows = max(1, min(n, _CHUNK_ELEMENTS // max(d_, 1)))
+    diff = torch.empty(b, rows, d_, device=x.device)
+    part = torch.empty(b, rows, device=x.device)
+
+    def update(c: torch.Tensor) -> None:  # dist = min(dist, |x - c|^2), c [B, 1, D], exact squared differences
+        for r0 in range(0, n, rows):
+            r1 = min(n, r0 + rows)
+            t = torch.sub(x[:, r0:r1], c, out=diff[:, : r1 - r0])
+            torch.sum(t.square_(), -1, out=part[:, : r1 - r0])
+            torch.fmin(dist[:, r0:r1], part[:, : r1 - r0], out=dist[:, r0:r1])
+
     picks = [torch.arange(first, device=x.device).expand(b, first)]
-    # d(i, c) = |x_i|^2 + |x_c|^2 - 2 x_i.x_c, one fused baddbmm per new centre (few small ops per step:
-    # at small N the loop is bound by operator overhead, at large N by reading x once per step)
     for j in range(first):
-        c = x[:, j : j + 1]  # [B, 1, D]
-        d = torch.baddbmm((sq + sq[:, j : j + 1])[:, None, :], c, xt, alpha=-2.0)[:, 0]
-        torch.minimum(dist, d, out=dist)
+        update(x[:, j : j + 1])
     dist[:, :first] = -1.0
-    d_ = x.shape[2]
     for _ in range(first, s):
-        nxt = dist.argmax(-1, keepdim=True)  # [B, 1]
+        nxt = dist.argmax(-1, keepdim=True)  # [B, 1]: the first of equal largest distances
         picks.append(nxt)
-        c = x.gather(1, nxt[:, :, None].expand(b, 1, d_))  # [B, 1, D]
-        d = torch.baddbmm((sq + sq.gather(1, nxt))[:, None, :], c, xt, alpha=-2.0)[:, 0]
-        torch.minimum(dist, d, out=dist)
+        update(x.gather(1, nxt[:, :, None].expand(b, 1, d_)))
         dist.scatter_(1, nxt, -1.0)
-    idx = torch.cat(picks, 1)
-    return idx
+    return torch.cat(picks, 1)
 
 
 def farthest_point_sampling_reference(x: torch.Tensor, s: int, prefix: int = 1) -> torch.Tensor:
-    """Slow, explicit FPS (Python loops, float64, exact distances) for tests; same contract as :func:`farthest_point_sampling`."""
+    """Slow, explicit FPS (Python loops, float64, exact distances) for tests; same contract as :func:`farthest_point_sampling`
+    (ties: distances within a relative 1e-12 of each other, the lowest index; a NaN distance is ignored, so a token
+    with a NaN feature counts as infinitely far)."""
     b, n, _ = x.shape
     out = []
     first = max(prefix, 1)
@@ -112,8 +147,9 @@ def farthest_point_sampling_reference(x: torch.Tensor, s: int, prefix: int = 1) 
             for t in range(n):
                 if t in chosen:
                     continue
-                d = min(float(((pts[t] - pts[c]) ** 2).sum()) for c in chosen)
-                if d > best_d + 1e-9 * max(1.0, abs(best_d)):
+                ds = [float(((pts[t] - pts[c]) ** 2).sum()) for c in chosen]
+                d = min([v for v in ds if v == v], default=float("inf"))  # NaN distances ignored, as fmin does
+                if d > best_d * (1 + 1e-12) or (best_d == 0 and d > 0) or best is None:
                     best, best_d = t, d
             chosen.append(best)
         out.append(chosen)

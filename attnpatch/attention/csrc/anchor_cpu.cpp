@@ -10,7 +10,11 @@
 // between heads).  Key/value heads are shared by `H / Hkv` query heads and never repeated.
 // Matrix products are single-threaded sgemm calls inside the parallel region.
 //
+// Also FNA's farthest-point sampling (farthest_point_sampling below): exact squared differences,
+// one parallel pass over the tokens per landmark.
+//
 // Built on first use by attnpatch/attention/cpu_kernel.py; float32 only.
+#include <omp.h>
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
@@ -418,7 +422,95 @@ torch::Tensor stripe_select(const torch::Tensor& q, const torch::Tensor& k, cons
   return keep;
 }
 
+namespace {
+
+// |a - b|^2 over d floats: exact squared differences (0 for equal vectors, never negative), float32 sums.
+inline float squared_distance(const float* a, const float* b, int64_t d) {
+  Vec acc(0.0f);
+  int64_t k = 0;
+  for (; k + Vec::size() <= d; k += Vec::size()) {
+    const Vec diff = Vec::loadu(a + k) - Vec::loadu(b + k);
+    acc = at::vec::fmadd(diff, diff, acc);
+  }
+  float sum = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, acc);
+  for (; k < d; ++k) {
+    const float diff = a[k] - b[k];
+    sum += diff * diff;
+  }
+  return sum;
+}
+
+}  // namespace
+
+// Farthest-point sampling (Gonzalez 1985; FNA's landmarks, arXiv 2507.16018, Sec. 3).
+// x: [B, N, D] float32, contiguous.  Returns int64 [B, s]: tokens 0 .. first - 1, then s - first times the
+// token whose squared distance to the nearest taken token is largest, ties to the lowest index.
+// Distances are exact squared differences in float32 (as attnpatch/attention/landmarks_triton.py computes
+// them): a copy of a taken token is at distance exactly 0.  Per item, one parallel region; per step one pass
+// over the tokens that updates each token's running minimum and finds the farthest, then a reduction over
+// the threads' candidates (largest distance, then lowest index).
+torch::Tensor farthest_point_sampling(const torch::Tensor& x, int64_t s, int64_t first) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && x.dim() == 3,
+              "farthest_point_sampling: contiguous float32 [B, N, D] expected");
+  const int64_t B = x.size(0), N = x.size(1), D = x.size(2);
+  TORCH_CHECK(first >= 1 && first <= s && s <= N, "farthest_point_sampling: needs 1 <= first <= s <= N");
+  auto idx = torch::empty({B, s}, x.options().dtype(at::kLong));
+  int64_t* ip = idx.data_ptr<int64_t>();
+  const float* xp = x.data_ptr<float>();
+  const int nth = std::max(1, at::get_num_threads());
+  std::vector<float> dist(static_cast<size_t>(N));
+  std::vector<float> cand_v(nth);
+  std::vector<int64_t> cand_i(nth);
+  for (int64_t b = 0; b < B; ++b) {
+    const float* xb = xp + b * N * D;
+    int64_t* out = ip + b * s;
+    for (int64_t j = 0; j < first; ++j) out[j] = j;
+    if (s == first) continue;
+    std::fill(dist.begin(), dist.end(), std::numeric_limits<float>::infinity());
+#pragma omp parallel num_threads(nth)
+    {
+      const int tid = omp_get_thread_num();
+      // pass t: the centre out[t] (a prefix token, or the previous step's pick); the last pick needs none
+      for (int64_t t = 0; t + 1 < s; ++t) {
+        const float* c = xb + out[t] * D;
+        float bv = -1.0f;
+        int64_t bi = -1;
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < N; ++i) {
+          const float m = i < first ? -1.0f : std::min(dist[i], squared_distance(xb + i * D, c, D));
+          dist[i] = m;
+          if (m > bv) {  // indices rise within a thread's share: the first of equal distances stays
+            bv = m;
+            bi = i;
+          }
+        }
+        cand_v[tid] = bv;
+        cand_i[tid] = bi;
+#pragma omp barrier
+#pragma omp single
+        {
+          if (t + 1 >= first) {  // the next centre is the farthest token (else the next prefix token)
+            float best_v = -1.0f;
+            int64_t best_i = -1;
+            for (int th = 0; th < omp_get_num_threads(); ++th) {
+              if (cand_i[th] < 0) continue;
+              if (cand_v[th] > best_v || (cand_v[th] == best_v && cand_i[th] < best_i)) {
+                best_v = cand_v[th];
+                best_i = cand_i[th];
+              }
+            }
+            out[t + 1] = best_i;  // >= 0: an untaken token (distance >= 0) remains while t + 1 < s <= N
+            dist[best_i] = -1.0f;  // taken: min(-1, d) stays -1
+          }
+        }  // implicit barrier: every thread sees out[t + 1]
+      }
+    }
+  }
+  return idx;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("farthest_point_sampling", &farthest_point_sampling, "farthest-point sampling, exact distances (float32, CPU)");
   m.def("stripe_attention", &stripe_attention, "AnchorAttention stripe attention (float32, CPU)");
   m.def("stripe_select", &stripe_select, "AnchorAttention stripe selection (float32, CPU)");
   m.def("kept_mass", &kept_mass, "softmax mass on the kept keys of some query blocks (float32, CPU)");

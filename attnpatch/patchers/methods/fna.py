@@ -274,10 +274,26 @@ def min_tokens_for(cfg: FNAConfig, q: torch.Tensor, k: torch.Tensor) -> int:
 
 def prepare_fna(cfg: FNAConfig, geo: ModelGeometry, device: torch.device, dtype: torch.dtype) -> None:
     """At patch time: resolve ``min_tokens="auto"`` for the model's heads, device and dtype (a calibration then runs
-    here, not inside the first, timed, forward)."""
+    here, not inside the first, timed, forward); on the CPU build the compiled farthest-point sampling kernel
+    (:func:`~attnpatch.attention.cpu_kernel.stripe_kernel`: a C++ build the first time on a machine, then a load),
+    so that no timed forward pays it."""
     probe = probe_inputs(geo, device, dtype) if cfg.min_tokens == "auto" else None
     if probe is not None:
         min_tokens_for(cfg, *probe)
+    if torch.device(device).type == "cpu" and cfg.strategy == "fps":
+        from ...attention.cpu_kernel import stripe_kernel
+
+        stripe_kernel()
+    elif torch.device(device).type == "cuda" and cfg.strategy == "fps" and geo.heads and geo.head_dim:
+        # the Triton kernels' JIT compile: farthest-point sampling on keys of the model's width, the pseudo-inverse
+        from ...attention.landmarks import farthest_point_sampling
+        from ...attention.nystrom import landmark_pinv
+
+        g = torch.Generator().manual_seed(0)
+        feats = torch.randn(1, 2 * cfg.s + 1, geo.heads * geo.head_dim, generator=g).to(device, dtype)
+        farthest_point_sampling(feats, cfg.s, 1)
+        landmark_pinv(torch.softmax(torch.randn(1, geo.heads, cfg.s, cfg.s, generator=g), -1).to(device, dtype),
+                      cfg.pinv, rtol=cfg.rtol, iters=cfg.newton_iters)
 
 
 def exact_reason(cfg: FNAConfig, q: torch.Tensor, k: torch.Tensor, ctx: LayerContext) -> str | None:
