@@ -180,3 +180,92 @@ def test_smollm2_unpatched_answers_are_lm_evals_own_at_4k():
     assert sorted((s["doc_id"], s["answer"], s["metrics"]["4096"]) for s in ours["dense"]["samples"]) == theirs
     assert ours["rows"][0]["dense"] == own["results"]["niah_single_1"]["4096,none"] and ours["rows"][0]["n"] == 2
     assert all(s["tokens"] > 3500 for s in ours["dense"]["samples"])
+
+
+# ------------------------------------------------------------------------------------------------ faults found outside
+
+
+@pytest.fixture(scope="module")
+def three_settings(tiny_lm_dir, tmp_path_factory):
+    """ruler_cwe and niah_single_1 at 2048 tokens (lm-eval's ruler_cwe has no answer words at 1024) under the dense
+    method, a_shape with a window of 2048 keys (exact at these lengths) and a sparse anchor_attention, with a
+    compiled-kernel build that takes BUILD_S seconds (the kernel's state reset): the build must not land in a timed
+    request."""
+    import time
+
+    import torch.utils.cpp_extension as cpp
+
+    import attnpatch.attention.cpu_kernel as ck
+
+    out = tmp_path_factory.mktemp("lm-eval-three")
+    path = out / "three.json"
+    real = cpp.load
+
+    def slow_load(*a, **k):
+        time.sleep(BUILD_S)
+        return real(*a, **k)
+
+    argv = ["eval", "lm-eval", "--model", str(tiny_lm_dir), "--tasks", "ruler_cwe", "niah_single_1", "--metadata",
+            "max_seq_lengths=[2048]", "--limit", "1", "--gen-kwargs", "max_gen_toks=8", "--method", "dense",
+            "a_shape:window=2048", SETTING, "--json", str(path), "--threads", "1"]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ck, "_state", {})
+        mp.setattr(cpp, "load", slow_load)
+        import io
+        from contextlib import redirect_stdout
+
+        buf = io.StringIO()
+        with redirect_stdout(buf):
+            assert main(argv) == 0
+    return path, json.loads(path.read_text()), buf.getvalue()
+
+
+BUILD_S = 6.0
+
+
+def test_the_dense_method_does_not_overwrite_the_unpatched_rows_file(three_settings):
+    path, res, _ = three_settings
+    files = res["lm_eval_files"]
+    assert list(files)[:2] == ["dense", "dense-routed"] and len(set(files.values())) == len(files) == 4
+    assert all(Path(f).is_file() for f in files.values())
+    assert json.loads(Path(files["dense"]).read_text())["results"] == res["dense"]["lm_eval"]["results"]
+    assert json.loads(Path(files["dense-routed"]).read_text())["results"] == res["runs"][0]["lm_eval"]["results"]
+
+
+def test_every_setting_answers_the_same_ruler_cwe_prompts(three_settings):
+    _, res, printed = three_settings
+    cwe = lambda xs: [(s["doc_id"], s["prompt_hash"]) for s in xs if s["task"] == "ruler_cwe"]  # noqa: E731
+    assert cwe(res["dense"]["samples"]) and all(cwe(r["samples"]) == cwe(res["dense"]["samples"]) for r in res["runs"])
+    assert res["differing_tasks"] == [] and res["same_samples"] and "did not answer the same prompts" not in printed
+    assert all(r["delta"] is not None for r in res["rows"])
+
+
+def test_a_setting_exact_at_the_prompt_length_gets_a_note(three_settings):
+    _, res, printed = three_settings
+    a_shape = [r for r in res["rows"] if r["setting"] == "a_shape (window=2048)"]
+    assert len(a_shape) == 2 and all(r["modes"] == "dense:window>=N" for r in a_shape)
+    note = [line for line in printed.splitlines() if line.startswith("note:")]
+    assert len(note) == 1 and "(a_shape (window=2048))" in note[0] and "dense:window>=N" in note[0]
+    assert "anchor_attention" not in note[0] and "dense-routed" not in note[0]
+
+
+def test_the_kernel_build_is_not_in_a_timed_request(three_settings):
+    _, res, _ = three_settings
+    anchor = next(r for r in res["runs"] if r["method"] == "anchor_attention")
+    assert all(s["modes"] == ["sparse"] for s in anchor["samples"])  # the compiled kernel ran
+    assert max(s["prefill_s"] for s in anchor["samples"]) < BUILD_S
+
+
+def test_a_malformed_metadata_value_is_one_line_before_loading(no_loading, tiny_lm_dir, capsys, tmp_path):
+    for value, says in (("max_seq_lengths=[1024", "not a valid list"), ("max_seq_lengths=1024", "a list of context lengths")):
+        assert main(["eval", "lm-eval", "--model", str(tiny_lm_dir), "--tasks", "niah_single_1", "--metadata", value,
+                     "--json", str(tmp_path / "x.json")]) == 2
+        line = _one_error_line(capsys)
+        assert value in line and says in line
+
+
+def test_a_vision_method_is_refused_before_loading(no_loading, tiny_lm_dir, capsys, tmp_path):
+    assert main(["eval", "lm-eval", "--model", str(tiny_lm_dir), "--tasks", "niah_single_1", "--method", "fna",
+                 "--json", str(tmp_path / "x.json")]) == 2
+    line = _one_error_line(capsys)
+    assert "'fna'" in line and "causal lm" in line and "vision" in line

@@ -10,6 +10,7 @@ from ..errors import AttnpatchError
 
 __all__ = [
     "DEFAULT_MODEL", "DEFAULT_VISION_MODEL", "DEFAULT_CLIP_MODEL", "parse_options", "method_spec", "unique_settings",
+    "check_fits",
     "Repeatable", "positive_int", "nonnegative_int", "fraction", "positive_seconds",
 ]
 
@@ -50,6 +51,21 @@ def unique_settings(specs: Sequence[str], common: Sequence[str]) -> list[tuple[s
             raise AttnpatchError(f"--method {m} with options {o or '{}'} is given twice")
         seen.add(key)
     return out
+
+
+def check_fits(method: str, kind: str) -> None:
+    """Refuse, before a model loads, a method that does not fit the kind of model the command loads (``"causal_lm"``,
+    ``"vision"``): one line naming the method, the model kind and the kinds it fits.
+
+    Raises:
+        UnknownMethodError: an unknown method.  AttnpatchError: the method does not fit.
+    """
+    from ..patchers.registry import get_method
+
+    meth = get_method(method)
+    if not meth.fits(kind):
+        raise AttnpatchError(f"method {method!r} does not fit a {kind.replace('_', ' ')} model (it fits: "
+                             f"{', '.join(sorted(meth.model_kinds))})")
 
 
 def _int_at_least(text: str, lo: int, what: str) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from ..errors import AttnpatchError
-from .args import DEFAULT_MODEL, DEFAULT_VISION_MODEL, nonnegative_int, positive_int, positive_seconds, Repeatable, unique_settings
+from .args import DEFAULT_MODEL, DEFAULT_VISION_MODEL, check_fits, nonnegative_int, positive_int, positive_seconds, Repeatable, unique_settings
 from .output import check_outputs, progress_line
 from .runtime import resolve_device
 
@@ -169,10 +169,8 @@ def cmd_bench_model(args) -> int:
             raise AttnpatchError(f"{', '.join(given)}: apply to ViTs only; an LLM is measured at --lengths, batch 1")
     settings = unique_settings(args.method or (["fna"] if vision else ["anchor_attention"]), args.option)
     for name, opts in settings:
-        method = get_method(name)
-        if not method.fits(kind):
-            raise AttnpatchError(f"method {name!r} does not fit a {kind.replace('_', ' ')} model (it fits: {', '.join(sorted(method.model_kinds))})")
-        validate_options(method, opts)  # fail before loading anything
+        check_fits(name, kind)
+        validate_options(get_method(name), opts)  # fail before loading anything
     if vision:
         images = None
         if args.data:

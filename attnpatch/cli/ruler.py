@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from .args import DEFAULT_MODEL, fraction, method_spec, positive_int, Repeatable
+from .args import DEFAULT_MODEL, check_fits, fraction, method_spec, positive_int, Repeatable
 from .output import check_outputs, fmt_opts, report_interrupted, slug, world_note
 from .runtime import load_kwargs, scale_out_args
 
@@ -35,6 +35,7 @@ def cmd_eval_ruler(args) -> int:
         torch.set_num_threads(args.threads)
     # fail before loading the model; a method without options (``dense``) validates to {}
     args.method, spec_options = method_spec(args.method, args.option)  # METHOD or METHOD:OPT=VALUE,... (-o applies too)
+    check_fits(args.method, "causal_lm")
     options = validate_options(get_method(args.method), spec_options)
     tasks = ruler_task_names(args)
     path = args.json or f"ruler_{slug(args.model)}_{slug(args.method)}.json"
@@ -145,11 +146,12 @@ def _rank_lines(cells: list[dict[str, Any]]) -> list[str]:
 
 
 def _handback_note(cells: list[dict[str, Any]]) -> str | None:
-    """One line naming the cells whose patched prefills ran the model's own attention in every layer (record mode
-    ``dense:short``: prompts shorter than the method's minimum length), or ``None``."""
+    """One line naming the cells whose patched prefills ran the model's own attention in every layer (every record mode
+    ``dense:<why>``: prompts shorter than the method's minimum length, a window covering the prompt, ...), or
+    ``None``."""
     from ..evals.run.report import handback_note
 
-    return handback_note([f"{c['task']} {c['length']}" for c in cells if c.get("patched_modes") == ["dense:short"]], len(cells), "cell")
+    return handback_note([(f"{c['task']} {c['length']}", c.get("patched_modes")) for c in cells], len(cells), "cell")
 
 
 def add_parser(esub) -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import AttnpatchError
-from .args import fraction, nonnegative_int, parse_options, positive_int
+from .args import check_fits, fraction, nonnegative_int, parse_options, positive_int
 from .output import check_outputs, progress_line, slug
 
 #: Calibration prompts come from these seeds on; the held-out check uses ``eval ruler``'s seed 0 on, so the two
@@ -165,9 +165,8 @@ def _cmd_tune(args) -> int:
         torch.set_num_threads(args.threads)
     kind = args.resolved_kind
     method = args.method or ("fna" if kind == "vision" else "anchor_attention")
+    check_fits(method, kind)
     meth = get_method(method)
-    if not meth.fits(kind):
-        raise AttnpatchError(f"method {method!r} does not fit a {kind.replace('_', ' ')} model (it fits: {', '.join(sorted(meth.model_kinds))})")
     if meth.tune_space is None and not args.candidate:
         raise AttnpatchError(f"method {method!r} has no tuning space; give --candidate settings, or tune one of: "
                              f"{', '.join(tunable_methods())}")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..args import DEFAULT_MODEL, Repeatable, nonnegative_int, positive_int, unique_settings
+from ..args import DEFAULT_MODEL, Repeatable, check_fits, nonnegative_int, positive_int, unique_settings
 from ..output import check_outputs, fmt_opts, report_interrupted, slug, world_note
 from ..runtime import DTYPES, load_kwargs, rank_log
 
@@ -42,6 +42,7 @@ def cmd_eval_lm_eval(args) -> int:
         torch.set_num_threads(args.threads)
     settings = unique_settings(args.method, args.option)
     for method, opts in settings:
+        check_fits(method, "causal_lm")  # lm-eval loads a causal LM: a vision method fails before loading
         validate_options(get_method(method), opts)  # a bad method or option fails before loading
     user_meta = lmeval.parse_metadata(args.metadata)
     manager = lmeval.task_manager(user_meta)
@@ -109,8 +110,9 @@ def cmd_eval_lm_eval(args) -> int:
     note = lmeval.handback_note(result["rows"])
     if note:
         print(note)
-    if not result["same_samples"]:
-        print("warning: the settings did not answer the same prompts (lm-eval's prompt hashes differ)")
+    if result["differing_tasks"]:
+        print(f"warning: the settings did not answer the same prompts in {', '.join(result['differing_tasks'])} (lm-eval's "
+              "prompt hashes differ): their rows show no Δ")
     print(f"wrote {path} and lm-eval's results of each setting next to it")
     drawn = plot_lm_eval(result["rows"], png, title=title)
     if drawn:

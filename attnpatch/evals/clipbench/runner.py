@@ -20,7 +20,7 @@ import torch
 from ...log import Log, log_stderr
 from ...patchers.api import patch_info, patched, record_stats
 from ..clip.metrics import check_ks, retrieval_predictions
-from ..run.report import EvalInterrupted
+from ..run.report import EvalInterrupted, setting_label
 from ..vision.image_pass import exact_note, resolve_settings
 from .data import BenchData
 from .encode import HarnessModel
@@ -55,21 +55,6 @@ def _kept_scores(kept: dict[str, Any]) -> Iterator[None]:
             yield
     finally:
         zc.run_classification, zr.batchify = run_classification, batchify
-
-
-#: The unpatched row's name in tables and file names.
-UNPATCHED = "dense"
-
-
-def setting_label(method: str | None, options: dict[str, Any]) -> str:
-    """``dense`` (unpatched), ``fna``, ``fna (s=8, sample_layer=0)``: how tables and file names name a setting; the
-    ``dense`` method (the model's own attention routed through the patch) is ``dense-routed``, apart from the
-    unpatched row."""
-    if method is None:
-        return UNPATCHED
-    opts = ", ".join(f"{k}={v}" for k, v in options.items())
-    label = f"{method} ({opts})" if opts else method
-    return f"{label}-routed" if label == UNPATCHED else label  # a setting never takes the unpatched row's name
 
 
 def _evaluate(data: BenchData, harness: HarnessModel, tokenizer, device: str, amp: bool, ks, batch_size: int) -> tuple[dict, dict]:

@@ -19,17 +19,11 @@ from ...errors import AttnpatchError
 from ...patchers.api import patch, unpatch
 from ...patchers.registry import get_method, validate_options
 from ..run.distributed import Ranks
-from ..run.report import EvalInterrupted
-from .table import same_samples, sample_records, score_rows
+from ..run.report import EvalInterrupted, setting_label
+from .table import differing_tasks, sample_records, score_rows
 from .tasks import check_metadata, check_tasks, lm_eval_version, require_lm_eval, task_manager
 
 __all__ = ["run_lm_eval", "setting_label", "results_json", "write_results", "installed_packages"]
-
-
-def setting_label(method: str, options: dict[str, Any]) -> str:
-    """``"anchor_attention (preset=accurate)"``: a setting's name in the table (the options as given)."""
-    opts = ", ".join(f"{k}={v}" for k, v in options.items())
-    return f"{method} ({opts})" if opts else method
 
 
 def results_json(results: dict[str, Any]) -> str:
@@ -104,7 +98,8 @@ def run_lm_eval(
     Returns:
         On process 0: ``{"tasks", "metadata" (as handed to lm-eval), "user_metadata", "tokenizer_path", "limit",
         "apply_chat_template", "fewshot_as_multiturn", "gen_kwargs", "recall_samples", "world_size",
-        "lm_eval_version", "dense": {...}, "runs": [{...}, ...], "rows": [...], "same_samples": bool}``; ``dense`` and
+        "lm_eval_version", "dense": {...}, "runs": [{...}, ...], "rows": [...], "same_samples": bool, "differing_tasks": [task,
+        ...]}``; ``dense`` and
         each run hold ``label``, ``results`` (lm-eval's result dict, samples included) and ``samples``
         (:func:`~attnpatch.evals.lmeval.table.sample_records`); a run also ``method``, ``options`` (as given) and
         ``full_options``.  ``rows``: :func:`~attnpatch.evals.lmeval.table.score_rows`.  On other processes:
@@ -141,7 +136,7 @@ def run_lm_eval(
     done = 0
     try:
         for method, given, full in plan:
-            label = "dense" if method is None else setting_label(method, given)
+            label = setting_label(method, given)
             if method is not None:
                 patch(model, method, **full)
             try:
@@ -178,11 +173,12 @@ def run_lm_eval(
 
 
 def _finish(out: dict[str, Any]) -> dict[str, Any]:
-    """``out`` with its ``rows`` and ``same_samples`` (over the finished settings)."""
+    """``out`` with its ``rows``, ``same_samples`` and ``differing_tasks`` (over the finished settings)."""
     if out["dense"] is None:
-        return {**out, "rows": [], "same_samples": True}
-    return {**out, "rows": score_rows(out["dense"], out["runs"]),
-            "same_samples": same_samples([out["dense"]["samples"], *(x["samples"] for x in out["runs"])])}
+        return {**out, "rows": [], "same_samples": True, "differing_tasks": []}
+    differ = differing_tasks([out["dense"]["samples"], *(x["samples"] for x in out["runs"])])
+    return {**out, "rows": score_rows(out["dense"], out["runs"], differ), "same_samples": not differ,
+            "differing_tasks": differ}
 
 
 def write_results(json_path: str | Path, label: str, results: dict[str, Any]) -> Path:

@@ -14,7 +14,7 @@ from typing import Any, Sequence
 from ..run.report import Column
 from ..run.report import handback_note as report_note
 
-__all__ = ["LMEVAL_COLUMNS", "sample_records", "score_rows", "handback_note", "same_samples"]
+__all__ = ["LMEVAL_COLUMNS", "sample_records", "score_rows", "handback_note", "same_samples", "differing_tasks"]
 
 LMEVAL_COLUMNS = [
     Column("task", "task"),
@@ -82,10 +82,21 @@ def _order(doc_id: Any):
     return (0, int(doc_id), "") if isinstance(doc_id, int) or str(doc_id).isdigit() else (1, 0, str(doc_id))
 
 
+def differing_tasks(runs: Sequence[Sequence[dict[str, Any]]]) -> list[str]:
+    """The tasks whose settings did not all answer the same prompts (lm-eval's ``prompt_hash`` per document), sorted."""
+    per: list[dict[str, list]] = []
+    for recs in runs:
+        by: dict[str, list] = {}
+        for r in recs:
+            by.setdefault(r["task"], []).append((str(r["doc_id"]), r.get("filter") or "", r.get("prompt_hash")))
+        per.append({t: sorted(v) for t, v in by.items()})
+    tasks = sorted({t for p in per for t in p})
+    return [t for t in tasks if any(p.get(t) != per[0].get(t) for p in per)]
+
+
 def same_samples(runs: Sequence[Sequence[dict[str, Any]]]) -> bool:
     """Whether every setting answered the same prompts (lm-eval's ``prompt_hash`` per task and document)."""
-    keys = [sorted((r["task"], str(r["doc_id"]), r.get("filter") or "", r.get("prompt_hash")) for r in recs) for recs in runs]
-    return all(k == keys[0] for k in keys)
+    return not differing_tasks(runs)
 
 
 def _metrics(res: dict[str, Any]) -> list[tuple[str, str, Any]]:
@@ -124,7 +135,7 @@ def _median(xs):
     return statistics.median(xs) if xs else None
 
 
-def score_rows(dense: dict[str, Any], runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+def score_rows(dense: dict[str, Any], runs: Sequence[dict[str, Any]], differ: Sequence[str] = ()) -> list[dict[str, Any]]:
     """The table rows: per task (lm-eval's result order, groups included) and metric, one row per setting (one
     ``dense`` row when there is none).
 
@@ -137,6 +148,8 @@ def score_rows(dense: dict[str, Any], runs: Sequence[dict[str, Any]]) -> list[di
         (lm-eval's aggregate), ``delta`` (score - dense), ``prefill_dense_s`` and ``prefill_s`` (median seconds
         over the row's samples), ``speedup``, and for patched settings ``sparsity``, ``recall_mean``,
         ``recall_worst5`` (means over the samples that have them) and ``modes`` (record modes of the prefills).
+        Where a row's tasks are in ``differ`` (:func:`differing_tasks`: the settings answered other prompts) its
+        ``delta`` is ``None`` and ``prompts`` is ``"differ"``: the scores are not of the same documents.
     """
     res_d = dense["results"].get("results") or {}
     rows = []
@@ -153,10 +166,13 @@ def score_rows(dense: dict[str, Any], runs: Sequence[dict[str, Any]]) -> list[di
             for run in runs:
                 score = (run["results"].get("results") or {}).get(task, {}).get(key)
                 samples = _under(run["samples"], tasks, key)
+                apart = any(t in differ for t in tasks)
                 row = {**base, "setting": run["label"], "score": score,
-                       "delta": score - value if isinstance(score, (int, float)) else None,
+                       "delta": score - value if isinstance(score, (int, float)) and not apart else None,
                        "prefill_s": _median([s["prefill_s"] for s in samples])}
                 row["speedup"] = row["prefill_dense_s"] / row["prefill_s"] if row["prefill_dense_s"] and row["prefill_s"] else None
+                if apart:
+                    row["prompts"] = "differ"
                 if any("sparsity" in s for s in samples):
                     row.update(sparsity=_mean([s.get("sparsity") for s in samples]),
                                recall_mean=_mean([s.get("recall_mean") for s in samples]),
@@ -167,7 +183,9 @@ def score_rows(dense: dict[str, Any], runs: Sequence[dict[str, Any]]) -> list[di
 
 
 def handback_note(rows: Sequence[dict[str, Any]]) -> str | None:
-    """One line naming the rows whose patched prefills ran the model's own attention in every layer (record mode
-    ``dense:short``: prompts below the method's minimum length), or ``None``."""
-    short = [f"{r['task']} {r['metric']} ({r['setting']})" for r in rows if r.get("modes") == "dense:short"]
-    return report_note(short, sum(1 for r in rows if "modes" in r), "row")
+    """One line naming the rows whose patched prefills ran the model's own attention in every layer (every record mode
+    ``dense:<why>``: prompts below the method's minimum length, a_shape's window at least the prompt, ...), or
+    ``None``."""
+    patched = [r for r in rows if "modes" in r]
+    return report_note([(f"{r['task']} {r['metric']} ({r['setting']})", r.get("modes")) for r in patched], len(patched),
+                       "row")

@@ -21,7 +21,7 @@ from typing import Any, Sequence
 from ...errors import AttnpatchError, DataError, OptionError
 
 __all__ = [
-    "INSTALL_HINT", "require_lm_eval", "parse_metadata", "task_manager", "check_tasks", "metadata_readers", "check_metadata",
+    "INSTALL_HINT", "require_lm_eval", "parse_metadata", "check_metadata_value", "task_manager", "check_tasks", "metadata_readers", "check_metadata",
     "lm_eval_version",
 ]
 
@@ -56,10 +56,11 @@ def lm_eval_version() -> str | None:
 
 def parse_metadata(values: Sequence[str] | None) -> dict[str, Any]:
     """``--metadata`` values as lm-eval's command line reads them: a JSON object, or ``key=value`` items (values
-    parsed by lm-eval, e.g. ``max_seq_lengths=[4096,8192]``); later items override earlier ones.
+    parsed by lm-eval, e.g. ``max_seq_lengths=[4096,8192]``), each value checked (:func:`check_metadata_value`).
 
     Raises:
-        OptionError: a value that is neither a JSON object nor ``key=value`` items (one line, naming it).
+        OptionError: a value that is neither a JSON object nor ``key=value`` items, a malformed value, or a key given
+            twice (one line, naming it).
     """
     from lm_eval._cli.utils import key_val_to_dict, try_parse_json
 
@@ -70,10 +71,42 @@ def parse_metadata(values: Sequence[str] | None) -> dict[str, Any]:
             if not isinstance(got, dict):
                 got = key_val_to_dict(text)
         except (ValueError, SyntaxError) as err:
-            raise OptionError(f"--metadata {text!r}: {err}; expected a JSON object or key=value items "
+            why = "not a valid JSON object" if text.strip().startswith("{") else str(err)
+            raise OptionError(f"--metadata {text!r}: {why}; expected a JSON object or key=value items "
                               "(e.g. --metadata 'max_seq_lengths=[4096,8192]')") from None
-        out.update(got)
+        for key, value in got.items():
+            if key in out:
+                raise OptionError(f"--metadata {key} is given twice ({key}={out[key]!r} and {key}={value!r}): give "
+                                  "each key once")
+            check_metadata_value(key, value)
+            out[key] = value
     return out
+
+
+#: Metadata keys whose values lm-eval's task builders read in one shape: ``(check, what is allowed)``.
+_VALUE_RULES = {
+    "max_seq_lengths": (lambda v: isinstance(v, (list, tuple)) and len(v) > 0
+                        and all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in v),
+                        "a list of context lengths in tokens, e.g. max_seq_lengths=[4096,8192] (RULER)"),
+}
+
+
+def check_metadata_value(key: str, value: Any) -> None:
+    """One ``--metadata`` value, before anything loads: a text that opens or closes a list, dict or tuple but did not
+    parse as one (``max_seq_lengths=[1024``) is refused, and so is a value of a shape the key's readers do not take
+    (:data:`_VALUE_RULES`, e.g. ``max_seq_lengths=4096``, which RULER would iterate).
+
+    Raises:
+        OptionError: naming the key, the value and what is allowed.
+    """
+    if isinstance(value, str):
+        text = value.strip()
+        if text[:1] in "[{(" and text or text[-1:] in "]})" and text:
+            raise OptionError(f"--metadata {key}={value}: not a valid list, dict or tuple (unbalanced or malformed); "
+                              f"e.g. --metadata 'max_seq_lengths=[4096,8192]'")
+    rule = _VALUE_RULES.get(key)
+    if rule is not None and not rule[0](value):
+        raise OptionError(f"--metadata {key}={value!r}: must be {rule[1]}")
 
 
 @functools.lru_cache(maxsize=1)
@@ -102,11 +135,30 @@ def task_manager(metadata: dict[str, Any]):
         manager = copy.copy(base)
         manager._factory = TaskFactory(meta=dict(metadata) or None)
         manager.metadata = dict(metadata) or None
-        return manager
     except (ImportError, AttributeError, TypeError):
         from lm_eval.tasks import TaskManager
 
-        return TaskManager(metadata=dict(metadata) or None)
+        manager = TaskManager(metadata=dict(metadata) or None)
+    return _load_once(manager)
+
+
+def _load_once(manager):
+    """``manager`` whose ``load`` builds each task list once and hands the same task objects to every later call: every
+    setting of a run evaluates the very documents the first one did.  lm-eval rebuilds a task's documents on each
+    load, and some of its generators draw from a module-level random generator that the global seeds of
+    ``simple_evaluate`` do not reset (RULER's ``ruler_cwe``), so a second load gives other prompts."""
+    if not hasattr(manager, "load"):
+        return manager
+    real, loaded = manager.load, {}
+
+    def load(tasks, *args, **kwargs):
+        key = repr((tasks, args, sorted(kwargs.items())))
+        if key not in loaded:
+            loaded[key] = real(tasks, *args, **kwargs)
+        return loaded[key]
+
+    manager.load = load
+    return manager
 
 
 def check_tasks(manager, names: Sequence[str]) -> None:

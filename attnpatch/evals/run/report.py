@@ -16,6 +16,7 @@ from ...patchers.break_even import resolved_break_evens
 __all__ = [
     "Column", "RULER_COLUMNS", "BENCH_ATTENTION_COLUMNS", "BENCH_VISION_COLUMNS", "BENCH_LM_COLUMNS", "VISION_COLUMNS", "ZEROSHOT_COLUMNS", "CLIP_RETRIEVAL_COLUMNS", "vision_rows", "clip_rows",
     "rows_to_markdown", "print_table", "write_json", "write_text", "machine_info", "EvalInterrupted", "handback_note",
+    "UNPATCHED", "setting_label", "exact_modes",
 ]
 
 
@@ -285,18 +286,59 @@ def _jsonable(x: Any) -> Any:
     raise TypeError(f"not JSON serialisable: {type(x).__name__}")
 
 
-def handback_note(short: Sequence[str], total: int, unit: str) -> str | None:
-    """The note under a long-context table naming where the patch ran the model's own attention in every layer (record
-    mode ``dense:short``: prompts below the method's minimum length), or ``None`` when nowhere.
+#: The unpatched row's name in the side-by-side evals' tables and file names.
+UNPATCHED = "dense"
+
+
+def setting_label(method: str | None, options: dict[str, Any]) -> str:
+    """``dense`` (unpatched), ``fna``, ``fna (s=8, sample_layer=0)``: how the side-by-side evals (``eval lm-eval``,
+    ``eval clip-benchmark``) name a setting in tables and file names, with the options as given; the ``dense``
+    method (the model's own attention routed through the patch) is ``dense-routed``, apart from the unpatched row."""
+    if method is None:
+        return UNPATCHED
+    opts = ", ".join(f"{k}={v}" for k, v in options.items())
+    label = f"{method} ({opts})" if opts else method
+    return f"{label}-routed" if label == UNPATCHED else label  # a setting never takes the unpatched row's name
+
+
+#: Why a patched layer ran the model's own attention, by record mode (``dense:<why>``).
+_DENSE_WHY = {
+    "dense:short": "the prompt is below the method's minimum length, e.g. anchor_attention's min_len",
+    "dense:window>=N": "the local window covers the whole prompt, e.g. a_shape's window",
+    "dense:vertical>=N": "every key column is kept (vertical_slash's vertical >= N)",
+    "dense:slash>=N": "every diagonal is kept (vertical_slash's slash >= N)",
+    "dense:theta=inf": "theta = inf keeps every key",
+    "dense:layer": "dense_layers",
+    "dense:s>=N": "every token is a landmark (s >= N)",
+}
+
+
+def exact_modes(modes: Sequence[str] | str | None) -> list[str]:
+    """The record modes of ``modes`` (a list, or the tables' comma-joined text) when every one is a ``dense:<why>``
+    mode other than decoding, i.e. the patch ran the model's own attention in every layer; else ``[]``."""
+    if isinstance(modes, str):
+        modes = [m.strip() for m in modes.split(",")]
+    ms = sorted({m for m in modes or [] if m and m != "dense:decode"})
+    return ms if ms and all(m.startswith("dense:") for m in ms) else []
+
+
+def handback_note(entries: Sequence[tuple[str, Sequence[str] | str | None]], total: int, unit: str) -> str | None:
+    """The note under a long-context table naming where the patch ran the model's own attention in every layer (every
+    record mode ``dense:<why>``: a prompt below the method's minimum length, a window that covers the whole prompt,
+    ...), or ``None`` when nowhere.
 
     Args:
-        short: the names of those table entries (e.g. ``"niah_single 1024"``).
-        total: how many patched entries the table has (all of them short: "every <unit>").
+        entries: ``(name, record modes)`` of each patched table entry (e.g. ``("niah_single 1024",
+            ["dense:short"])``); the modes as a list or comma-joined.
+        total: how many patched entries the table has (all of them handed back: "every <unit>").
         unit: what an entry is called (``"cell"``, ``"row"``).
     """
-    if not short:
+    back = [(name, exact_modes(modes)) for name, modes in entries]
+    back = [(name, ms) for name, ms in back if ms]
+    if not back:
         return None
-    which = f"every {unit}" if len(short) == total else ", ".join(short)
-    return (f"note: in {which} the patch ran the model's own attention in every layer (record mode dense:short: the "
-            "prompt is below the method's minimum length, e.g. anchor_attention's min_len); the patched answers there "
-            "are the unpatched model's")
+    which = f"every {unit}" if len(back) == total else ", ".join(name for name, _ in back)
+    modes = sorted({m for _, ms in back for m in ms})
+    why = "; ".join(f"{m}: {_DENSE_WHY.get(m, m.removeprefix('dense:'))}" for m in modes)
+    return (f"note: in {which} the patch ran the model's own attention in every layer (record mode {why}); the "
+            "patched answers there are the unpatched model's")
