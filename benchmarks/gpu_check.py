@@ -12,8 +12,10 @@ warm-up excluded, median of the repeats, every timer synchronising the device):
   Nyström with every token a landmark against float64 exact attention, one FNA layer against float64 given the
   same landmarks, and each FlexAttention baseline against its
   gather path and, at its exact limit, against causal SDPA; in float32 and bfloat16 (relative Frobenius errors).
-  AnchorAttention's Triton path (``kernel="triton"``) at ``theta = inf`` against float64 causal SDPA, and against
-  the PyTorch path on the same inputs (kept sets and outputs).
+  FPS on exact copies of tokens (every distinct token first, then the copies in index order).  AnchorAttention's
+  Triton path (``kernel="triton"``, the public call) at ``theta = 1e30`` (every causal key kept by the kernels' own
+  rule; ``theta = inf`` hands back to dense attention and never reaches them) against float64 causal SDPA at head
+  dims 32 and 128, and at a finite threshold against the PyTorch path on the same inputs (kept sets and outputs).
 * ``fna``: one FNA layer (``s = 64``, DINOv2-S geometry: 6 heads of 64, batch 1) at N = 1025 / 4097 / 16385 /
   65537 against SDPA (flash backend on CUDA): eager, and replayed from a CUDA graph; peak extra memory.
 * ``anchor``: AnchorAttention with ``kernel="triton"``, the defaults and the ``fast`` and ``paper`` presets (each with
@@ -30,6 +32,8 @@ warm-up excluded, median of the repeats, every timer synchronising the device):
   against causal SDPA; the compile time of each length bucket; peak extra memory.
 * ``break_even``: ``min_tokens="auto"`` / ``min_len="auto"`` / ``"auto-fast"`` calibrated on this device (a fresh
   cache), for DINOv2-S and SmolLM2-135M geometry.
+* ``kernels``: every Triton kernel variant the run compiled, with the registers, spilled registers and shared memory
+  the driver reports (the device's side of ``benchmarks/triton_compile.py``, which compiles them with no GPU).
 
 Results go to ``<out>/gpu_check.json`` after every section (a stopped run keeps what it finished), which
 ``python benchmarks/make_benchmarks.py render`` turns into BENCHMARKS.md tables when copied to
@@ -144,6 +148,12 @@ def section_checks(dev: torch.device, cfg: dict) -> list[dict]:
         ref = farthest_point_sampling_reference(x, 32, 1)
         got = farthest_point_sampling(x.to(dev), 32, 1, kernel="triton").cpu()
         add("fps_triton_indices_equal_float64", "float32", float((got == ref).float().mean()), 1.0, kind="agreement")
+        # exact copies: every distinct token before any copy, then the copies in index order
+        base = randn(20, 64, seed=9, device="cpu", dtype=torch.float32)
+        dup = base[torch.arange(60) % 20][None]
+        got = farthest_point_sampling(dup.to(dev), 32, 1, kernel="triton").cpu()
+        add("fps_triton_copies_equal_float64", "float32",
+            float((got == farthest_point_sampling_reference(dup, 32, 1)).float().mean()), 1.0, kind="agreement")
 
     def check_pinv():
         # the matmul-only pseudo-inverse of a landmark kernel (float32 work; on CUDA one Triton launch) against the same
@@ -209,30 +219,35 @@ def section_checks(dev: torch.device, cfg: dict) -> list[dict]:
 
 
 def anchor_checks(dev: torch.device, cfg: dict, add) -> None:
-    """AnchorAttention's Triton path on the device: the kernels at ``theta = inf`` (every causal key kept) against
-    float64 causal SDPA; and at a finite threshold against the PyTorch path on the same inputs: the share of equal
-    kept (block, key) bits, and the outputs."""
-    import math
-
+    """AnchorAttention's Triton path on the device, through the public call: at ``theta = 1e30`` (every causal key kept
+    by the kernels' own rule; ``theta = inf`` never reaches them, it hands back to dense attention) against float64
+    causal SDPA, at head dims 32 and 128 (float32 at 128 multiplies in three bfloat16 products); at a finite threshold
+    against the PyTorch path on the same inputs: the share of equal kept (block, key) bits, and the outputs."""
     from attnpatch.attention.anchor import AnchorConfig, anchor_attention
     from attnpatch.attention.anchor.select import call_geometry, select_kept
-    from attnpatch.attention.anchor.triton_attend import attend_bits
     from attnpatch.attention.anchor.triton_select import select_bits, unpack_bits
 
-    n, scale = cfg["check_n"], 32 ** -0.5
+    n = cfg["check_n"]
     opts = dict(block_size=64, init_block=64, local_window=64, min_len=0, dense_last=32, min_recall=0.0, pool_stride=8)
     for dt in cfg["dtypes"]:
         dtype = getattr(torch, dt)
+        for d in (32, 128):
+            scale = d ** -0.5
+            q = randn(1, 4, n, d, seed=20, device=dev, dtype=dtype)
+            k, v = (randn(1, 2, n, d, seed=s, device=dev, dtype=dtype) for s in (21, 22))
+            every = AnchorConfig(**opts, theta=1e30, kernel="triton")
+            out, st = anchor_attention(q, k, v, every, scale=scale, return_stats=True)
+            want = torch.nn.functional.scaled_dot_product_attention(
+                q.double().cpu(), k.double().cpu(), v.double().cpu(), is_causal=True, scale=scale, enable_gqa=True)
+            kept_all = float(st.kept_pairs.sum()) == float(st.causal_pairs.sum())
+            add(f"anchor_triton_theta_1e30_d{d}_vs_float64_sdpa", dt, rel(out, want) if kept_all else float("nan"),
+                2e-2 if dt != "float32" else 1e-4)
         q = randn(1, 4, n, 32, seed=20, device=dev, dtype=dtype)
         k, v = (randn(1, 2, n, 32, seed=s, device=dev, dtype=dtype) for s in (21, 22))
-        every = AnchorConfig(**opts, theta=math.inf, kernel="triton")
-        geo = call_geometry(q, k, every, 0, None)
-        out = attend_bits(q, k, v, select_bits(q, k, every, scale, geo), geo, every, scale)
-        want = torch.nn.functional.scaled_dot_product_attention(
-            q.double().cpu(), k.double().cpu(), v.double().cpu(), is_causal=True, scale=scale, enable_gqa=True)
-        add("anchor_triton_theta_inf_vs_float64_sdpa", dt, rel(out, want), 2e-2 if dt != "float32" else 1e-4)
+        scale = 32 ** -0.5
         sparse = AnchorConfig(**opts, theta=2.5, kernel="triton")
         torch_cfg = AnchorConfig(**opts, theta=2.5, kernel="torch")
+        geo = call_geometry(q, k, sparse, 0, None)
         kept = unpack_bits(select_bits(q, k, sparse, scale, geo), n)
         add("anchor_triton_kept_set_equals_torch", dt,
             float((kept == select_kept(q, k, torch_cfg, scale, geo)).float().mean()), 0.999, kind="agreement")
@@ -449,6 +464,36 @@ def section_break_even(dev: torch.device, cfg: dict, dtype: torch.dtype) -> list
     return out
 
 
+def section_kernels(dev: torch.device) -> list[dict]:
+    """Every variant of the project's Triton kernels this run compiled and loaded on the device, as the driver reports
+    it (registers, spilled registers, shared memory): the device's counterpart of ``benchmarks/triton_compile.py``'s
+    ``ptxas`` report, under the device's Triton.  ``[]`` under the interpreter (nothing is compiled)."""
+    if dev.type != "cuda":
+        return []
+    from attnpatch.attention import landmarks_triton, pinv_triton
+    from attnpatch.attention.anchor import triton_attend, triton_select
+
+    rows = []
+    for mod, name in ((landmarks_triton, "_fps_kernel"), (pinv_triton, "_pinv_kernel"), (triton_select, "_select_kernel"),
+                      (triton_attend, "_attend_kernel"), (triton_attend, "_mass_kernel")):
+        fn = getattr(mod, name)
+        for entry in getattr(fn, "device_caches", {}).values():
+            cache = entry[0] if isinstance(entry, tuple) else entry
+            for key, kernel in list(cache.items()):
+                try:
+                    kernel._init_handles()
+                    meta = kernel.metadata
+                    rows.append({"kernel": name, "registers": int(kernel.n_regs), "spills": int(kernel.n_spills),
+                                 "shared": int(meta.shared), "num_warps": int(meta.num_warps),
+                                 "variant": str(key)[:400]})
+                except Exception as err:  # noqa: BLE001 - recorded, the others still listed
+                    rows.append({"kernel": name, "error": f"{type(err).__name__}: {str(err)[:200]}", "variant": str(key)[:400]})
+    for r in rows:
+        print(f"kernel {r['kernel']}: " + (r["error"] if "error" in r else
+              f"{r['registers']} registers, {r['spills']} spilled, {r['shared']} B shared, {r['num_warps']} warps"), flush=True)
+    return rows
+
+
 # --------------------------------------------------------------------------- main
 
 
@@ -474,8 +519,8 @@ def main(argv=None) -> int:
     ap.add_argument("--qkv", default=str(DEFAULT_QKV) if DEFAULT_QKV.is_file() else "none",
                     help="a captured layer the anchor section also measures ({'q', 'k', 'v'} [1, H, N, D]); 'none': "
                          "synthetic input only (default: benchmarks/results/qkv/smollm2_l10_8k_bf16.pt where it exists)")
-    ap.add_argument("--sections", nargs="+", default=["checks", "fna", "break_even", "anchor", "flex"],
-                    choices=["checks", "fna", "break_even", "anchor", "flex"])
+    ap.add_argument("--sections", nargs="+", default=["checks", "fna", "break_even", "anchor", "flex", "kernels"],
+                    choices=["checks", "fna", "break_even", "anchor", "flex", "kernels"])
     args = ap.parse_args(argv)
     if not args.dry_run and not torch.cuda.is_available():
         print("gpu_check: no CUDA device here; run with --dry-run on the CPU", file=sys.stderr)
@@ -499,6 +544,7 @@ def main(argv=None) -> int:
         "anchor": lambda: section_anchor(dev, cfg, dtype, deadline, qkv),
         "flex": lambda: section_flex(dev, cfg, dtype, deadline),
         "break_even": lambda: section_break_even(dev, cfg, dtype),
+        "kernels": lambda: section_kernels(dev),
     }
     status = 0
     for name in args.sections:

@@ -13,8 +13,8 @@ date each section was measured on.  ``--device cuda`` runs the same sections on 
 
 BENCHMARKS.md is mostly hand-written (dated entries, measurements moved out of the README and the docstrings).
 ``render`` rewrites only the text between ``<!-- generated:NAME -->`` and ``<!-- /generated:NAME -->``: ``toc``
-(the table of contents), ``intro``, and one block per results folder (``cpu``, ``cuda``, ...); everything else
-is kept byte for byte.  A result file's optional ``"note"`` is printed under its section's machine line.
+(the table of contents), ``intro``, and one block per results folder (``cpu``, ``cuda``, ``compile``: the report
+of ``benchmarks/triton_compile.py``, ...); everything else is kept byte for byte.  A result file's optional ``"note"`` is printed under its section's machine line.
 
 Sections:
   fna      bench attention, non-causal, random q/k/v, DINOv2-S geometry (6 heads x 64), N = 256 .. 16384
@@ -182,6 +182,11 @@ def render_folder(name: str, folder: Path) -> str:
         BENCH_ATTENTION_COLUMNS, BENCH_LM_COLUMNS, BENCH_VISION_COLUMNS, rows_to_markdown,
     )
     data = _load(folder)
+    if name == "compile":
+        if "triton_compile" not in data:
+            return ""
+        return "\n".join(["## The Triton kernels compiled for sm_90 and sm_80", "",
+                           *compile_tables(data["triton_compile"], data.get("triton_compile_before"))])
     out: list[str] = []
     if "fna" in data:
         r = data["fna"]
@@ -266,7 +271,7 @@ def gpu_check_tables(r: dict) -> list[str]:
     out = ["### GPU check (`benchmarks/gpu_check.py`)", "",
            f"*Measured {r['date']} on {m.get('cuda') or m.get('cpu')}; torch {m['torch']}, triton {m.get('triton')}, "
            f"transformers {m['transformers']}, Python {m['python']}; {r['dtype']}; SDPA restricted to the flash backend.*", ""]
-    for name in ("checks", "fna", "break_even", "anchor", "flex"):
+    for name in ("checks", "fna", "break_even", "anchor", "flex", "kernels"):
         sec = r.get(name)
         if isinstance(sec, dict) and "error" in sec:
             out += [f"`{name}` failed: `{sec['error']}`", ""]
@@ -323,7 +328,63 @@ def gpu_check_tables(r: dict) -> list[str]:
                         _cell(x.get("compile_s"), "{:.1f}"),
                         _cell(None if x.get("peak_extra_flex") is None else x["peak_extra_flex"] / 2**20, "{:.1f}")]
                        for x in r["flex"] if "skipped" not in x])
+    if r.get("kernels"):
+        out += ["Every Triton kernel variant the run compiled, as the driver reports it (`spilled`: registers spilled to "
+                "local memory; compare the no-GPU compile report, [The Triton kernels compiled for sm_90 and sm_80]"
+                "(#the-triton-kernels-compiled-for-sm_90-and-sm_80)):", ""]
+        out += _table(["kernel", "warps", "registers", "spilled", "shared (B)"],
+                      [[x["kernel"], _cell(x.get("num_warps"), "{}"), _cell(x.get("registers"), "{}"),
+                        _cell(x.get("spills"), "{}") if "error" not in x else f"error: {x['error'][:60]}",
+                        _cell(x.get("shared"), "{}")] for x in r["kernels"]])
     return out
+
+
+def _dtype(v: dict) -> str:
+    sig = v["signature"]
+    return str(sig.get("q_ptr", sig.get("x_ptr", sig.get("a_ptr", "-")))).lstrip("*")
+
+
+def _width(v: dict):
+    """A variant's tile width: the head dim tile (AnchorAttention), the padded side (pseudo-inverse), the feature tile
+    (FPS)."""
+    c = v["constexprs"]
+    return c.get("BD", c.get("S", c.get("BLOCK_D")))
+
+
+def compile_tables(after: dict, before: dict | None) -> list[str]:
+    """``benchmarks/triton_compile.py``'s reports as tables: per target, kernel, input dtype and tile width, the most
+    spill bytes of any variant and the most registers, before (``triton_compile_before.json``, the kernels as they were
+    when the report was first made) and now."""
+    def worst(res: dict | None) -> dict:
+        out: dict = {}
+        for arch, variants in ((res or {}).get("archs") or {}).items():
+            for v in variants:
+                key = (int(arch), v["kernel"], _dtype(v), _width(v))
+                spill, regs = v.get("spill_stores"), v.get("registers")
+                cur = out.setdefault(key, [0, 0, 0, None])
+                if v.get("error"):
+                    cur[3] = v["error"][:60]
+                    continue
+                cur[0] = max(cur[0], spill or 0)
+                cur[1] = max(cur[1], regs or 0)
+                cur[2] += 1
+        return out
+
+    now, then = worst(after), worst(before)
+    lines = [f"*Compiled {after['date']} with triton {after['triton']} ({after.get('ptxas') or 'ptxas'}), no GPU: "
+             f"`python benchmarks/triton_compile.py --json benchmarks/results/compile/triton_compile.json`; "
+             f"{sum(len(v) for v in after['archs'].values())} variants.*", "",
+             "Each row: the variants of one kernel for one target, input dtype and tile width (AnchorAttention: head "
+             "dim; pseudo-inverse: padded side; FPS: feature tile), the most spill-store bytes per thread and the most "
+             "registers of any of them, before this report's fixes and now.  The variants and the budgets the suite "
+             "holds them to: `tests/test_triton_compile.py`.", ""]
+    rows = []
+    for key in sorted(set(now) | set(then)):
+        arch, kernel, dtype, width = key
+        b, a = then.get(key), now.get(key)
+        cell = lambda x: "–" if x is None else (f"error: {x[3]}" if x[3] else f"{x[0]:,} B ({x[1]} regs)")  # noqa: E731
+        rows.append([f"sm_{arch}", kernel, dtype, _cell(width, "{}"), _cell(a[2] if a else None, "{}"), cell(b), cell(a)])
+    return lines + _table(["target", "kernel", "input", "width", "variants", "spill stores before", "spill stores now"], rows)
 
 
 def render_intro(folder_names: list[str]) -> str:

@@ -27,10 +27,11 @@ def test_gpu_check_dry_run_and_its_tables(tmp_path):
     r = json.loads((tmp_path / "gpu_check.json").read_text())
     assert r["dry_run"] is True and r["skipped"] == []
     checks = {c["check"]: c for c in r["checks"]}
-    assert set(checks) == {"fps_triton_indices_equal_float64", "pinv_matmul_vs_float64_same_filter",
+    assert set(checks) == {"fps_triton_indices_equal_float64", "fps_triton_copies_equal_float64", "pinv_matmul_vs_float64_same_filter",
                            "nystrom_all_landmarks_vs_float64_exact", "fna_layer_vs_float64_same_landmarks",
                            "a_shape_flex_vs_gather", "vertical_slash_flex_vs_gather", "block_topk_flex_vs_gather",
-                           "a_shape_flex_exact_limit_vs_float64_sdpa", "anchor_triton_theta_inf_vs_float64_sdpa",
+                           "a_shape_flex_exact_limit_vs_float64_sdpa", "anchor_triton_theta_1e30_d32_vs_float64_sdpa",
+                           "anchor_triton_theta_1e30_d128_vs_float64_sdpa",
                            "anchor_triton_kept_set_equals_torch", "anchor_triton_vs_torch_path"}
     assert all(c["ok"] for c in checks.values())
     assert checks["fna_layer_vs_float64_same_landmarks"]["rel_err"] < 1e-3
@@ -46,7 +47,8 @@ def test_gpu_check_dry_run_and_its_tables(tmp_path):
     for syn, cap in zip(r["anchor"][:2], r["anchor"][2:]):  # the generator's figures beside the captured layer's
         assert (cap["generator_sparsity"], cap["generator_recall"]) == (syn["sparsity"], syn["recall"])
         assert cap["qkv"] == "layer.pt" and "generator_sparsity" not in syn
-    assert list(r["seconds"]) == ["checks", "fna", "break_even", "anchor", "flex"]
+    assert list(r["seconds"]) == ["checks", "fna", "break_even", "anchor", "flex", "kernels"]
+    assert r["kernels"] == []  # nothing is compiled under the interpreter
     assert [b["method"] for b in r["break_even"]] == ["fna", "anchor_attention", "anchor_attention"]
     assert all(b["source"] == "calibrated" and b["timings"] for b in r["break_even"])
     assert "gpu_check: wrote" in proc.stdout
