@@ -14,7 +14,8 @@ date each section was measured on.  ``--device cuda`` runs the same sections on 
 BENCHMARKS.md is mostly hand-written (dated entries, measurements moved out of the README and the docstrings).
 ``render`` rewrites only the text between ``<!-- generated:NAME -->`` and ``<!-- /generated:NAME -->``: ``toc``
 (the table of contents), ``intro``, and one block per results folder (``cpu``, ``cuda``, ``compile``: the report
-of ``benchmarks/triton_compile.py``, ...); everything else is kept byte for byte.  A result file's optional ``"note"`` is printed under its section's machine line.
+of ``benchmarks/triton_compile.py``, ...); everything else is kept byte for byte.  A result file's optional
+``"note"`` is printed under its section's machine line.
 
 Sections:
   fna      bench attention, non-causal, random q/k/v, DINOv2-S geometry (6 heads x 64), N = 256 .. 16384

@@ -26,6 +26,12 @@ ROOT = Path(__file__).resolve().parents[1]
 SHARED_LIMIT = {90: 232448, 80: 166912}
 
 
+def _input(v: dict) -> str:
+    """A variant's input tensor type (its first pointer argument: ``q_ptr``, ``x_ptr`` or ``a_ptr``), e.g. ``*bf16``."""
+    sig = v["signature"]
+    return sig.get("q_ptr", sig.get("x_ptr", sig.get("a_ptr")))
+
+
 def spill_budget(arch: int, v: dict) -> int:
     """Bytes of spill stores per thread a variant may have.
 
@@ -35,7 +41,7 @@ def spill_budget(arch: int, v: dict) -> int:
     kilobytes measured when the budget was written (BENCHMARKS.md, "The Triton kernels compiled for sm_90 and
     sm_80")."""
     c = v["constexprs"]
-    fp32 = v["signature"].get("q_ptr", v["signature"].get("x_ptr", v["signature"].get("a_ptr"))) == "*fp32"
+    fp32 = _input(v) == "*fp32"
     if arch == 90:
         return 64 if fp32 and c.get("BD") == 128 else 0
     if v["kernel"] == "_pinv_kernel" and c.get("S") == 64:
@@ -68,13 +74,13 @@ def test_every_kernel_compiles_within_its_budgets(compiled, arch):
     variants = res["archs"][str(arch)]
     print(f"\nsm_{arch}: {len(variants)} variants, triton {res['triton']}, {res['ptxas']}")
     for v in variants:
-        print(f"  {v['kernel']} {v['signature'].get('q_ptr', v['signature'].get('x_ptr', v['signature'].get('a_ptr')))} "
+        print(f"  {v['kernel']} {_input(v)} "
               f"{ {k: c for k, c in v['constexprs'].items() if k.isupper()} } warps {v['num_warps']}: {v['registers']} regs, "
               f"spill {v['spill_stores']}/{v['spill_loads']} B, shared {v['shared']} B")
     assert res["launch_errors"] == [] and rc == 0, log[-3000:]
     assert not [v for v in variants if v["error"]]
     # every family, in both dtypes, and the variants a model adds (padding, the guard's dense blocks, bfloat16 selection)
-    kinds = {(v["kernel"], v["signature"].get("q_ptr", v["signature"].get("x_ptr", v["signature"].get("a_ptr")))) for v in variants}
+    kinds = {(v["kernel"], _input(v)) for v in variants}
     assert kinds == {(k, t) for k in ("_fps_kernel", "_pinv_kernel", "_select_kernel", "_attend_kernel", "_mass_kernel")
                      for t in ("*fp32", "*bf16")}
     flags = {(v["kernel"], k, c) for v in variants for k, c in v["constexprs"].items() if k in ("HAS_PAD", "HAS_FLAGS",

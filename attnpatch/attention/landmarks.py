@@ -149,7 +149,7 @@ def farthest_point_sampling_reference(x: torch.Tensor, s: int, prefix: int = 1) 
                     continue
                 ds = [float(((pts[t] - pts[c]) ** 2).sum()) for c in chosen]
                 d = min([v for v in ds if v == v], default=float("inf"))  # NaN distances ignored, as fmin does
-                if d > best_d * (1 + 1e-12) or (best_d == 0 and d > 0) or best is None:
+                if best is None or d > best_d * (1 + 1e-12):
                     best, best_d = t, d
             chosen.append(best)
         out.append(chosen)

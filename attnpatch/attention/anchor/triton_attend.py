@@ -36,15 +36,14 @@ import torch
 from .config import AnchorConfig
 from .guard import causal_guard, causal_probe_blocks, probe_blocks, probe_recall
 from .select import CallGeometry
-from .triton_dots import qk_precision
-from .triton_select import TRITON_AVAILABLE, head_tile, interpreted, tile_rows, warps
-
-if TRITON_AVAILABLE:
-    from .triton_dots import dot3, qk, split_bf16
+from .triton_dots import head_tile, key_tile, qk_precision
+from .triton_select import TRITON_AVAILABLE, interpreted, tile_rows, warps
 
 if TRITON_AVAILABLE:
     import triton
     import triton.language as tl
+
+    from .triton_dots import dot3, qk, split_bf16
 
 __all__ = ["attend_bits", "block_masses", "triton_guard", "triton_stats", "bits_popcount"]
 
@@ -249,7 +248,7 @@ if TRITON_AVAILABLE:
         tl.store(count_ptr + out, cnt, mask=row_in)
 
 
-def _tiles(interp: bool, dtype: torch.dtype = torch.bfloat16, d: int = 64) -> tuple[int, int]:
+def _tiles(interp: bool, dtype: torch.dtype, d: int) -> tuple[int, int]:
     """``(BN, NW)``: keys per tile and bitmask words per gather window of the attention.  On a GPU 64 keys a tile for
     half-precision inputs; float32 inputs hold their products' split parts (:func:`~.triton_dots.qk_precision`) in
     twice the registers: 16 keys a tile in three TF32 products, 32 in three bfloat16 products (the tiles that do not
@@ -258,14 +257,6 @@ def _tiles(interp: bool, dtype: torch.dtype = torch.bfloat16, d: int = 64) -> tu
     if interp:
         return 128, 16
     return {"native": 64, "tf32x3": 16, "bf16x3": 32}[qk_precision(dtype, d)], 32
-
-
-def _mass_tile(interp: bool, dtype: torch.dtype) -> int:
-    """Keys per tile of the probe masses (no ``V`` tile): 64 on a GPU, 32 for float32 inputs, 128 under the
-    interpreter."""
-    if interp:
-        return 128
-    return 32 if dtype == torch.float32 else 64
 
 
 def _flags(dense_blocks: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
@@ -341,7 +332,7 @@ def block_masses(q: torch.Tensor, k: torch.Tensor, bits: torch.Tensor, geo: Call
     if n and b * h and lq:
         q, k = q.contiguous(), k.contiguous()
         valid = geo.key_valid.to(torch.int8).contiguous()
-        bn = _mass_tile(interpreted(), q.dtype)
+        bn = key_tile(interpreted(), q.dtype)
         _mass_kernel[(n, b * h)](
             q, k, bits, _flags(dense_blocks, valid), valid, torch.tensor(list(blocks), dtype=torch.int32, device=q.device),
             mass, count, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),

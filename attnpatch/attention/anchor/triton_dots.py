@@ -26,16 +26,29 @@ except ImportError:  # pragma: no cover - exercised only on installs without Tri
     triton = None
     tl = None
 
-__all__ = ["qk_precision", "split_bf16", "dot3", "dot2", "qk"]
+__all__ = ["head_tile", "qk_precision", "key_tile", "split_bf16", "dot3", "dot2", "qk"]
+
+
+def head_tile(d: int) -> int:
+    """Head-dim columns per tile: ``d`` rounded up to a power of two, at least 16 (columns past ``d`` are zeros)."""
+    return max(16, 1 << (d - 1).bit_length())
 
 
 def qk_precision(dtype: torch.dtype, head_dim: int) -> str:
     """How the kernels multiply tiles of ``dtype`` with ``head_dim`` columns: ``"native"`` for half precision,
-    ``"tf32x3"`` for float32 up to 64 columns (the tile width, ``head_dim`` rounded up to a power of two), ``"bf16x3"``
-    above (module docstring)."""
+    ``"tf32x3"`` for float32 up to 64 columns (:func:`head_tile`), ``"bf16x3"`` above (module docstring)."""
     if dtype != torch.float32:
         return "native"
-    return "tf32x3" if max(16, 1 << (head_dim - 1).bit_length()) <= 64 else "bf16x3"
+    return "tf32x3" if head_tile(head_dim) <= 64 else "bf16x3"
+
+
+def key_tile(interp: bool, dtype: torch.dtype) -> int:
+    """Keys per tile of the selection and the probe masses: 64 on a GPU, 32 for float32 inputs (their split parts
+    hold twice the registers: at 64 a head dim of 128 spills on sm_90, ``benchmarks/triton_compile.py``); 128 under
+    the interpreter (its cost is per operation, not per element)."""
+    if interp:
+        return 128
+    return 32 if dtype == torch.float32 else 64
 
 
 if triton is not None:

@@ -41,7 +41,7 @@ import torch
 from ...errors import OptionError
 from ..triton_target import compiling
 from .config import AnchorConfig
-from .triton_dots import qk_precision
+from .triton_dots import head_tile, key_tile, qk_precision
 
 try:  # Triton ships with PyTorch's CUDA wheels; without it the PyTorch path runs everywhere
     import triton
@@ -50,8 +50,8 @@ except ImportError:  # pragma: no cover - exercised only on installs without Tri
     triton = None
     tl = None
 
-__all__ = ["TRITON_AVAILABLE", "TRITON_DTYPES", "interpreted", "triton_refusal", "allowed_kernels", "use_triton", "select_bits", "unpack_bits", "n_words",
-           "tile_rows", "head_tile", "warps"]
+__all__ = ["TRITON_AVAILABLE", "TRITON_DTYPES", "interpreted", "triton_refusal", "allowed_kernels", "use_triton",
+           "select_bits", "unpack_bits", "n_words", "tile_rows", "head_tile", "warps"]
 
 TRITON_AVAILABLE = triton is not None
 #: Input dtypes the Triton path takes (float64 runs the PyTorch path).
@@ -126,11 +126,6 @@ def tile_rows(block_size: int) -> int:
     """Query rows per program: ``block_size`` rounded up to a power of two, at least 16 (``tl.dot``'s least size);
     rows past ``block_size`` are masked."""
     return max(16, 1 << (block_size - 1).bit_length())
-
-
-def head_tile(d: int) -> int:
-    """Head-dim columns per tile: ``d`` rounded up to a power of two, at least 16 (columns past ``d`` are zeros)."""
-    return max(16, 1 << (d - 1).bit_length())
 
 
 def warps(rows: int) -> int:
@@ -210,7 +205,8 @@ if TRITON_AVAILABLE:
             # products, float32 sums), then the mean and the logit scale
             pools = tl.arange(0, NP)
             member = ((rows[None, :] // pool) == pools[:, None]) & qvalid[None, :]
-            cnt = tl.sum(member.to(tl.float32), axis=1)
+            mf = member.to(tl.float32)
+            cnt = tl.sum(mf, axis=1)
             pm = member.to(qt.dtype)
             if QK == "bf16x3":  # the 0/1 matrix is exact in bfloat16: two products, the tile's high and low parts
                 q_hi, q_lo = split_bf16(qt)
@@ -220,7 +216,7 @@ if TRITON_AVAILABLE:
             else:
                 qsum = tl.dot(pm, qt)
             qbar = qsum * (scale / tl.maximum(cnt, 1.0))[:, None]
-            abar = tl.sum(member.to(tl.float32) * anchor[None, :], axis=1) / tl.maximum(cnt, 1.0)
+            abar = tl.sum(mf * anchor[None, :], axis=1) / tl.maximum(cnt, 1.0)
             thr = tl.where(cnt > 0, abar - theta, float("inf"))  # pools without a valid query keep nothing
             if SEL_BF16:
                 qbar = qbar.to(tl.bfloat16)
@@ -254,15 +250,6 @@ if TRITON_AVAILABLE:
             tl.store(bits_row + widx, words, mask=widx < nwords)
 else:  # pragma: no cover
     _INTERPRETED = False
-
-
-def _key_tile(interp: bool, dtype: torch.dtype = torch.bfloat16) -> int:
-    """Keys per tile of the selection: 64 on a GPU, 32 for float32 inputs (their split bfloat16 parts hold twice
-    the registers: at 64 a head dim of 128 spills on sm_90, ``benchmarks/triton_compile.py``); 128 under the
-    interpreter (its cost is per operation)."""
-    if interp:
-        return 128
-    return 32 if dtype == torch.float32 else 64
 
 
 def select_bits(q: torch.Tensor, k: torch.Tensor, cfg: AnchorConfig, scale: float, geo) -> torch.Tensor:
@@ -299,7 +286,7 @@ def select_bits(q: torch.Tensor, k: torch.Tensor, cfg: AnchorConfig, scale: floa
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         h, h // hkv, lq, lk, geo.q_offset, cfg.block_size, cfg.stride, cfg.init_block, cfg.local_window, nw,
         float(cfg.theta) if score else 0.0, float(scale), d,
-        BQ=tile_rows(cfg.block_size), NP=max(16, 1 << (npool - 1).bit_length()), BN=_key_tile(interp, q.dtype),
+        BQ=tile_rows(cfg.block_size), NP=max(16, 1 << (npool - 1).bit_length()), BN=key_tile(interp, q.dtype),
         BD=head_tile(d), SCORE=score, KEEP_ALL=cfg.theta == math.inf, SEL_BF16=sel_bf16, HAS_PAD=has_pad,
         UPCAST=interp, QK=qk_precision(q.dtype, d), QK_F32=qk_precision(torch.float32, d),
         num_warps=warps(tile_rows(cfg.block_size)),

@@ -98,9 +98,8 @@ def run_lm_eval(
     Returns:
         On process 0: ``{"tasks", "metadata" (as handed to lm-eval), "user_metadata", "tokenizer_path", "limit",
         "apply_chat_template", "fewshot_as_multiturn", "gen_kwargs", "recall_samples", "world_size",
-        "lm_eval_version", "dense": {...}, "runs": [{...}, ...], "rows": [...], "same_samples": bool, "differing_tasks": [task,
-        ...]}``; ``dense`` and
-        each run hold ``label``, ``results`` (lm-eval's result dict, samples included) and ``samples``
+        "lm_eval_version", "dense": {...}, "runs": [{...}, ...], "rows": [...], "same_samples": bool,
+        "differing_tasks": [task, ...]}``; ``dense`` and each run hold ``label``, ``results`` (lm-eval's result dict, samples included) and ``samples``
         (:func:`~attnpatch.evals.lmeval.table.sample_records`); a run also ``method``, ``options`` (as given) and
         ``full_options``.  ``rows``: :func:`~attnpatch.evals.lmeval.table.score_rows`.  On other processes:
         ``{"world_size", "rank"}``.

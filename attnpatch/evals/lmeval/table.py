@@ -14,7 +14,7 @@ from typing import Any, Sequence
 from ..run.report import Column
 from ..run.report import handback_note as report_note
 
-__all__ = ["LMEVAL_COLUMNS", "sample_records", "score_rows", "handback_note", "same_samples", "differing_tasks"]
+__all__ = ["LMEVAL_COLUMNS", "sample_records", "score_rows", "handback_note", "differing_tasks"]
 
 LMEVAL_COLUMNS = [
     Column("task", "task"),
@@ -92,11 +92,6 @@ def differing_tasks(runs: Sequence[Sequence[dict[str, Any]]]) -> list[str]:
         per.append({t: sorted(v) for t, v in by.items()})
     tasks = sorted({t for p in per for t in p})
     return [t for t in tasks if any(p.get(t) != per[0].get(t) for p in per)]
-
-
-def same_samples(runs: Sequence[Sequence[dict[str, Any]]]) -> bool:
-    """Whether every setting answered the same prompts (lm-eval's ``prompt_hash`` per task and document)."""
-    return not differing_tasks(runs)
 
 
 def _metrics(res: dict[str, Any]) -> list[tuple[str, str, Any]]:

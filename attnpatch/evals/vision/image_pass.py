@@ -22,7 +22,7 @@ from ...errors import OptionError
 from ...patchers.api import patch_info, patched, record_stats
 from ...patchers.registry import get_method, validate_options
 from ..run.distributed import Ranks
-from ..run.report import EvalInterrupted
+from ..run.report import EvalInterrupted, exact_modes
 from ..run.resume import BatchStore
 from ...timing import Stopwatch
 
@@ -315,10 +315,11 @@ def run_labels(run: SettingRun) -> dict[str, Any]:
 def exact_note(modes) -> str | None:
     """``"exact attention: <why>"`` when every mode a setting's patched layers ran (``record_stats`` layer records'
     ``mode``) is a hand-back to exact attention (``dense:...``), else ``None``."""
-    if not modes or not all(m.startswith("dense:") for m in modes):
+    modes = exact_modes(modes)
+    if not modes:
         return None
     why = {"dense:s>=N": "s >= N tokens", "dense:short": "N below min_tokens (the break-even length)"}
-    return "exact attention: " + "; ".join(why.get(m, m.removeprefix("dense:")) for m in sorted(modes))
+    return "exact attention: " + "; ".join(why.get(m, m.removeprefix("dense:")) for m in modes)
 
 
 def finish(result: dict[str, Any], ip: ImagePass) -> dict[str, Any]:

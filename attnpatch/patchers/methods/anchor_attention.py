@@ -139,9 +139,9 @@ def kernel_refusal(cfg: AnchorConfig, device: torch.device, dtype: torch.dtype) 
     float32 on the CPU."""
     if cfg.kernel == "triton":
         return triton_refusal(device, dtype)
-    if cfg.kernel == "compiled" and (torch.device(device).type != "cpu" or dtype != torch.float32):
-        return (f"kernel='compiled' takes float32 CPU tensors; allowed here: "
-                f"{', '.join(map(repr, allowed_kernels(device, dtype)))}")
+    allowed = allowed_kernels(device, dtype)
+    if cfg.kernel not in allowed:  # "compiled" off a float32 CPU model
+        return f"kernel='compiled' takes float32 CPU tensors; allowed here: {', '.join(map(repr, allowed))}"
     return None
 
 
