@@ -13,6 +13,10 @@ on the tensor cores with float32 accumulation, in the precision :func:`qk_precis
 Under the Triton interpreter (``UPCAST``; its ``tl.dot`` on bfloat16 is broken, triton issue 11584) the bfloat16
 parts are multiplied as float32 tiles: the same products, summed in another order.  What the precision means for the
 kept stripes: docs/methods.md, "The Triton kernels' precision".
+
+Source: the split products are the error-corrected low-precision GEMM of Ootomo and Yokota 2022 ("Recovering single
+precision accuracy from Tensor Cores while surpassing the FP32 theoretical peak performance", Eq. 3-4: the
+``a_lo b_lo`` term dropped); Triton's ``input_precision="tf32x3"`` for the TF32 form.
 """
 
 from __future__ import annotations
@@ -30,7 +34,8 @@ __all__ = ["head_tile", "qk_precision", "key_tile", "split_bf16", "dot3", "dot2"
 
 
 def head_tile(d: int) -> int:
-    """Head-dim columns per tile: ``d`` rounded up to a power of two, at least 16 (columns past ``d`` are zeros)."""
+    """Head-dim columns per tile: ``d`` (columns) rounded up to a power of two, at least 16 (columns past ``d`` are
+    zeros)."""
     return max(16, 1 << (d - 1).bit_length())
 
 
@@ -55,14 +60,16 @@ if triton is not None:
 
     @triton.jit
     def split_bf16(x):
-        """A float32 tile as two bfloat16 tiles ``(hi, lo)``, ``hi + lo = x`` to about 2^-16 relative."""
+        """A float32 tile ``x`` ``[M, K]`` as two bfloat16 tiles ``(hi, lo)`` of its shape, ``hi + lo = x`` to about
+        2^-16 relative."""
         hi = x.to(tl.bfloat16)
         return hi, (x - hi.to(tl.float32)).to(tl.bfloat16)
 
     @triton.jit
     def dot3(a_hi, a_lo, b_hi, b_lo, acc, UPCAST: tl.constexpr):
-        """``acc + (a_hi + a_lo) @ (b_hi + b_lo)`` less the ``a_lo @ b_lo`` term: three bfloat16 products accumulated in
-        float32, small terms first (operands split by :func:`split_bf16`)."""
+        """``acc + (a_hi + a_lo) @ (b_hi + b_lo)`` less the ``a_lo @ b_lo`` term: ``a`` parts ``[M, K]``, ``b`` parts
+        ``[K, N]`` bfloat16 (split by :func:`split_bf16`), ``acc`` ``[M, N]`` float32 (or 0.0); three bfloat16
+        products accumulated in float32, small terms first."""
         if UPCAST:
             a_hi, a_lo, b_hi, b_lo = a_hi.to(tl.float32), a_lo.to(tl.float32), b_hi.to(tl.float32), b_lo.to(tl.float32)
         part = tl.dot(a_lo, b_hi)
@@ -71,7 +78,8 @@ if triton is not None:
 
     @triton.jit
     def dot2(a, b_hi, b_lo, UPCAST: tl.constexpr):
-        """``a @ (b_hi + b_lo)`` for a bfloat16 ``a`` that is exact (a 0/1 matrix): two bfloat16 products."""
+        """``a @ (b_hi + b_lo)``, ``[M, N]`` float32, for a bfloat16 ``a`` ``[M, K]`` that is exact (a 0/1 matrix) and
+        the split parts ``[K, N]`` of a float32 tile: two bfloat16 products."""
         if UPCAST:
             a, b_hi, b_lo = a.to(tl.float32), b_hi.to(tl.float32), b_lo.to(tl.float32)
         part = tl.dot(a, b_lo)
@@ -79,7 +87,8 @@ if triton is not None:
 
     @triton.jit
     def qk(a, b, QK: tl.constexpr, UPCAST: tl.constexpr):
-        """``a @ b^T`` accumulated in float32 in the precision ``QK`` (:func:`qk_precision`)."""
+        """``a @ b^T``: ``a`` ``[M, D]`` and ``b`` ``[N, D]`` tiles of the input dtype (float32 under ``UPCAST``) ->
+        ``[M, N]`` float32, in the precision ``QK`` (:func:`qk_precision`)."""
         if QK == "bf16x3":
             a_hi, a_lo = split_bf16(a)
             b_hi, b_lo = split_bf16(b)

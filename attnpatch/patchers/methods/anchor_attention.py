@@ -167,7 +167,9 @@ def warm_up(cfg: AnchorConfig, geo: ModelGeometry, device: torch.device, dtype: 
     """At patch time, the one-time work of the kernels the patched prefill will run, so that no timed call pays it:
     on the CPU (float32, ``kernel`` ``"auto"`` or ``"compiled"``) the compiled kernel's build (a C++ build the first
     time on a machine, then a load; :func:`~attnpatch.attention.cpu_kernel.stripe_kernel`); where the Triton path runs,
-    one call of it on a small :func:`synthetic_prefill` of the model's head geometry (the kernels' JIT compile)."""
+    one call of it on a small :func:`synthetic_prefill` of the model's head geometry (``3 * block_size + dense_last``
+    tokens: the kernels' JIT compile).  Raises nothing of its own: a failed C++ build warns once and leaves the PyTorch
+    path (:func:`~attnpatch.attention.cpu_kernel.stripe_kernel`)."""
     if cfg.theta == math.inf:
         return  # every layer hands back to the model's own attention
     if device.type == "cpu" and dtype == torch.float32 and cfg.kernel in ("auto", "compiled"):
