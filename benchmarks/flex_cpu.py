@@ -31,10 +31,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from attnpatch.attention.block_topk import block_topk_attention  # noqa: E402
-from attnpatch.attention.flex import FLEX_STATS, bucket_length  # noqa: E402
-from attnpatch.attention.streaming import a_shape_attention  # noqa: E402
-from attnpatch.attention.vertical_slash import vertical_slash_attention  # noqa: E402
+from attnpatch.attention.sparse.block_topk import block_topk_attention  # noqa: E402
+from attnpatch.attention.backends.flex import FLEX_STATS, bucket_length  # noqa: E402
+from attnpatch.attention.sparse.a_shape import a_shape_attention  # noqa: E402
+from attnpatch.attention.sparse.vertical_slash import vertical_slash_attention  # noqa: E402
 from attnpatch.timing import Stopwatch, time_call  # noqa: E402
 
 

@@ -64,10 +64,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from attnpatch.attention.fna_layer import fna_layer_case  # noqa: E402
-from attnpatch.attention.flex import FLEX_STATS, bucket_length  # noqa: E402
+from attnpatch.attention.nystrom.layer import fna_layer_case  # noqa: E402
+from attnpatch.attention.backends.flex import FLEX_STATS, bucket_length  # noqa: E402
 from attnpatch.attention.landmarks import farthest_point_sampling, farthest_point_sampling_reference  # noqa: E402
-from attnpatch.attention.pinv_matmul import landmark_pinv_matmul  # noqa: E402
+from attnpatch.attention.nystrom import landmark_pinv_matmul, landmark_pinv_work  # noqa: E402
 from attnpatch.timing import Stopwatch, time_call  # noqa: E402
 from flex_cpu import layer_calls  # noqa: E402
 
@@ -161,33 +161,33 @@ def section_checks(dev: torch.device, cfg: dict) -> list[dict]:
         for dt in cfg["dtypes"]:
             ql = randn(1, 2, 64, 32, seed=2, device=dev, dtype=torch.float32)
             a = torch.softmax(ql @ ql.transpose(-1, -2) * 32 ** -0.5, -1).to(getattr(torch, dt))
-            want = landmark_pinv_matmul(a.double().cpu(), rtol=1e-2, kernel="torch")
-            add("pinv_matmul_vs_float64_same_filter", dt, rel(landmark_pinv_matmul(a, rtol=1e-2), want), 1e-3)
+            want = landmark_pinv_matmul(a.double().cpu(), rtol=1e-2)
+            got = landmark_pinv_work(a, "rtol", 1e-2, 6, kernel="triton")  # what CUDA's "auto" runs at s <= 64
+            add("pinv_matmul_vs_float64_same_filter", dt, rel(got, want), 1e-3)
 
     def check_fna():
         # FNA: every token a landmark on a well-conditioned kernel is exact attention; and one layer (s landmarks by
         # the device's FPS) against the same landmarks and the same pseudo-inverse filter in float64 on the CPU
         import attnpatch.attention.nystrom as ny
 
-        saved = ny.MATMUL_PINV_DEVICES
-        ny.MATMUL_PINV_DEVICES = ("cuda", "cpu")  # the CUDA path's pseudo-inverse, for the CPU reference and the dry run
-        try:
-            for dt in cfg["dtypes"]:
-                dtype = getattr(torch, dt)
-                q = randn(1, 2, 48, 16, seed=3, device="cpu", dtype=torch.float32) * 2.0
-                v = randn(1, 2, 48, 16, seed=4, device="cpu", dtype=torch.float32)
-                want = torch.softmax(q.double() @ q.double().transpose(-1, -2) * 0.25, -1) @ v.double()
-                got = ny.nystrom_attention(q.to(dev, dtype), q.to(dev, dtype), v.to(dev, dtype), torch.arange(48, device=dev)[None],
-                                           scale=0.25)
-                add("nystrom_all_landmarks_vs_float64_exact", dt, rel(got, want), 2e-2 if dt != "float32" else 1e-4)
-                n = cfg["check_n"] + 1
-                q, k, v = (randn(1, 2, n, 32, seed=s, device=dev, dtype=dtype) for s in (5, 6, 7))
-                lm = farthest_point_sampling(k.transpose(1, 2).reshape(1, n, 64), cfg["s"], 1)
-                got = ny.nystrom_attention(q, k, v, lm, scale=32 ** -0.5)
-                want = ny.nystrom_attention(q.double().cpu(), k.double().cpu(), v.double().cpu(), lm.cpu(), scale=32 ** -0.5)
-                add("fna_layer_vs_float64_same_landmarks", dt, rel(got, want), 3e-2 if dt != "float32" else 1e-3)
-        finally:
-            ny.MATMUL_PINV_DEVICES = saved
+        # the CUDA path's pseudo-inverse (one Triton launch at s <= 64; the same filter from products in float64 on the
+        # CPU for the reference), by name so that the dry run computes the same
+        dev_pinv, ref_pinv = dict(pinv_kernel="triton"), dict(pinv_kernel="products")
+        for dt in cfg["dtypes"]:
+            dtype = getattr(torch, dt)
+            q = randn(1, 2, 48, 16, seed=3, device="cpu", dtype=torch.float32) * 2.0
+            v = randn(1, 2, 48, 16, seed=4, device="cpu", dtype=torch.float32)
+            want = torch.softmax(q.double() @ q.double().transpose(-1, -2) * 0.25, -1) @ v.double()
+            got = ny.nystrom_attention(q.to(dev, dtype), q.to(dev, dtype), v.to(dev, dtype), torch.arange(48, device=dev)[None],
+                                       scale=0.25, **dev_pinv)
+            add("nystrom_all_landmarks_vs_float64_exact", dt, rel(got, want), 2e-2 if dt != "float32" else 1e-4)
+            n = cfg["check_n"] + 1
+            q, k, v = (randn(1, 2, n, 32, seed=s, device=dev, dtype=dtype) for s in (5, 6, 7))
+            lm = farthest_point_sampling(k.transpose(1, 2).reshape(1, n, 64), cfg["s"], 1)
+            got = ny.nystrom_attention(q, k, v, lm, scale=32 ** -0.5, **dev_pinv)
+            want = ny.nystrom_attention(q.double().cpu(), k.double().cpu(), v.double().cpu(), lm.cpu(), scale=32 ** -0.5,
+                                        **ref_pinv)
+            add("fna_layer_vs_float64_same_landmarks", dt, rel(got, want), 3e-2 if dt != "float32" else 1e-3)
 
     def check_flex():
         # FlexAttention baselines: flex against gather, and at the exact limit against causal SDPA (float64 on the CPU)
@@ -203,7 +203,7 @@ def section_checks(dev: torch.device, cfg: dict) -> list[dict]:
                 gather, _ = layer_calls(method, n, q, k, v, scale, "gather")
                 flex, _ = layer_calls(method, n, q, k, v, scale, "flex")
                 add(f"{method}_flex_vs_gather", dt, rel(flex(), gather().float()), 2e-2 if dt != "float32" else 1e-4)
-            from attnpatch.attention.streaming import a_shape_attention
+            from attnpatch.attention.sparse.a_shape import a_shape_attention
 
             limit = a_shape_attention(q, k, v, init_tokens=0, window=n, scale=scale, kernel="flex")[0]
             add("a_shape_flex_exact_limit_vs_float64_sdpa", dt, rel(limit, want), 2e-2 if dt != "float32" else 1e-4)
@@ -247,7 +247,7 @@ def anchor_checks(dev: torch.device, cfg: dict, add) -> None:
         scale = 32 ** -0.5
         sparse = AnchorConfig(**opts, theta=2.5, kernel="triton")
         torch_cfg = AnchorConfig(**opts, theta=2.5, kernel="torch")
-        geo = call_geometry(q, k, sparse, 0, None)
+        geo = call_geometry(q, k, sparse.block_size, 0, None)
         kept = unpack_bits(select_bits(q, k, sparse, scale, geo), n)
         add("anchor_triton_kept_set_equals_torch", dt,
             float((kept == select_kept(q, k, torch_cfg, scale, geo)).float().mean()), 0.999, kind="agreement")
@@ -440,6 +440,7 @@ def section_break_even(dev: torch.device, cfg: dict, dtype: torch.dtype) -> list
     from attnpatch.patchers import break_even
     from attnpatch.patchers.methods import anchor_attention as anchor_method
     from attnpatch.patchers.methods import fna as fna_method
+    from attnpatch.patchers.methods.fna import hooks as fna_hooks
 
     os.environ.pop("ATTNPATCH_FNA_BREAK_EVEN", None)
     os.environ.pop("ATTNPATCH_ANCHOR_BREAK_EVEN", None)
@@ -449,7 +450,7 @@ def section_break_even(dev: torch.device, cfg: dict, dtype: torch.dtype) -> list
         for table in anchor_method.BREAK_EVEN_BY_WORD.values():
             table.pop("cpu", None)
         break_even.BUDGET_SECONDS = 3.0
-        fna_method.CALIBRATION_LENGTHS = (65, 129)
+        fna_hooks.CALIBRATION_LENGTHS = (65, 129)
         anchor_method.CALIBRATION_LENGTHS = (256, 512)
     with torch.no_grad():
         q, k = (randn(1, 6, 8, 64, seed=0, device=dev, dtype=dtype) for _ in range(2))
@@ -470,8 +471,9 @@ def section_kernels(dev: torch.device) -> list[dict]:
     ``ptxas`` report, under the device's Triton.  ``[]`` under the interpreter (nothing is compiled)."""
     if dev.type != "cuda":
         return []
-    from attnpatch.attention import landmarks_triton, pinv_triton
     from attnpatch.attention.anchor import triton_attend, triton_select
+    from attnpatch.attention.landmarks import fps_triton as landmarks_triton
+    from attnpatch.attention.nystrom import pinv_triton
 
     rows = []
     for mod, name in ((landmarks_triton, "_fps_kernel"), (pinv_triton, "_pinv_kernel"), (triton_select, "_select_kernel"),

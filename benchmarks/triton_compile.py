@@ -5,7 +5,7 @@ bytes, stack frame and shared memory of each variant, from ``ptxas -v`` (the one
     python benchmarks/triton_compile.py --json benchmarks/results/compile/triton_compile.json
     python benchmarks/triton_compile.py --arch 90 --only anchor          # a part, one target
 
-The launchers run on CPU tensors inside :func:`attnpatch.attention.triton_target.compile_only`: each launch is bound and
+The launchers run on CPU tensors inside :func:`attnpatch.attention.backends.aot.compile_only`: each launch is bound and
 specialised by Triton as on the GPU and compiled, never run.  The launches (:func:`launches`):
 
 * ``fps``: farthest-point sampling (``landmarks_triton``) on FNA's features at DINOv2-S geometry (``[1, N, 6 x 64]``,
@@ -37,7 +37,7 @@ import torch  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from attnpatch.attention.triton_target import SUPPORTED_ARCHS  # noqa: E402 - after TRITON_INTERPRET=0 above
+from attnpatch.attention.backends.aot import SUPPORTED_ARCHS  # noqa: E402 - after TRITON_INTERPRET=0 above
 
 PARTS = ("fps", "pinv", "anchor")
 DTYPES = (torch.float32, torch.bfloat16)
@@ -48,7 +48,7 @@ def _randn(*shape, dtype, seed=0):
 
 
 def fps_launches(dtype):
-    from attnpatch.attention.landmarks_triton import farthest_point_sampling_triton
+    from attnpatch.attention.landmarks.fps_triton import farthest_point_sampling_triton
 
     for n in (1025, 65537):  # DINOv2-S: keys of 6 heads x 64 concatenated, s = 64 (gpu_check's fna section)
         x = _randn(1, n, 384, dtype=dtype)
@@ -59,7 +59,7 @@ def fps_launches(dtype):
 
 
 def pinv_launches(dtype):
-    from attnpatch.attention.pinv_triton import landmark_pinv_triton
+    from attnpatch.attention.nystrom.pinv_triton import landmark_pinv_triton
 
     for s in (16, 32, 64):
         a = torch.softmax(_randn(1, 6, s, s, dtype=torch.float32), -1).to(dtype)
@@ -100,7 +100,7 @@ def anchor_launches(dtype):
 
     def launchers(key_valid, cfg=cfg):
         # the launchers one by one: the guard's dense blocks (flags) and dense rows, and neither
-        geo = call_geometry(q, k, cfg, 0, key_valid)
+        geo = call_geometry(q, k, cfg.block_size, 0, key_valid)
         bits = select_bits(q, k, cfg, 0.125, geo)
         flags = torch.zeros(1, 9, geo.nb, dtype=torch.bool)
         attend_bits(q, k, v, bits, geo, cfg, 0.125, dense_from=q.shape[2] - 256, dense_blocks=flags)
@@ -141,7 +141,7 @@ def compile_all(archs=(90, 80), parts=PARTS, dtypes=DTYPES, log=print) -> dict:
     """Compile every launch for each target: ``{"archs": {"90": [variant dicts]}, "launch_errors": [...], ...}``."""
     import triton
 
-    from attnpatch.attention.triton_target import compile_only
+    from attnpatch.attention.backends.aot import compile_only
 
     result = {"date": time.strftime("%Y-%m-%d"), "triton": triton.__version__, "torch": torch.__version__,
               "ptxas": _ptxas_version(), "archs": {}, "launch_errors": [], "seconds": {}}

@@ -3,7 +3,7 @@ import os
 import pytest
 import torch
 
-# Without a CUDA device, Triton kernels (attnpatch.attention.landmarks_triton) run on CPU tensors under Triton's
+# Without a CUDA device, Triton kernels (attnpatch.attention.landmarks.fps_triton) run on CPU tensors under Triton's
 # interpreter.  Triton reads the variable when a kernel is decorated (when attnpatch imports the module), so it is set
 # here, before any attnpatch import; on a CUDA machine the kernels compile for the GPU.
 if not torch.cuda.is_available():

@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from attnpatch import OptionError, patch, patched, record_stats, unpatch
-from attnpatch.attention.streaming import a_shape_attention, a_shape_kept_pairs, a_shape_pattern
-from attnpatch.attention.column_diagonal import column_diagonal_attention
+from attnpatch.attention.sparse.a_shape import a_shape_attention, a_shape_kept_pairs, a_shape_pattern
+from attnpatch.attention.sparse.column_diagonal import column_diagonal_attention
 from attnpatch.patchers.methods.a_shape import AShapeConfig
 from conftest import tiny_causal_lm
 
@@ -217,7 +217,7 @@ def test_tiny_model_exact_limit_through_the_code():
 @pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[4], CASES[7]])
 def test_recall_is_the_exact_softmax_mass_on_the_kept_keys(case):
     """``a_shape_recall``: mean over valid queries of the float64 softmax mass on the initial keys and the window."""
-    from attnpatch.attention.streaming import a_shape_recall
+    from attnpatch.attention.sparse.a_shape import a_shape_recall
 
     b, h, hkv, lq, lk, d, off, init, window, _, pad, inner = case
     q, k, v, kv = _inputs(b, h, hkv, lq, lk, d, pad=pad, inner=inner)

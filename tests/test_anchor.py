@@ -56,7 +56,7 @@ CASES = [
 
 def _need_compiled():
     """Skip where the platform cannot build the compiled kernel; where it can, a failed build fails the test."""
-    from attnpatch.attention.cpu_kernel import kernel_supported
+    from attnpatch.attention.backends.cpu_kernel import kernel_supported
 
     reason = kernel_supported()
     if reason is not None:
@@ -66,7 +66,7 @@ def _need_compiled():
 def _kernel_calls(monkeypatch) -> list[tuple[str, tuple]]:
     """Record every call of the compiled kernel as ``(function, its last two arguments)``: the tile sizes the callers
     read from ``tiles`` at call time, so a test that patches ``tiles`` sees that its values reached the kernel."""
-    import attnpatch.attention.cpu_kernel as ck
+    import attnpatch.attention.backends.cpu_kernel as ck
 
     real, calls = ck.stripe_kernel(), []
     assert real is not None, ck.kernel_status()
@@ -215,11 +215,11 @@ def test_both_attend_paths_agree(lq, lk, hkv, dtype):
     q, k, v, _ = _inputs(2, 4, hkv, lq, lk, 8, seed=11)
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     cfg = AnchorConfig(theta=1.0, block_size=8, init_block=4, local_window=8, min_len=0, dense_last=0, pool_stride=None)
-    geo = call_geometry(q, k, cfg, lk - lq, None)
+    geo = call_geometry(q, k, cfg.block_size, lk - lq, None)
     keep = select_kept(q, k, cfg, 8**-0.5, geo)
     assert 0.1 < keep.float().mean() < 0.9  # a real mix of kept and skipped stripes
-    merged = sparse_attend(q, k, v, keep, geo, cfg, 8**-0.5, merge=True)
-    masked = sparse_attend(q, k, v, keep, geo, cfg, 8**-0.5, merge=False)
+    merged = sparse_attend(q, k, v, keep, geo, cfg.block_size, 8**-0.5, merge=True)
+    masked = sparse_attend(q, k, v, keep, geo, cfg.block_size, 8**-0.5, merge=False)
     tol = {torch.float32: 1e-5, torch.float64: 1e-10, torch.bfloat16: 2e-2}[dtype]
     assert merged.dtype == dtype and merged.shape == (2, 4, lq, 8)
     assert (merged.double() - masked.double()).abs().max() < tol
@@ -236,7 +236,7 @@ def test_recall_guard_makes_low_recall_heads_dense_like_the_reference(pad):
     q, k, v, kv = _inputs(b, h, hkv, n, n, d, pad=pad, seed=21)
     base = dict(theta=0.7, block_size=8, init_block=4, local_window=8, min_len=0, dense_last=4, pool_stride=None, recall_probes=3,
                 guard="global")
-    geo = call_geometry(q[:1], k[:1], AnchorConfig(**base), 0, None)
+    geo = call_geometry(q[:1], k[:1], AnchorConfig(**base).block_size, 0, None)
     rec = probe_recall(q[:1], k[:1], select_kept(q[:1], k[:1], AnchorConfig(**base), d**-0.5, geo), geo, AnchorConfig(**base), d**-0.5, n - 4)[0]
     vals = sorted(float(x) for x in rec)
     gaps = [(vals[i + 1] - vals[i], (vals[i + 1] + vals[i]) / 2) for i in range(len(vals) - 1) if 0 < i < len(vals) - 2 or len(vals) <= 3]
@@ -319,10 +319,10 @@ def test_compiled_kernel_matches_torch_path(monkeypatch, b, h, hkv, lq, lk, d, b
     q, k, v, _ = _inputs(b, h, hkv, lq, lk, d, seed=5)
     k = k.transpose(2, 3).contiguous().transpose(2, 3)  # non-contiguous keys, as models hand them over
     kw = dict(theta=theta, block_size=bq, init_block=4, local_window=bq, min_len=0, dense_last=0, pool_stride=None)
-    geo = select.call_geometry(q, k, AnchorConfig(**kw), lk - lq, None)
+    geo = select.call_geometry(q, k, bq, lk - lq, None)
     keep = select.select_kept(q, k, AnchorConfig(**kw), d**-0.5, geo)
-    compiled = attend.sparse_attend(q, k, v, keep, geo, AnchorConfig(**kw, kernel="compiled"), d**-0.5)
-    torch_path = attend.sparse_attend(q, k, v, keep, geo, AnchorConfig(**kw, kernel="torch"), d**-0.5)
+    compiled = attend.sparse_attend(q, k, v, keep, geo, bq, d**-0.5, use="compiled")
+    torch_path = attend.sparse_attend(q, k, v, keep, geo, bq, d**-0.5, use="torch")
     assert compiled.shape == (b, h, lq, d) and compiled.dtype == torch.float32
     assert (compiled - torch_path).abs().max() < 1e-5
     assert [t for name, t in calls if name == "stripe_attention"] == [(kv_tile, q_tile)]  # the patched tiles ran
@@ -362,7 +362,8 @@ def test_compiled_kernel_refuses_what_it_does_not_take():
     q, k, v, _ = _inputs(1, 4, 2, 40, 40, 8)
     q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
     kw = dict(theta=1.0, block_size=8, init_block=4, local_window=8, min_len=0, dense_last=0)
-    with pytest.raises(OptionError, match=r"kernel='compiled' takes float32 CPU tensors .* not torch.bfloat16 on cpu"):
+    with pytest.raises(OptionError, match=r"kernel='compiled' takes float32 tensors, not torch.bfloat16; "
+                                          r"allowed here: 'auto', ('triton', )?'torch'$"):
         anchor_attention(q, k, v, AnchorConfig(**kw, kernel="compiled"), scale=8**-0.5)
     auto = anchor_attention(q, k, v, AnchorConfig(**kw), scale=8**-0.5)[0]
     torch_path = anchor_attention(q, k, v, AnchorConfig(**kw, kernel="torch"), scale=8**-0.5)[0]
@@ -388,7 +389,7 @@ def test_bfloat16_selection_flips_only_stripes_near_the_threshold():
 def test_kernel_auto_falls_back_when_the_build_fails(monkeypatch, tmp_path):
     """A failed build warns once with the reason; kernel='auto' then runs the PyTorch path and
     kernel='compiled' raises with the same reason."""
-    import attnpatch.attention.cpu_kernel as ck
+    import attnpatch.attention.backends.cpu_kernel as ck
 
     monkeypatch.setattr(ck, "_state", {})
     monkeypatch.setattr(ck, "kernel_supported", lambda: None)
@@ -398,7 +399,8 @@ def test_kernel_auto_falls_back_when_the_build_fails(monkeypatch, tmp_path):
     with pytest.warns(RuntimeWarning, match="run their PyTorch paths: building missing.cpp failed"):
         auto = anchor_attention(q, k, v, AnchorConfig(**kw), scale=8**-0.5)[0]
     assert torch.equal(auto, anchor_attention(q, k, v, AnchorConfig(**kw, kernel="torch"), scale=8**-0.5)[0])
-    with pytest.raises(RuntimeError, match="kernel='compiled': compiled CPU kernel: unavailable \\(building missing.cpp failed"):
+    with pytest.raises(RuntimeError, match="kernel='compiled' cannot run here: compiled CPU kernel: unavailable "
+                                           "\\(building missing.cpp failed"):
         anchor_attention(q, k, v, AnchorConfig(**kw, kernel="compiled"), scale=8**-0.5)
 
 
@@ -450,10 +452,10 @@ def test_compiled_probe_matches_torch_probe(monkeypatch, b, h, hkv, lq, lk, d, b
     q, k, _, _ = _inputs(b, h, hkv, lq, lk, d, seed=9)
     kw = dict(theta=1.0, block_size=bq, init_block=4, local_window=bq, min_len=0, dense_last=3, pool_stride=None,
               recall_probes=probes)
-    geo = select.call_geometry(q, k, AnchorConfig(**kw), lk - lq, None)
+    geo = select.call_geometry(q, k, bq, lk - lq, None)
     keep = select.select_kept(q, k, AnchorConfig(**kw), d**-0.5, geo)
-    rec_c = guard.probe_recall(q, k, keep, geo, AnchorConfig(**kw, kernel="compiled"), d**-0.5, lq - 3)
-    rec_t = guard.probe_recall(q, k, keep, geo, AnchorConfig(**kw, kernel="torch"), d**-0.5, lq - 3)
+    rec_c = guard.probe_recall(q, k, keep, geo, AnchorConfig(**kw), d**-0.5, lq - 3, use="compiled")
+    rec_t = guard.probe_recall(q, k, keep, geo, AnchorConfig(**kw), d**-0.5, lq - 3, use="torch")
     assert 0.3 < float(rec_t.mean()) < 0.99  # kept stripes carry part of the mass, not all
     assert (rec_c - rec_t).abs().max() < 1e-5
     assert [t for name, t in calls if name == "kept_mass"] == [(kv_tile, q_tile)]  # the patched tiles ran

@@ -16,6 +16,7 @@ import torch
 
 from attnpatch.attention.anchor import AnchorConfig, anchor_attention, anchor_attention_reference, select_stripes
 from attnpatch.attention.anchor import triton_select as ts
+from attnpatch.attention.backends import dispatch, triton_support
 from attnpatch.attention.anchor.guard import causal_guard
 from attnpatch.attention.anchor.select import call_geometry, select_kept
 from attnpatch.attention.anchor.triton_attend import attend_bits, bits_popcount, block_masses
@@ -86,7 +87,7 @@ def test_bitmask_equals_the_torch_kept_set(b, h, hkv, lq, lk, d, kw, holes):
     q = q[:, :, lk - lq :]
     cfg = AnchorConfig(**{**SMALL, **kw})
     kv = None if holes is None else _pad(b, lk, holes)
-    geo = call_geometry(q, k, cfg, lk - lq, kv)
+    geo = call_geometry(q, k, cfg.block_size, lk - lq, kv)
     bits = ts.select_bits(q, k, cfg, d**-0.5, geo)
     assert bits.dtype == torch.int32 and bits.shape == (b, h, geo.nb, -(-lk // 32))
     keep = select_kept(q, k, AnchorConfig(**{**SMALL, **kw, "kernel": "torch"}), d**-0.5, geo)
@@ -102,7 +103,7 @@ def test_bitmask_equals_the_torch_kept_set(b, h, hkv, lq, lk, d, kw, holes):
 def test_bfloat16_selection_matches_the_torch_bfloat16_selection():
     q, k, _ = _qkv(1, 4, 2, 128, 16, seed=3)
     kw = {**SMALL, "theta": 1.0, "select_dtype": "bfloat16"}
-    geo = call_geometry(q, k, AnchorConfig(**kw), 0, None)
+    geo = call_geometry(q, k, AnchorConfig(**kw).block_size, 0, None)
     got = ts.unpack_bits(ts.select_bits(q, k, AnchorConfig(**kw, kernel="triton"), 0.25, geo), 128)
     want = select_kept(q, k, AnchorConfig(**kw, kernel="torch"), 0.25, geo)
     # the score is rounded to bfloat16 before the comparison, as on the PyTorch path: a stripe flips only where
@@ -122,7 +123,7 @@ def test_theta_inf_kernel_is_causal_attention(q_offset, hkv, holes):
     q = q[:, :, q_offset:]
     kv = None if holes is None else _pad(1, n + q_offset, holes)
     cfg = AnchorConfig(**{**SMALL, "theta": math.inf, "kernel": "triton"})
-    geo = call_geometry(q, k, cfg, q_offset, kv)
+    geo = call_geometry(q, k, cfg.block_size, q_offset, kv)
     bits = ts.select_bits(q, k, cfg, 0.25, geo)
     out = attend_bits(q, k, v, bits, geo, cfg, 0.25)
     i = q_offset + torch.arange(n)
@@ -185,7 +186,7 @@ def test_half_inputs_within_a_rounding_of_float64(dtype):
     q, k, v = _qkv(1, 4, 2, n, d, seed=9, dtype=dtype)
     cfg = AnchorConfig(**{**SMALL, "theta": 1.0, "block_size": 32, "local_window": 32, "dense_last": 20,
                           "kernel": "triton"})
-    geo = call_geometry(q, k, cfg, 0, None)
+    geo = call_geometry(q, k, cfg.block_size, 0, None)
     bits = ts.select_bits(q, k, cfg, d**-0.5, geo)
     keep = ts.unpack_bits(bits, n)
     assert torch.equal(keep, select_kept(q.float(), k.float(), AnchorConfig(**{**SMALL, "theta": 1.0, "block_size": 32,
@@ -204,7 +205,7 @@ def test_half_inputs_within_a_rounding_of_float64(dtype):
 def test_probe_masses_are_the_exact_kept_mass():
     q, k, _ = _qkv(1, 2, 1, 96, 16, seed=4)
     cfg = AnchorConfig(**{**SMALL, "theta": 1.0})
-    geo = call_geometry(q, k, cfg, 0, None)
+    geo = call_geometry(q, k, cfg.block_size, 0, None)
     bits = ts.select_bits(q, k, cfg, 0.25, geo)
     mass, count = block_masses(q, k, bits, geo, cfg, 0.25, [1, 4])
     keep = ts.unpack_bits(bits, 96).cpu()
@@ -228,7 +229,7 @@ def test_causal_guard_outputs_before_the_changed_block_do_not_move(what, pos):
     q, k, v = _qkv(1, 2, 1, n, d, seed=21)
     cfg = AnchorConfig(theta=0.8, block_size=16, init_block=8, local_window=16, min_len=0, pool_stride=None,
                        dense_last=0, min_recall=0.4, guard="causal", kernel="triton")
-    geo = call_geometry(q, k, cfg, 0, None)
+    geo = call_geometry(q, k, cfg.block_size, 0, None)
     torch_cfg = AnchorConfig(**{**cfg.__dict__, "kernel": "torch"})
     low = causal_guard(q, k, select_kept(q, k, torch_cfg, d**-0.5, geo), geo, torch_cfg, d**-0.5)
     assert low is not None and 0.2 < float(low.float().mean()) < 0.8
@@ -255,29 +256,26 @@ def test_dispatch_and_errors(monkeypatch):
         anchor_attention(q.double(), k.double(), v.double(), cfg, scale=0.25)
     if not CUDA:
         # "auto" keeps CPU tensors on the compiled kernel or PyTorch operations, as before the Triton path
-        import attnpatch.attention.anchor.core as core
-
-        monkeypatch.setattr(core, "select_bits", lambda *a, **kw: pytest.fail("Triton path taken"))
+        monkeypatch.setattr(ts, "select_bits", lambda *a, **kw: pytest.fail("Triton path taken"))
         anchor_attention(q, k, v, AnchorConfig(**{**SMALL, "theta": 1.0}), scale=0.25)
-        assert not ts.use_triton(AnchorConfig(), q)
-        monkeypatch.setattr(ts, "_INTERPRETED", False)  # a CPU tensor outside the interpreter
+        assert dispatch.choose("anchor_attend", "auto", dispatch.Call.of(q)) != "triton"
+        monkeypatch.setattr(triton_support, "_INTERPRETED", False)  # a CPU tensor outside the interpreter
         with pytest.raises(OptionError, match="kernel='triton' runs on CUDA tensors.*allowed here: 'auto'"):
             anchor_attention(q, k, v, cfg, scale=0.25)
-    monkeypatch.setattr(ts, "TRITON_AVAILABLE", False)
+    monkeypatch.setattr(triton_support, "TRITON_AVAILABLE", False)
     with pytest.raises(OptionError, match="kernel='triton' needs Triton"):
         anchor_attention(q, k, v, cfg, scale=0.25)
-    assert not ts.use_triton(AnchorConfig(), q)  # "auto" without Triton: the other paths
+    # "auto" without Triton: the other paths
+    assert dispatch.choose("anchor_attend", "auto", dispatch.Call.of(q.to(DEV))) != "triton"
 
 
 @needs_cuda
 def test_auto_on_cuda_takes_the_triton_path(monkeypatch):
-    import attnpatch.attention.anchor.core as core
-
     q, k, v = _qkv(1, 4, 2, 256, 64, dtype=torch.bfloat16)
-    assert ts.use_triton(AnchorConfig(), q)
+    assert dispatch.choose("anchor_attend", "auto", dispatch.Call.of(q)) == "triton"
     calls = []
-    real = core.select_bits
-    monkeypatch.setattr(core, "select_bits", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    real = ts.select_bits
+    monkeypatch.setattr(ts, "select_bits", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     cfg = dict(theta=4.0, block_size=64, init_block=64, local_window=64, min_len=0, dense_last=32)
     out, _ = anchor_attention(q, k, v, AnchorConfig(**cfg), scale=0.125)
     ref, _ = anchor_attention(q.float(), k.float(), v.float(), AnchorConfig(**cfg, kernel="torch"), scale=0.125)
@@ -328,7 +326,7 @@ def test_kept_stripes_equal_float64_beyond_the_documented_tolerance(dtype, d, se
     64, ``bf16x3`` above, which the interpreter computes as on the GPU; half inputs in exact products)."""
     q, k, _ = _qkv(1, 4, 2, 256, d, seed=d, dtype=dtype)
     cfg = AnchorConfig(**{**SMALL, "theta": 2.0, "select_dtype": select_dtype, "kernel": "triton"})
-    geo = call_geometry(q, k, cfg, 0, None)
+    geo = call_geometry(q, k, cfg.block_size, 0, None)
     got = ts.unpack_bits(ts.select_bits(q, k, cfg, d**-0.5, geo), 256).cpu()
     margin, size = _margins_float64(q, k, cfg, d**-0.5)
     j = torch.arange(256)
@@ -369,19 +367,19 @@ def test_a_kernel_the_models_device_cannot_run_is_refused_at_patch_time(monkeypa
     from tiny_models import tiny_causal_lm
 
     model = tiny_causal_lm()
-    monkeypatch.setattr(ts, "_INTERPRETED", False)  # a CPU tensor outside the interpreter
+    monkeypatch.setattr(triton_support, "_INTERPRETED", False)  # a CPU tensor outside the interpreter
     with pytest.raises(OptionError, match=r"LlamaForCausalLM \(torch.float32 on cpu\): kernel='triton' runs on CUDA "
                                           r"tensors.*allowed here: 'auto', 'compiled', 'torch'"):
         patch(model, "anchor_attention", kernel="triton")
     assert not is_patched(model)
     with pytest.raises(OptionError, match=r"LlamaForCausalLM \(torch.bfloat16 on cpu\): kernel='compiled' takes float32 "
-                                          r"CPU tensors; allowed here: 'auto', 'torch'$"):
+                                          r"tensors, not torch.bfloat16; allowed here: 'auto', 'torch'$"):
         patch(model.to(torch.bfloat16), "anchor_attention", kernel="compiled")
     with pytest.raises(OptionError, match=r"\(torch.bfloat16 on cpu\): kernel='triton' runs on CUDA tensors.*allowed here: "
                                           r"'auto', 'torch'$"):  # not 'compiled', which takes float32 only
         patch(model, "anchor_attention", kernel="triton")
     assert not is_patched(model)
-    monkeypatch.setattr(ts, "_INTERPRETED", True)
+    monkeypatch.setattr(triton_support, "_INTERPRETED", True)
     patch(model.float(), "anchor_attention", kernel="triton")  # under the interpreter the CPU runs the kernels
     assert is_patched(model)
 
@@ -389,7 +387,7 @@ def test_a_kernel_the_models_device_cannot_run_is_refused_at_patch_time(monkeypa
 def test_patch_builds_the_compiled_kernel_before_any_forward(monkeypatch):
     """The compiled CPU kernel (AnchorAttention's stripes, FNA's farthest-point sampling) is built, or loaded from the
     build cache, by patch(): no timed forward pays its build."""
-    import attnpatch.attention.cpu_kernel as ck
+    import attnpatch.attention.backends.cpu_kernel as ck
     from attnpatch import patch, unpatch
     from tiny_models import tiny_causal_lm, tiny_dinov2
 

@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 
 from attnpatch import OptionError, patch, patched, record_stats
-from attnpatch.attention import block_topk as bt
-from attnpatch.attention.block_topk import antidiagonal_block_mass, block_topk_attention, select_blocks
-from attnpatch.attention.cpu_kernel import stripe_kernel
+from attnpatch.attention.sparse import block_topk as bt
+from attnpatch.attention.sparse.block_topk import antidiagonal_block_mass, block_topk_attention, select_blocks
+from attnpatch.attention.backends.cpu_kernel import stripe_kernel
 from attnpatch.patchers.methods.block_topk import BlockTopkConfig
 
 from conftest import tiny_causal_lm

@@ -139,7 +139,7 @@ def test_fna_min_tokens_auto_is_calibrated_where_the_device_has_no_table(monkeyp
     from tiny_models import tiny_dinov2
 
     monkeypatch.delenv("ATTNPATCH_FNA_BREAK_EVEN")
-    monkeypatch.setattr(fna_method, "BREAK_EVEN", {})  # as on a device type without a measured value
+    monkeypatch.setattr(fna_method.config, "BREAK_EVEN", {})  # as on a device type without a measured value
     model = tiny_dinov2()
     x = torch.randn(1, 3, 70, 70)  # 26 tokens
     seen = _fixed_calibration(monkeypatch, 27)
@@ -191,11 +191,11 @@ def test_anchor_cpu_table_is_unchanged(monkeypatch):
 def test_real_calibration_on_this_cpu_runs_within_budget(monkeypatch):
     """The real FNA case on the CPU (no table) with a small budget: measured rows, a cache entry."""
     monkeypatch.delenv("ATTNPATCH_FNA_BREAK_EVEN")
-    monkeypatch.setattr(fna_method, "BREAK_EVEN", {})
+    monkeypatch.setattr(fna_method.config, "BREAK_EVEN", {})
     monkeypatch.setattr(break_even, "BUDGET_SECONDS", 2.0)
     cfg = fna_method.FNAConfig(s=16)
     q, k = torch.randn(1, 2, 300, 16), torch.randn(1, 2, 300, 16)
-    monkeypatch.setattr(fna_method, "CALIBRATION_LENGTHS", (65, 129, 257))
+    monkeypatch.setattr(fna_method.hooks, "CALIBRATION_LENGTHS", (65, 129, 257))
     tokens = fna_method.min_tokens_for(cfg, q, k)
     (entry,) = resolved_break_evens()
     assert [r[0] for r in entry["timings"]][:1] == [65] and all(r[1] > 0 and r[2] > 0 for r in entry["timings"])

@@ -2,7 +2,7 @@
 
 A multi-threaded ``torch.linalg.eigh`` of six 64 x 64 landmark kernels takes 1-2 ms on an idle
 machine and 60-1000 ms while another PyTorch process keeps the cores busy (its OpenMP team
-waits for descheduled threads); :func:`attnpatch.attention.blas_threads.local_blas_threads` runs it
+waits for descheduled threads); :func:`attnpatch.attention.backends.blas.local_blas_threads` runs it
 on the calling thread alone, through MKL's thread-local setting, so other threads and the rest
 of the process keep their thread counts.
 """
@@ -14,8 +14,8 @@ import threading
 import pytest
 import torch
 
-from attnpatch.attention import blas_threads as ny
-from attnpatch.attention.blas_threads import local_blas_threads
+from attnpatch.attention.backends import blas as ny
+from attnpatch.attention.backends.blas import local_blas_threads
 from attnpatch.attention.nystrom import landmark_pinv, nystrom_attention
 
 needs_mkl = pytest.mark.skipif(not ny.mkl_local_setter(), reason="this PyTorch build has no MKL thread-local setter")

@@ -1,4 +1,4 @@
-"""The block-sparse baselines on FlexAttention (:mod:`attnpatch.attention.flex`, :mod:`.flex_patterns`):
+"""The block-sparse baselines on FlexAttention (:mod:`attnpatch.attention.backends.flex`, :mod:`.flex_patterns`):
 ``a_shape``, ``vertical_slash`` and ``block_topk`` with ``kernel="flex"`` against their gather paths (same kept
 set: equal to float32 rounding) and against SDPA at their exact limits; grouped-query keys, padding inside the
 keys, prompts continued on a cache, queries and keys padded to length buckets; nine lengths that share one
@@ -20,13 +20,14 @@ import torch
 import torch.nn.functional as F
 
 from attnpatch import OptionError, patch, patched, record_stats, unpatch
-from attnpatch.attention import flex
-from attnpatch.attention.block_topk import block_topk_attention
-from attnpatch.attention.flex import FLEX_STATS, bucket_length, choose_kernel, flex_attend
-from attnpatch.attention.flex_patterns import column_diagonal_counts
-from attnpatch.attention.streaming import a_shape_attention
-from attnpatch.attention.vertical_slash import vertical_slash_attention
-from attnpatch.attention.column_diagonal import column_diagonal_attention
+from attnpatch.attention.backends import flex
+from attnpatch.attention.sparse.block_topk import block_topk_attention
+from attnpatch.attention.backends import dispatch
+from attnpatch.attention.backends.flex import FLEX_STATS, bucket_length, flex_attend
+from attnpatch.attention.sparse.column_diagonal import column_diagonal_counts
+from attnpatch.attention.sparse.a_shape import a_shape_attention
+from attnpatch.attention.sparse.vertical_slash import vertical_slash_attention
+from attnpatch.attention.sparse.column_diagonal import column_diagonal_attention
 
 from conftest import tiny_causal_lm
 
@@ -158,7 +159,13 @@ def test_nine_lengths_share_one_compiled_bucket_without_fallback():
     assert FLEX_STATS["calls"] == calls + len(lengths)
 
 
-def test_the_compile_limit_or_a_compile_failure_falls_back_to_the_gather_path_not_eager():
+def choose_kernel(kernel, q, keys, cpu_min_keys, monkeypatch):
+    """The choice for ``a_shape`` with ``cpu_min_keys`` as the CPU's FlexAttention minimum."""
+    monkeypatch.setitem(dispatch.CPU_FLEX_MIN_KEYS, "a_shape", cpu_min_keys)
+    return dispatch.choose("a_shape", kernel, dispatch.Call.of(q, keys=keys))
+
+
+def test_the_compile_limit_or_a_compile_failure_falls_back_to_the_gather_path_not_eager(monkeypatch):
     from torch._dynamo.exc import FailOnRecompileLimitHit
 
     def limit():
@@ -175,30 +182,35 @@ def test_the_compile_limit_or_a_compile_failure_falls_back_to_the_gather_path_no
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            assert flex_attend(limit, lambda: torch.ones(1), strict=False).item() == 1.0
-            assert choose_kernel("auto", q, 10, 1) == "flex"  # the limit leaves "auto" on flex for known shapes
-            assert flex_attend(broken, lambda: torch.ones(1), strict=False).item() == 1.0
-            assert choose_kernel("auto", q, 10, 1) == "gather"  # a compile failure: the gather path from now on
+            assert flex_attend(limit, lambda: torch.ones(1), kernel="auto").item() == 1.0
+            # the limit leaves "auto" on flex for known shapes
+            assert choose_kernel("auto", q, 10, 1, monkeypatch) == "flex"
+            assert flex_attend(broken, lambda: torch.ones(1), kernel="auto").item() == 1.0
+            # a compile failure: the gather path from now on
+            assert choose_kernel("auto", q, 10, 1, monkeypatch) == "gather"
+            assert flex.flex_broken() is not None
         assert FLEX_STATS["fallbacks"] == before + 2
         with pytest.raises(RuntimeError, match="limit"):
-            flex_attend(limit, lambda: torch.ones(1), strict=True)
+            flex_attend(limit, lambda: torch.ones(1), kernel="flex")
         with pytest.raises(RuntimeError, match="no compiler"):
-            flex_attend(broken, lambda: torch.ones(1), strict=True)
+            flex_attend(broken, lambda: torch.ones(1), kernel="flex")
         with pytest.raises(IndexError):  # not a compile failure: not hidden behind the gather path
-            flex_attend(bug, lambda: torch.ones(1), strict=False)
+            flex_attend(bug, lambda: torch.ones(1), kernel="auto")
     finally:
         FLEX_STATS["fallbacks"] = before  # counted on purpose here
-        flex._BROKEN.clear()
+        flex.forget_failures()
+    assert flex.flex_broken() is None
 
 
-def test_kernel_choice():
+def test_kernel_choice(monkeypatch):
     q = torch.zeros(1, 1, 4, 8)
-    assert choose_kernel("auto", q, 10**6, None) == "gather"  # CPU, no threshold
-    assert choose_kernel("auto", q, 4096, 4096) == "flex"
-    assert choose_kernel("auto", q, 4095, 4096) == "gather"
-    assert choose_kernel("auto", q.double(), 10**6, 1) == "gather"  # float64: not a flex dtype
-    with pytest.raises(OptionError, match="float64"):
-        choose_kernel("flex", q.double(), 4, None)
+    assert choose_kernel("auto", q, 10**6, None, monkeypatch) == "gather"  # CPU, no threshold
+    assert choose_kernel("auto", q, 4096, 4096, monkeypatch) == "flex"
+    assert choose_kernel("auto", q, 4095, 4096, monkeypatch) == "gather"
+    assert choose_kernel("auto", q.double(), 10**6, 1, monkeypatch) == "gather"  # float64: not a flex dtype
+    with pytest.raises(OptionError, match="kernel='flex' flex_attention's compiled kernel takes .* not torch.float64; "
+                                          "allowed here: 'auto', 'gather'"):
+        choose_kernel("flex", q.double(), 4, None, monkeypatch)
     with pytest.raises(ValueError, match="kernel='nope'"):
         a_shape_attention(q, q, q, init_tokens=1, window=2, scale=1.0, kernel="nope")
     model = tiny_causal_lm("llama")

@@ -95,11 +95,14 @@ def test_fps_matches_reference_distinct_prefix_deterministic(shape, s, prefix):
 def _fps_kernels() -> list[str]:
     """The FPS paths this machine runs: the PyTorch loop, the compiled CPU kernel where it builds, the Triton kernel
     under the interpreter (conftest.py sets TRITON_INTERPRET=1)."""
-    from attnpatch.attention import landmarks_triton
-    from attnpatch.attention.cpu_kernel import stripe_kernel
+    from attnpatch.attention.backends.cpu_kernel import stripe_kernel
+    from attnpatch.attention.backends.dispatch import Call, allowed
+    from attnpatch.attention.backends.triton_support import interpreted
 
-    return ["torch"] + (["compiled"] if stripe_kernel() is not None else []) + (
-        ["triton"] if landmarks_triton.interpreted() else [])
+    here = allowed("fps", Call(torch.device("cpu"), torch.float32))
+    assert here == ["auto"] + (["triton"] if interpreted() else []) + (
+        ["compiled"] if stripe_kernel() is not None else []) + ["torch"]
+    return here[1:]
 
 
 FPS_KERNELS = _fps_kernels()

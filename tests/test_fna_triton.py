@@ -7,6 +7,7 @@ each kernel operation in NumPy.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import sys
@@ -16,12 +17,13 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 import attnpatch.attention.nystrom as ny
-from attnpatch.attention import landmarks_triton as lt
-from attnpatch.attention.fna_layer import fna_layer, fna_layer_case
+from attnpatch.attention.backends import dispatch
+from attnpatch.attention.landmarks import fps_triton as lt
+from attnpatch.attention.nystrom.layer import fna_layer, fna_layer_case
 from attnpatch.attention.landmarks import farthest_point_sampling, farthest_point_sampling_reference
-from attnpatch.attention.nystrom_local import nystrom_local_attention
-from attnpatch.attention.pinv_matmul import filter_steps, gram_norm_bound, landmark_pinv_matmul
-from attnpatch.attention.pinv_triton import landmark_pinv_triton
+from attnpatch.attention.nystrom.local import nystrom_local_attention
+from attnpatch.attention.nystrom.pinv_matmul import filter_steps, gram_norm_bound, landmark_pinv_matmul
+from attnpatch.attention.nystrom.pinv_triton import landmark_pinv_triton
 from attnpatch.errors import OptionError
 
 CUDA = torch.cuda.is_available()
@@ -29,6 +31,15 @@ needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 needs_triton_here = pytest.mark.skipif(
     not (lt.TRITON_AVAILABLE and (CUDA or lt.interpreted())), reason="needs Triton (on CUDA, or TRITON_INTERPRET=1)")
 DEV = "cuda" if CUDA else "cpu"
+
+
+def _products_on_cpu(monkeypatch):
+    """The pseudo-inverse's dispatch as CUDA has it, for CPU tensors too: ``"auto"`` picks the product form
+    (``"products"``) on the CPU (the eigendecomposition stays the CPU's default outside the test)."""
+    table = dict(dispatch.TABLE)
+    table["pinv"] = [dataclasses.replace(k, auto_on=("cuda", "cpu")) if k.name == "products" else k
+                     for k in table["pinv"]]
+    monkeypatch.setattr(dispatch, "TABLE", table)
 
 
 def _randn(*shape, seed=0, dtype=torch.float32):
@@ -82,14 +93,12 @@ def test_fps_dispatch_and_errors(monkeypatch):
     if lt.interpreted():
         with pytest.raises(OptionError, match="stepwise=True"):
             lt.farthest_point_sampling_triton(x, 5, 1, programs=2)
-    # "auto" keeps CPU tensors on the PyTorch loop; the module switch keeps CUDA tensors there too
+    # "auto" keeps CPU tensors off the Triton kernel (even under the interpreter); kernel="torch" keeps CUDA ones off
     monkeypatch.setattr(lt, "farthest_point_sampling_triton", lambda *a, **k: pytest.fail("Triton path taken"))
     assert torch.equal(farthest_point_sampling(x, 5, 1), farthest_point_sampling_reference(x, 5, 1))
     if CUDA:
-        import attnpatch.attention.landmarks as lm
-
-        monkeypatch.setattr(lm, "FPS_KERNEL", "torch")
-        assert torch.equal(farthest_point_sampling(x.cuda(), 5, 1).cpu(), farthest_point_sampling_reference(x, 5, 1))
+        assert torch.equal(farthest_point_sampling(x.cuda(), 5, 1, kernel="torch").cpu(),
+                           farthest_point_sampling_reference(x, 5, 1))
 
 
 # --------------------------------------------------------------------------- pseudo-inverse from products
@@ -136,17 +145,19 @@ def test_matmul_pinv_against_float64_pinv(s, case):
     assert (torch.linalg.matrix_norm(z, 2) * tau[..., 0] < 1.0).all()
 
 
-def test_matmul_pinv_dispatch_cuda_only_and_cpu_default_unchanged(monkeypatch):
+def test_matmul_pinv_dispatch_cuda_only_and_cpu_default_unchanged():
     a = _kernels(16, 0.03, False, 3).float()
     # the CPU default is the eigendecomposition, bit for bit as before
     x = a.float()
     lam, vec = torch.linalg.eigh(x.transpose(-1, -2) @ x)
     inv = torch.where(lam > (1e-2 * 1e-2) * lam[..., -1:], 1.0 / lam.clamp(min=torch.finfo(torch.float32).tiny), 0.0)
     expect = (vec * inv[..., None, :]) @ (vec.transpose(-1, -2) @ x.transpose(-1, -2))
-    assert ny.MATMUL_PINV_DEVICES == ("cuda",)
+    cpu = dispatch.Call(torch.device("cpu"), torch.float32, side=16, work_dtype=torch.float32)
+    assert dispatch.choose("pinv", "auto", cpu) == "eigh"
+    assert dispatch.choose("pinv", "auto", dataclasses.replace(cpu, device=torch.device("cuda"))) in ("triton", "products")
     assert torch.equal(ny.landmark_pinv_work(a, "rtol", 1e-2, 6), expect)
-    monkeypatch.setattr(ny, "MATMUL_PINV_DEVICES", ("cuda", "cpu"))
-    assert torch.equal(ny.landmark_pinv_work(a, "rtol", 1e-2, 6), landmark_pinv_matmul(a, 1e-2))
+    assert torch.equal(ny.landmark_pinv_work(a, "rtol", 1e-2, 6, kernel="eigh"), expect)
+    assert torch.equal(ny.landmark_pinv_work(a, "rtol", 1e-2, 6, kernel="products"), landmark_pinv_matmul(a, 1e-2))
     assert ny.landmark_pinv(a.bfloat16(), "rtol").dtype == torch.bfloat16
     with pytest.raises(ValueError, match="rtol=1.5"):
         landmark_pinv_matmul(a, 1.5)
@@ -158,26 +169,30 @@ def test_pinv_kernel_matches_the_batched_products():
     """The one-launch kernel computes the same filter as the PyTorch products (padded sides 16, 64; odd ``s``)."""
     for s, scale, same in ((16, 0.1, True), (40, 0.03, False), (64, 0.03, False), (64, 0.1, True)):
         a = _kernels(s, scale, same, s + 1).float()
-        ref = landmark_pinv_matmul(a, 1e-2, kernel="torch")
+        ref = landmark_pinv_matmul(a, 1e-2)
         got = landmark_pinv_triton(a.to(DEV)).cpu()
         assert got.dtype == torch.float32 and got.shape == a.shape
         # rounding only: measured 2e-6 to 4e-5 interpreted (float32); three-pass TF32 at s > 32 on a GPU
         assert ((got - ref).norm() / ref.norm()).item() < 3e-3
-    half = landmark_pinv_matmul(a.bfloat16().to(DEV), 1e-2, kernel="triton").cpu()
-    ref = landmark_pinv_matmul(a.bfloat16(), 1e-2, kernel="torch")
+    half = ny.landmark_pinv_work(a.bfloat16().to(DEV), "rtol", 1e-2, 6, kernel="triton").cpu()
+    ref = landmark_pinv_matmul(a.bfloat16(), 1e-2)
     assert half.dtype == torch.float32 and ((half - ref).norm() / ref.norm()).item() < 3e-3
     with pytest.raises(ValueError, match="s <= 64"):
         landmark_pinv_triton(torch.eye(65).to(DEV))
     with pytest.raises(ValueError, match="rtol=0.001"):
         landmark_pinv_triton(a.to(DEV), 1e-3)
-    with pytest.raises(ValueError, match="kernel='cuda'"):
-        landmark_pinv_matmul(a, 1e-2, kernel="cuda")
+    with pytest.raises(ValueError, match="kernel='cuda': allowed values are 'auto', 'triton', 'products', 'eigh'"):
+        ny.landmark_pinv(a, kernel="cuda")
+    with pytest.raises(ValueError, match="kernel='triton' takes s <= 64 landmarks .* not s=65; allowed here: 'auto'"):
+        ny.landmark_pinv(torch.eye(65)[None].to(DEV), kernel="triton")
+    with pytest.raises(ValueError, match="kernel='products': allowed values are 'auto', 'newton'$"):
+        ny.landmark_pinv(a, "newton", kernel="products")
 
 
 def test_nystrom_with_matmul_pinv_keeps_the_exact_limit(monkeypatch):
     """Every token a landmark and all singular values far above tau: Nyström with the product pseudo-inverse is exact
     attention (up to float32 rounding), as with the eigendecomposition."""
-    monkeypatch.setattr(ny, "MATMUL_PINV_DEVICES", ("cuda", "cpu"))
+    _products_on_cpu(monkeypatch)
     q = _randn(1, 2, 24, 16, seed=4) * 2.0
     k, v = q.clone(), _randn(1, 2, 24, 16, seed=5)  # same queries and keys, sharp: a well-conditioned kernel
     idx = torch.arange(24)[None]
@@ -220,14 +235,14 @@ class _HostReads(TorchFunctionMode):
 def test_fna_layer_reads_nothing_back_on_the_cuda_path(monkeypatch, dtype):
     """FPS kernel, product pseudo-inverse, fused attention calls, and the local-window hybrid: no host read (after one
     warm-up call, as CUDA-graph capture does it), and the layer agrees with the PyTorch-loop landmarks."""
-    monkeypatch.setattr(ny, "MATMUL_PINV_DEVICES", ("cuda", "cpu"))
+    _products_on_cpu(monkeypatch)
     q, k, v = (_randn(1, 2, 65, 16, seed=i, dtype=dtype).to(DEV) for i in range(3))
     lm = farthest_point_sampling(k.transpose(1, 2).reshape(1, 65, 32), 12, 1, kernel="torch")
     for _ in range(2):
         with _HostReads() as mode:
             out = fna_layer(q, k, v, 12, fps_kernel="triton")
             loc = nystrom_local_attention(q, k, v, lm, scale=0.25, prefix=1, radius=1, tile=2)
-            landmark_pinv_matmul(torch.eye(12, device=DEV).expand(2, 12, 12), kernel="triton")
+            ny.landmark_pinv_work(torch.eye(12, device=DEV).expand(2, 12, 12), "rtol", 1e-2, 6, kernel="triton")
     assert mode.reads == []
     assert out.dtype == dtype and loc.dtype == dtype
     torch.testing.assert_close(out, ny.nystrom_attention(q, k, v, lm, scale=0.25), rtol=0, atol=0)
@@ -236,9 +251,9 @@ def test_fna_layer_reads_nothing_back_on_the_cuda_path(monkeypatch, dtype):
 def test_nystrom_attention_traces_as_one_graph_on_the_matmul_pinv(monkeypatch):
     """``torch.compile(fullgraph=True)`` (Dynamo, eager backend) of Nyström attention with the CUDA path's
     pseudo-inverse: no graph break, so no data-dependent Python control flow and no host read."""
-    import attnpatch.attention.blas_threads as bt
+    import attnpatch.attention.backends.blas as bt
 
-    monkeypatch.setattr(ny, "MATMUL_PINV_DEVICES", ("cuda", "cpu"))
+    _products_on_cpu(monkeypatch)
     monkeypatch.setattr(bt, "_MKL_LOCAL", False)  # the CPU's MKL thread call (a ctypes call) is not on the CUDA path
     torch._dynamo.reset()
     q, k, v = (_randn(1, 2, 40, 16, seed=i) for i in range(3))
@@ -273,9 +288,9 @@ def test_pinv_kernel_on_cuda_against_float64(s):
     trunc = torch.linalg.pinv(a, rtol=1e-2)
     u, sv, _ = torch.linalg.svd(a)
     big = u * (sv > 3e-2 * sv[..., :1])[..., None, :]
-    cpu = landmark_pinv_matmul(a.float(), 1e-2, kernel="torch").double()
-    for kernel, tol in (("triton", 3e-3), ("torch", 1e-3)):  # s = 64 runs three-pass TF32 products (pinv_triton)
-        z = landmark_pinv_matmul(a.float().cuda(), 1e-2, kernel=kernel).double().cpu()
+    cpu = landmark_pinv_matmul(a.float(), 1e-2).double()
+    for kernel, tol in (("triton", 3e-3), ("products", 1e-3)):  # s = 64 runs three-pass TF32 products (pinv_triton)
+        z = ny.landmark_pinv_work(a.float().cuda(), "rtol", 1e-2, 6, kernel=kernel).double().cpu()
         assert ((z - cpu).norm() / cpu.norm()).item() < tol
         assert ((((z - trunc) @ big).norm() / (trunc @ big).norm())).item() < 3e-3
 
@@ -320,7 +335,7 @@ def test_fna_layer_cuda_graph_and_no_sync(window, monkeypatch):
     assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
     # the same math on the CPU in float32 (product pseudo-inverse there too): bf16 rounding apart (measured on the CPU,
     # bf16 against float32: 5e-3 plain, 2e-3 window)
-    monkeypatch.setattr(ny, "MATMUL_PINV_DEVICES", ("cuda", "cpu"))
+    _products_on_cpu(monkeypatch)
     cpu = layer(q.cpu().float(), k.cpu().float(), v.cpu().float(), landmarks().cpu())
     assert ((out.cpu().float() - cpu).norm() / cpu.norm()).item() < 2e-2
 
@@ -333,8 +348,7 @@ def test_the_fna_method_reads_nothing_back_with_a_numeric_sample_layer(monkeypat
     import attnpatch
     from tiny_models import tiny_dinov2
 
-    monkeypatch.setattr(ny, "MATMUL_PINV_DEVICES", ("cuda", "cpu"))  # the CUDA path's pseudo-inverse
-    monkeypatch.setattr("attnpatch.attention.landmarks.FPS_KERNEL", "triton")
+    _products_on_cpu(monkeypatch)  # the CUDA path's pseudo-inverse
     model = tiny_dinov2().to(DEV)
     x = _randn(2, 3, 70, 70, seed=1).to(DEV)
 
@@ -343,8 +357,8 @@ def test_the_fna_method_reads_nothing_back_with_a_numeric_sample_layer(monkeypat
             model(pixel_values=x)  # warm (Triton compile on CUDA)
             with _HostReads() as mode:
                 model(pixel_values=x)
-        return [r for r in mode.reads if f"methods{os.sep}fna.py" in r or f"attention{os.sep}" in r]
+        return [r for r in mode.reads if f"methods{os.sep}fna{os.sep}" in r or f"attention{os.sep}" in r]
 
     assert reads(sample_layer=0) == []
     assert reads(sample_layer=2) == []
-    assert any("fna.py" in r for r in reads(sample_layer="auto"))
+    assert any(f"methods{os.sep}fna{os.sep}" in r for r in reads(sample_layer="auto"))

@@ -8,7 +8,7 @@ import torch
 from attnpatch import OptionError, patch, patched, record_stats
 from attnpatch.attention.landmarks import select_landmarks
 from attnpatch.attention.nystrom import nystrom_attention
-from attnpatch.attention.nystrom_local import grid_of, nystrom_local_attention, nystrom_local_reference, window_keys
+from attnpatch.attention.nystrom.local import grid_of, nystrom_local_attention, nystrom_local_reference, window_keys
 from attnpatch.patchers.methods.fna import BREAK_EVEN, FNAConfig
 
 from test_fna import MODELS, X, _hf_dinov2, _run

@@ -29,7 +29,7 @@ MODEL_KW = dict(theta=8.0, block_size=BLOCK, init_block=32, local_window=32, min
 
 
 def _need_compiled():
-    from attnpatch.attention.cpu_kernel import kernel_supported
+    from attnpatch.attention.backends.cpu_kernel import kernel_supported
 
     reason = kernel_supported()
     if reason is not None:
@@ -171,7 +171,7 @@ GUARD = 0.4  # min_recall at which the causal guard makes some 30-55 % of these 
 
 
 def _guarded_fraction(q, k, cfg, scale, q_offset=0):
-    geo = call_geometry(q, k, cfg, q_offset, None)
+    geo = call_geometry(q, k, cfg.block_size, q_offset, None)
     low = causal_guard(q, k, select_kept(q, k, cfg, scale, geo), geo, cfg, scale)
     return 0.0 if low is None else float(low.float().mean())
 
@@ -188,7 +188,7 @@ def test_global_guard_attention_depends_on_a_later_key():
     base = AnchorConfig(**ATT_KW, dense_last=0, recall_probes=3, guard="global")
     rec = []
     for kk in (k, k2):
-        geo = call_geometry(q, kk, base, 0, None)
+        geo = call_geometry(q, kk, base.block_size, 0, None)
         rec.append(probe_recall(q, kk, select_kept(q, kk, base, scale, geo), geo, base, scale, 96)[0])
     head = int((rec[0] - rec[1]).abs().argmax())
     assert abs(float(rec[0][head] - rec[1][head])) > 1e-3
@@ -316,7 +316,7 @@ def test_causal_probe_blocks_do_not_depend_on_the_prompt_length():
     # block f - 1 keeps every causal key, block f does not
     q, k, _ = _qkv(1, 2, 1, 96, 8, seed=3)
     keep = select_kept(q, k, AnchorConfig(theta=-math.inf, block_size=8, init_block=4, local_window=8, min_len=0), 8**-0.5,
-                   call_geometry(q, k, AnchorConfig(block_size=8, init_block=4, local_window=8), 0, None))
+                   call_geometry(q, k, 8, 0, None))
     assert bool(keep[0, 0, 0, :8].all()) and not bool(keep[0, 0, 1, :16].all())
 
 
@@ -342,7 +342,7 @@ def test_dense_rows_are_exact_causal_attention(monkeypatch, lse, q_offset, r0, r
         monkeypatch.setattr(tiles, "CHUNK_ELEMENTS", 7 * (90 + q_offset))  # chunks of 7 rows
     q, k, v = _qkv(2, 6, 2, 90 + q_offset, 16, seed=8)
     q = q[:, :, q_offset:]
-    geo = call_geometry(q, k, AnchorConfig(block_size=8, init_block=4, local_window=8), q_offset, None)
+    geo = call_geometry(q, k, 8, q_offset, None)
     heads = torch.tensor([True, False, True, True, False, False])
     out = attend.dense_rows_attention(q, k, v, heads, 0.25, geo, r0, r1)
     ref = dense_causal_attention(q, k, v, scale=0.25, q_offset=q_offset)[:, :, r0:r1]

@@ -195,7 +195,7 @@ def three_settings(tiny_lm_dir, tmp_path_factory):
 
     import torch.utils.cpp_extension as cpp
 
-    import attnpatch.attention.cpu_kernel as ck
+    import attnpatch.attention.backends.cpu_kernel as ck
 
     out = tmp_path_factory.mktemp("lm-eval-three")
     path = out / "three.json"

@@ -316,5 +316,7 @@ def test_every_method_is_findable_from_the_attention_package():
     doc = attention.__doc__
     shipped = [m.name for m in METHODS.values() if m.forward.__module__.startswith("attnpatch.patchers.methods.")]
     assert shipped and [n for n in shipped if f"``{n}``" not in doc] == []
-    for mod in set(re.findall(r":mod:`\.(\w+)`", doc)):
+    named = set(re.findall(r":mod:`\.([\w.]+)`", doc))
+    assert {"anchor", "sparse", "nystrom", "landmarks", "backends.dispatch"} <= named
+    for mod in named:
         importlib.import_module(f"attnpatch.attention.{mod}")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from attnpatch import OptionError, patch, patched, record_stats, unpatch
-from attnpatch.attention.nystromformer import nystromformer_attention, segment_means, segment_plan
+from attnpatch.attention.nystrom.nystromformer import nystromformer_attention, segment_means, segment_plan
 from attnpatch.patchers.methods.nystromformer import NystromformerConfig, nystromformer_forward
 from attnpatch.patchers.state import ForwardState, LayerContext
 

@@ -380,7 +380,7 @@ def test_dinov2_small_renormalized_sink_mask_where_the_mass_estimate_goes_negati
     from attnpatch.checkpoints import load_vision_model
     from attnpatch.evals.vision.images import load_image_set
     from attnpatch.evals.vision.preprocess import make_preprocess
-    from attnpatch.patchers.methods import fna as vm
+    from attnpatch.patchers.methods.fna import config as vm  # the layer's approximation calls nystrom_attention there
 
     model, proc = load_vision_model("dinov2-small")
     images = load_image_set(None)

@@ -101,8 +101,9 @@ def test_compile_only_nests_and_refuses_an_unknown_target(tmp_path):
     process's Triton state is as before after both, and an unsupported compute capability is one ValueError."""
     script = """
 import torch
-from attnpatch.attention.pinv_triton import landmark_pinv_triton
-from attnpatch.attention.triton_target import compile_only, compiling
+from attnpatch.attention.nystrom.pinv_triton import landmark_pinv_triton
+from attnpatch.attention.backends.aot import compile_only
+from attnpatch.attention.backends.triton_support import compiling
 a = torch.softmax(torch.randn(1, 2, 16, 16), -1)
 with compile_only(90) as outer:
     with compile_only(80) as inner:

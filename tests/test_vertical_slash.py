@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from attnpatch import OptionError, patch, patched, record_stats
-from attnpatch.attention.column_diagonal import column_diagonal_attention
-from attnpatch.attention.vertical_slash import (
+from attnpatch.attention.sparse.column_diagonal import column_diagonal_attention
+from attnpatch.attention.sparse.vertical_slash import (
     LOCAL_DIAGONALS,
     vertical_slash_attention,
     vertical_slash_pattern,
@@ -389,7 +389,7 @@ def reference_recall(q, k, *, vertical, slash, last_q, scale, q_offset=0, key_va
 
 @pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[2], CASES[3]])
 def test_recall_is_the_exact_softmax_mass_on_the_kept_keys(case):
-    from attnpatch.attention.vertical_slash import vertical_slash_recall
+    from attnpatch.attention.sparse.vertical_slash import vertical_slash_recall
 
     b, h, hkv, lq, lk, vertical, slash, last_q, chunk, pad = case
     q, k, _, kv = _inputs(b, h, hkv, lq, lk, 8, seed=8, pad=pad, sharp=2.0)

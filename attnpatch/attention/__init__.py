@@ -1,31 +1,33 @@
-"""The attention math: pure functions on ``[batch, heads, tokens, head_dim]`` tensors, one module per method.
+"""The attention math: pure functions on ``[batch, heads, tokens, head_dim]`` tensors, one package per method family
+(its PyTorch reference beside its kernels) over one backend layer.
 
 No model knowledge lives here (that is :mod:`attnpatch.patchers`); each registered method
-(:mod:`attnpatch.patchers.methods`) calls the module(s) of its kernel:
+(:mod:`attnpatch.patchers.methods`) calls the package of its family:
 
 ======================  ==================================================================================
-method                  module(s)
+method                  math
 ======================  ==================================================================================
 ``dense``               none (the model's own attention)
-``anchor_attention``    :mod:`.anchor` (package: config, selection, attention, recall guard, reference)
-``a_shape``             :mod:`.streaming` (on :mod:`.column_diagonal`)
-``block_topk``          :mod:`.block_topk` (on :mod:`.anchor`'s sparse attention)
-``fna``                 :mod:`.nystrom` and :mod:`.nystrom_local` (landmarks: :mod:`.landmarks`; GPU: below)
-``fna+sink_mask``       :mod:`.nystrom` with sink masking (:mod:`.sinks`); fallback :mod:`.exact`
+``anchor_attention``    :mod:`.anchor` (config, selection, attention over kept stripes, recall guard, float64 reference,
+                        Triton kernels)
+``a_shape``             :mod:`.sparse` (:mod:`.sparse.a_shape` on :mod:`.sparse.column_diagonal`)
+``vertical_slash``      :mod:`.sparse` (:mod:`.sparse.vertical_slash` on :mod:`.sparse.column_diagonal`)
+``block_topk``          :mod:`.sparse` (:mod:`.sparse.block_topk`, on :mod:`.anchor`'s stripe attention)
+``fna``                 :mod:`.nystrom` (FNA, the local-window hybrid, the pseudo-inverse, one layer) and :mod:`.landmarks`
+``fna+sink_mask``       :mod:`.nystrom` with sink masking (:mod:`.sinks`); exact layers :mod:`.exact`
 ``sink_mask``           :mod:`.sinks` and :mod:`.exact`
-``nystromformer``       :mod:`.nystromformer`
+``nystromformer``       :mod:`.nystrom.nystromformer`
 ``anchorformer``        :mod:`.anchorformer` (anchors: :mod:`.landmarks`)
 ``relu_linear``         :mod:`.linear`
 ``tome``                :mod:`.merge`
-``vertical_slash``      :mod:`.vertical_slash` (on :mod:`.column_diagonal`)
 ======================  ==================================================================================
 
-Shared by several methods: :mod:`.exact` (exact attention, with keys masked after the softmax),
-:mod:`.landmarks` (landmark selection: farthest-point sampling, k-means, ...), :mod:`.column_diagonal`
-(attention over kept columns and diagonals), :mod:`.prefill` (input checks, per-sequence padding),
-:mod:`.blas_threads` (one-thread BLAS for small matrix work), :mod:`.cpu_kernel` (the compiled CPU
-kernel of ``csrc/``), :mod:`.flex` and :mod:`.flex_patterns` (the kept sets of ``a_shape``, ``vertical_slash``
-and ``block_topk`` as a FlexAttention ``BlockMask``: their ``kernel="flex"``).  FNA's GPU path: :mod:`.landmarks_triton` (FPS as one Triton launch), :mod:`.pinv_matmul` and
-:mod:`.pinv_triton` (the landmark pseudo-inverse from products only), :mod:`.fna_layer` (one layer from ``q, k, v``,
-and the inputs a benchmark times it on).
+Shared by several families: :mod:`.exact` (exact attention with keys masked after the softmax; grouped-query keys
+repeated), :mod:`.prefill` (the input checks of a causal call, per-sequence padding), :mod:`.sparse.masks` (the kept
+sets of the block-sparse baselines as FlexAttention patterns, one small module each).
+
+:mod:`.backends` is the bottom layer, importing no method: the one guarded Triton import (:mod:`.backends.triton_support`),
+the ahead-of-time compile driver (:mod:`.backends.aot`), FlexAttention (:mod:`.backends.flex`), the C++ CPU extension
+(:mod:`.backends.cpu_kernel`), BLAS thread control (:mod:`.backends.blas`), and the one place that chooses a kernel
+(:mod:`.backends.dispatch`): every method asks :func:`~.backends.dispatch.choose` and runs what it names.
 """

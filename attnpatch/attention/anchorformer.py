@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import torch
 
-from .landmarks import gather_tokens
+from .landmarks.select import gather_tokens
 
 __all__ = ["anchor_bipartite_attention", "KEY_CHUNK_ELEMENTS"]
 

@@ -1,7 +1,8 @@
 """Exact (non-causal) softmax attention with optional key masking after the softmax (sink masking).
 
-One function, :func:`exact_attention`: what the landmark methods (FNA, sink masking, Nyströmformer,
-AnchorFormer) run on calls or layers they leave exact.  A pure tensor function on
+:func:`exact_attention`: what the landmark methods (FNA, sink masking, Nyströmformer, AnchorFormer) run on calls or
+layers they leave exact; :func:`repeat_kv`: grouped-query keys and values repeated to the query heads, for the
+methods whose math takes as many key heads as query heads.  Pure tensor functions on
 ``[batch, heads, tokens, head_dim]`` tensors.
 """
 
@@ -9,7 +10,13 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["exact_attention"]
+__all__ = ["exact_attention", "repeat_kv"]
+
+
+def repeat_kv(k: torch.Tensor, heads: int) -> torch.Tensor:
+    """``[B, Hkv, N, D]`` keys (or values) repeated to ``heads`` heads (grouped-query attention: query head ``h`` reads
+    key/value head ``h // (heads / Hkv)``); ``k`` itself when ``Hkv == heads``."""
+    return k if k.shape[1] == heads else k.repeat_interleave(heads // k.shape[1], dim=1)
 
 
 def exact_attention(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -122,3 +123,12 @@ class LayerContext:
         if self.state is None:
             return {}
         return self.state.shared.setdefault(key, {})
+
+    def say(self, message: str) -> None:
+        """Warn (``UserWarning``, prefixed ``attnpatch:``) once per forward call (every call without forward state)."""
+        if self.state is not None:
+            said = self.state.shared.setdefault("_said", set())
+            if message in said:
+                return
+            said.add(message)
+        warnings.warn(f"attnpatch: {message}", UserWarning, stacklevel=4)

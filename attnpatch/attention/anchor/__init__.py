@@ -25,12 +25,14 @@ finer pooling (``pool_stride``; 1 = every query selects for itself), dense atten
 guard (``min_recall``): heads whose kept keys lose softmax mass on probe blocks attend densely, decided
 per query block from earlier probes only (``guard="causal"``) or once per prompt (``guard="global"``).
 
-Modules (each re-exported here): :mod:`.config` (:class:`AnchorConfig`, :class:`AnchorStats`),
+Modules (their main functions re-exported here): :mod:`.config` (:class:`AnchorConfig`, :class:`AnchorStats`),
 :mod:`.select` (geometry and stripe selection), :mod:`.attend` (attention over kept stripes, dense
 causal attention), :mod:`.guard` (the recall guard), :mod:`.core` (:func:`anchor_attention`),
-:mod:`.reference` (the float64 reference), :mod:`.tiles` (tile sizes of the fast paths), :mod:`.triton_select` and
-:mod:`.triton_attend` (the Triton path on CUDA: selection into a bitmask on the device, attention over it, the
-guard's probes and the statistics; ``kernel="triton"``, or ``"auto"`` on CUDA).
+:mod:`.reference` (the float64 reference), :mod:`.tiles` (tile sizes of the fast paths), :mod:`.triton_select`,
+:mod:`.triton_attend` and :mod:`.triton_dots` (the Triton path on CUDA: selection into a bitmask on the device,
+attention over it, the guard's probes and the statistics; ``kernel="triton"``, or ``"auto"`` on CUDA; imported only by
+a call that runs them).  Which kernel runs: :func:`attnpatch.attention.backends.dispatch.choose` (operations
+``"anchor_select"``, ``"anchor_attend"``, ``"anchor_merge"``).
 """
 
 from __future__ import annotations

@@ -9,13 +9,13 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ...errors import OptionError
-from ..cpu_kernel import kernel_status, stripe_kernel
+from ..backends.cpu_kernel import stripe_kernel
+from ..backends.dispatch import Call, choose
 from . import tiles
-from .config import AnchorConfig
 from .select import CallGeometry, pad_rows
 
-__all__ = ["dense_causal_attention", "pair_counts", "compiled_kernel", "sparse_attend", "dense_heads_attention", "dense_rows_attention"]
+__all__ = ["dense_causal_attention", "pair_counts", "attend_call", "sparse_attend", "dense_heads_attention",
+           "dense_rows_attention"]
 
 
 def dense_causal_attention(
@@ -54,13 +54,14 @@ def dense_causal_attention(
     return out
 
 
-def pair_counts(keep: torch.Tensor | None, geo: CallGeometry, cfg: AnchorConfig, dense_from: int | None = None):
-    """Causal pairs ``[B, H or 1]`` and kept causal pairs ``[B, Hs]`` from the stripe mask ``keep`` [B, Hs, nb, Lk].
+def pair_counts(keep: torch.Tensor | None, geo: CallGeometry, block_size: int, dense_from: int | None = None):
+    """Causal pairs ``[B, H or 1]`` and kept causal pairs ``[B, Hs]`` from the stripe mask ``keep`` [B, Hs, nb, Lk]
+    of query blocks of ``block_size`` queries.
 
     Queries with index ``>= dense_from`` count as keeping every causal key.
     """
     b = geo.key_valid.shape[0]
-    bq, nb = cfg.block_size, geo.nb
+    bq, nb = block_size, geo.nb
     dev = geo.key_valid.device
     pos = (geo.q_offset + torch.arange(nb * bq, device=dev)).clamp(max=geo.lk - 1)
     qv = geo.query_valid  # [B, nb*bq]
@@ -80,48 +81,27 @@ def pair_counts(keep: torch.Tensor | None, geo: CallGeometry, cfg: AnchorConfig,
 _FLASH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
+def attend_call(q: torch.Tensor, geo: CallGeometry) -> Call:
+    """The :class:`~attnpatch.attention.backends.dispatch.Call` of an attention over kept keys: ``q``'s device, dtype and
+    head size, the keys, and whether some key inside a sequence is padding."""
+    return Call.of(q, keys=geo.lk, inner_padding=geo.inner_padding)
+
+
 def _lse_path_ok(q: torch.Tensor, geo: CallGeometry) -> bool:
-    """Whether the two-part (diagonal + off-diagonal, log-sum-exp merged) path applies.
-
-    It needs PyTorch's CPU flash-attention kernel, which also returns each row's log-sum-exp;
-    other devices and sequences with padding inside the keys take the one-call masked path.
-    """
-    return (
-        _FLASH_LSE is not None
-        and q.device.type == "cpu"
-        and q.dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16)
-        and bool(geo.key_valid.all())
-    )
+    """Whether the two-part (diagonal + off-diagonal, log-sum-exp merged) path applies: the ``"flash_lse"`` kernel of
+    the operation ``"anchor_merge"`` (PyTorch's CPU flash-attention kernel, which also returns each row's
+    log-sum-exp, without padding inside the keys); otherwise the one-call masked path."""
+    return choose("anchor_merge", "auto", attend_call(q, geo)) == "flash_lse"
 
 
-def compiled_kernel(q: torch.Tensor, geo: CallGeometry, cfg: AnchorConfig):
-    """The compiled stripe-attention kernel when ``cfg.kernel`` asks for it and it runs here, else ``None``.
+def sparse_attend(q, k, v, keep, geo: CallGeometry, block_size: int, scale: float, *, use: str = "torch",
+                  merge: bool | None = None) -> torch.Tensor:
+    """Exact attention of each query block (``block_size`` queries) over its kept keys ``keep`` ``[B, H, nb, Lk]``
+    bool; ``q`` ``[B, H, Lq, D]``, ``k, v`` ``[B, Hkv, Lk, D]``; returns ``[B, H, Lq, D]``.
 
-    Raises:
-        OptionError: ``kernel="compiled"`` for inputs it does not take (not float32 on the CPU,
-            or padding inside the keys).
-        RuntimeError: ``kernel="compiled"`` where the kernel cannot be built (the message says why).
-    """
-    if cfg.kernel in ("torch", "triton"):
-        return None
-    fits = q.device.type == "cpu" and q.dtype == torch.float32 and bool(geo.key_valid.all())
-    if cfg.kernel == "auto":
-        return stripe_kernel() if fits else None
-    if not fits:
-        raise OptionError(
-            f"kernel='compiled' takes float32 CPU tensors without padding inside the keys, not {q.dtype} on "
-            f"{q.device.type}{'' if bool(geo.key_valid.all()) else ' with inner padding'}; use kernel='auto' or 'torch'"
-        )
-    mod = stripe_kernel()
-    if mod is None:
-        raise RuntimeError(f"kernel='compiled': {kernel_status()}")
-    return mod
-
-
-def sparse_attend(q, k, v, keep, geo: CallGeometry, cfg: AnchorConfig, scale: float, *, merge: bool | None = None) -> torch.Tensor:
-    """Exact attention of each query block over its kept keys.
-
-    With the compiled CPU kernel (``cfg.kernel``, see :func:`compiled_kernel`), each (batch, head, query
+    ``use`` is the kernel :func:`~attnpatch.attention.backends.dispatch.choose` picked for the call (operation
+    ``"anchor_attend"``; never ``"triton"`` here: that path reads a bitmask, :mod:`.triton_attend`).
+    With the compiled CPU kernel (``use="compiled"``), each (batch, head, query
     block) gathers its kept keys ``tiles.KV_TILE`` at a time into a per-thread buffer inside a
     flash-attention loop (online softmax, Dao et al. 2022, Alg. 1) that ends with the causal
     diagonal block; nothing of size ``queries x kept keys`` and no gathered copy of K/V is
@@ -146,11 +126,10 @@ def sparse_attend(q, k, v, keep, geo: CallGeometry, cfg: AnchorConfig, scale: fl
     b, h, lq, d = q.shape
     hkv, lk = k.shape[1], geo.lk
     g = h // hkv
-    bq, nb = cfg.block_size, geo.nb
+    bq, nb = block_size, geo.nb
     dev = q.device
-    kern = compiled_kernel(q, geo, cfg) if merge is None else None
-    if kern is not None:
-        return kern.stripe_attention(
+    if use == "compiled" and merge is None:
+        return stripe_kernel().stripe_attention(
             q.contiguous(), k.contiguous(), v.contiguous(), keep.contiguous(), geo.q_offset, bq, scale, tiles.KV_TILE, tiles.Q_TILE
         )
     if merge is None:

@@ -12,8 +12,9 @@ import torch
 
 from ...errors import OptionError
 from ...options import check_fields, opt
+from ...timing import sync
 
-_KERNELS = ("auto", "compiled", "torch", "triton")
+_KERNELS = ("auto", "compiled", "torch", "triton")  # the kernels of "anchor_attend" (attention.backends.dispatch)
 _GUARDS = ("global", "causal")
 _SELECT_DTYPES = ("float32", "bfloat16", "auto")
 _LAYERS = "name model layers"  # why dense_layers / dense_heads do not apply to a one-layer benchmark
@@ -50,12 +51,10 @@ def bfloat16_is_faster(device_type: str) -> bool:
     def best(x: torch.Tensor, y: torch.Tensor) -> float:
         times = []
         for _ in range(4):
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
+            sync(dev)
             t0 = time.perf_counter()
             torch.matmul(x, y)
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
+            sync(dev)
             times.append(time.perf_counter() - t0)
         return min(times[1:])  # the first call pays one-off costs
 
@@ -124,7 +123,7 @@ class AnchorConfig:
             (float32, float16, bfloat16) the Triton kernels where Triton is installed
             (:mod:`.triton_select`, :mod:`.triton_attend`: selection into a bitmask and attention over it on
             the device, the recall guard's probes and the statistics from the same bitmask); on the CPU the
-            compiled CPU kernel (:mod:`attnpatch.attention.cpu_kernel`, built on first use) for float32
+            compiled CPU kernel (:mod:`attnpatch.attention.backends.cpu_kernel`, built on first use) for float32
             tensors without padding inside the keys when it can be built here, else PyTorch operations;
             ``"compiled"``: the compiled kernel, an error where it cannot run; ``"torch"``: PyTorch
             operations only; ``"triton"``: the Triton kernels, an error where they cannot run (CPU tensors

@@ -9,13 +9,13 @@ import math
 import torch
 
 from ...errors import OptionError
+from ..backends.dispatch import choose
 from ..prefill import check_inputs, per_sequence, split_padding
-from .attend import compiled_kernel, dense_causal_attention, dense_heads_attention, dense_rows_attention, pair_counts, sparse_attend
+from .attend import (attend_call, dense_causal_attention, dense_heads_attention, dense_rows_attention, pair_counts,
+                     sparse_attend)
 from .config import AnchorConfig, AnchorStats
 from .guard import causal_guard, kept_mass, probe_recall
 from .select import call_geometry, causal_keys, select_kept
-from .triton_attend import attend_bits, triton_guard, triton_stats
-from .triton_select import select_bits, use_triton
 
 __all__ = ["anchor_attention", "anchor_per_sequence"]
 
@@ -35,9 +35,10 @@ def anchor_attention(
 ) -> tuple[torch.Tensor, AnchorStats | None]:
     """AnchorAttention sparse prefill (arXiv 2505.23520, Sec. 3, Eq. 2-4), fast batched implementation.
 
-    Selection (anchors, pooled scores) is computed in fp32 (the stripe-scoring product in
-    bfloat16 with ``select_dtype="bfloat16"``) on grouped query heads, without repeating keys.
-    Attention over kept stripes: float32 CPU tensors run the compiled kernel (``cfg.kernel``; each
+    The kernels are :func:`attnpatch.attention.backends.dispatch.choose`'s for ``cfg.kernel`` (operations
+    ``"anchor_select"`` and ``"anchor_attend"``).  Selection (anchors, pooled scores) is computed in fp32 (the
+    stripe-scoring product in bfloat16 with ``select_dtype="bfloat16"``) on grouped query heads, without repeating
+    keys.  Attention over kept stripes: float32 CPU tensors run the compiled kernel (``cfg.kernel``; each
     (batch, head, query block) gathers its kept keys tile by tile inside an online-softmax loop,
     K/V never repeated or copied whole); other inputs gather, per (batch, head, query block), the
     kept keys padded to the largest kept set of a bucket of blocks sorted by kept count, and run
@@ -74,13 +75,12 @@ def anchor_attention(
         ValueError: inputs that do not fit: ranks, batch or head dim of ``q`` and ``k``, ``v`` shaped
             unlike ``k``, ``H`` not a multiple of ``Hkv``, ``q_offset < 0`` or ``Lk < q_offset + Lq``,
             ``key_valid`` not bool ``[B, Lk]``, a scale that is not a positive finite number.
-        OptionError: a ``dense_heads`` index outside ``0..H-1``; ``kernel="compiled"`` for inputs
-            it does not take; ``kernel="triton"`` where Triton cannot run (no Triton, float64, a CPU tensor
-            outside the Triton interpreter).
-        RuntimeError: ``kernel="compiled"`` where the compiled kernel cannot be built.
+        OptionError: a ``dense_heads`` index outside ``0..H-1``.
+        KernelError: ``kernel="compiled"`` for inputs it does not take or where it cannot be built;
+            ``kernel="triton"`` where Triton cannot run (no Triton, float64, a CPU tensor outside the Triton
+            interpreter).  Both an ``OptionError`` and a ``RuntimeError``.
     """
     check_inputs(q, k, v, scale, q_offset, key_valid)
-    triton_path = use_triton(cfg, q)  # raises for kernel="triton" where it cannot run
     b, h, lq, d = q.shape
     hkv = k.shape[1]
     want_stats = return_stats or compute_recall
@@ -95,14 +95,16 @@ def anchor_attention(
     dense_set = sorted({int(x) for x in dense_heads})
     if any(x < 0 or x >= h for x in dense_set):
         raise OptionError(f"dense_heads={dense_set}: head indices must be in 0..{h - 1}")
-    geo = call_geometry(q, k, cfg, q_offset, key_valid)
+    geo = call_geometry(q, k, cfg.block_size, q_offset, key_valid)
+    use = choose("anchor_attend", cfg.kernel, attend_call(q, geo))  # raises for a kernel that cannot run here
+    triton_path = use == "triton"
     sparse_heads = [x for x in range(h) if x not in dense_set]
     if cfg.theta == math.inf or not sparse_heads or ls == 0 or lq < cfg.min_len_on(q.device):
         # every causal key is kept (or the prompt is shorter than min_len): exactly dense
         out = dense_causal_attention(q, k, v, scale=scale, q_offset=q_offset, key_valid=key_valid)
         stats = None
         if want_stats:
-            causal = pair_counts(None, geo, cfg)[0].expand(b, h).clone()
+            causal = pair_counts(None, geo, cfg.block_size)[0].expand(b, h).clone()
             stats = AnchorStats(causal, causal.clone(), None, torch.ones_like(causal) if compute_recall else None)
         return out, stats
     g = h // hkv
@@ -112,12 +114,15 @@ def anchor_attention(
     else:
         qh, kh, vh = q, k, v
     if triton_path:  # selection into a bitmask, guard probes and attention (dense_last rows included) on the device
+        from .triton_attend import attend_bits, triton_guard  # imports Triton: only where its kernels run
+        from .triton_select import select_bits
+
         bits = select_bits(qh, kh, cfg, scale, geo)  # [B, Hs, nb, ceil(Lk / 32)] int32
         low = triton_guard(qh, kh, bits, geo, cfg, scale, ls)
         o = attend_bits(qh, kh, vh, bits, geo, cfg, scale, dense_from=ls, dense_blocks=low)
     else:
         keep = select_kept(qh, kh, cfg, scale, geo)
-        low, o = _guarded_attend(qh, kh, vh, keep, geo, cfg, scale, ls, q_offset, key_valid)
+        low, o = _guarded_attend(qh, kh, vh, keep, geo, cfg, scale, ls, q_offset, key_valid, use)
     if dense_set:
         configured = torch.zeros(h, dtype=torch.bool, device=q.device)
         configured[dense_set] = True
@@ -132,14 +137,16 @@ def anchor_attention(
     if not want_stats:
         return out, None
     if triton_path:
-        causal = pair_counts(None, geo, cfg)[0]
+        from .triton_attend import triton_stats
+
+        causal = pair_counts(None, geo, cfg.block_size)[0]
         kept_s, cols, r = triton_stats(qh, kh, bits, low, geo, cfg, scale, ls, compute_recall)
     else:
         if low is not None:  # guarded blocks kept every causal key
             keep = torch.where(low[..., None], causal_keys(geo)[:, None], keep)
-        causal, kept_s = pair_counts(keep, geo, cfg, dense_from=ls)
+        causal, kept_s = pair_counts(keep, geo, cfg.block_size, dense_from=ls)
         cols = keep.sum(-1)
-        r = kept_mass(qh, kh, keep, geo, cfg, scale) if compute_recall else None  # [B, Hs, Lq]
+        r = kept_mass(qh, kh, keep, geo, cfg.block_size, scale) if compute_recall else None  # [B, Hs, Lq]
     causal = causal.expand(b, h).clone()
     kept = causal.clone()
     kept[:, sparse_heads] = kept_s
@@ -155,23 +162,27 @@ def anchor_attention(
     return out, stats
 
 
-def _guarded_attend(qh, kh, vh, keep, geo, cfg: AnchorConfig, scale: float, ls: int, q_offset: int, key_valid):
-    """The PyTorch / compiled path's recall guard and attention over the kept keys ``keep`` of the sparse heads:
-    ``(low, o)``, ``low`` ``[B, Hs, nb]`` bool (the blocks the guard made dense) or ``None``."""
+def _guarded_attend(qh, kh, vh, keep, geo, cfg: AnchorConfig, scale: float, ls: int, q_offset: int, key_valid,
+                    use: str):
+    """The PyTorch / compiled path's recall guard and attention over the kept keys ``keep`` of the sparse heads, with
+    the stripe-attention kernel ``use`` (``"compiled"`` or ``"torch"``): ``(low, o)``, ``low`` ``[B, Hs, nb]`` bool
+    (the blocks the guard made dense) or ``None``."""
     low = None  # [B, Hs, nb] bool: the (sequence, head, query block) triples the recall guard makes dense
+    bq = cfg.block_size
     if cfg.min_recall > 0 and cfg.guard == "global":  # heads that lose too much mass on the probe blocks
-        heads_low = probe_recall(qh, kh, keep, geo, cfg, scale, ls) < cfg.min_recall  # [B, Hs]
+        heads_low = probe_recall(qh, kh, keep, geo, cfg, scale, ls, use=use) < cfg.min_recall  # [B, Hs]
         low = heads_low[:, :, None].expand(-1, -1, geo.nb) if bool(heads_low.any()) else None
     elif cfg.min_recall > 0:  # causal: blocks whose probes so far lost too much mass
-        low = causal_guard(qh, kh, keep, geo, cfg, scale)
+        low = causal_guard(qh, kh, keep, geo, cfg, scale, use=use)
     if low is None:
-        o = sparse_attend(qh, kh, vh, keep, geo, cfg, scale)
-    elif cfg.guard == "causal" and compiled_kernel(qh, geo, cfg) is not None:
+        o = sparse_attend(qh, kh, vh, keep, geo, bq, scale, use=use)
+    elif cfg.guard == "causal" and use == "compiled":
         # the compiled kernel takes a guarded block's every causal key at about the fused kernel's cost per pair
-        o = sparse_attend(qh, kh, vh, torch.where(low[..., None], causal_keys(geo)[:, None], keep), geo, cfg, scale)
+        o = sparse_attend(qh, kh, vh, torch.where(low[..., None], causal_keys(geo)[:, None], keep), geo, bq, scale,
+                          use=use)
     else:
         # guarded blocks gather nothing (diagonal block only) and take the fused dense result
-        o = sparse_attend(qh, kh, vh, keep.masked_fill(low[..., None], False), geo, cfg, scale)
+        o = sparse_attend(qh, kh, vh, keep.masked_fill(low[..., None], False), geo, bq, scale, use=use)
         if cfg.guard == "global":
             dense = dense_heads_attention(qh, kh, vh, low[:, :, 0].any(0), scale, q_offset, key_valid)
             o = torch.where(low[:, :, :1, None], dense, o)

@@ -8,15 +8,15 @@ import math
 
 import torch
 
+from ..backends.cpu_kernel import stripe_kernel
 from . import tiles
-from .attend import compiled_kernel
 from .config import AnchorConfig
 from .select import CallGeometry, grouped_heads, pad_rows
 
 __all__ = ["kept_mass", "probe_blocks", "causal_probe_blocks", "probe_recall", "causal_guard"]
 
 
-def _block_mass(qpad, kf, keep, geo: CallGeometry, cfg: AnchorConfig, scale: float, c0: int, c1: int) -> torch.Tensor:
+def _block_mass(qpad, kf, keep, geo: CallGeometry, block_size: int, scale: float, c0: int, c1: int) -> torch.Tensor:
     """``[B, H, (c1 - c0) * block_size]`` exact softmax mass (over valid causal keys) on the kept keys of
     the queries of blocks ``c0 .. c1 - 1``; ``qpad`` ``[B, H, nb * block_size, D]`` and ``kf`` in float32.
 
@@ -25,7 +25,7 @@ def _block_mass(qpad, kf, keep, geo: CallGeometry, cfg: AnchorConfig, scale: flo
     """
     b, h = qpad.shape[:2]
     hkv = kf.shape[1]
-    bq = cfg.block_size
+    bq = block_size
     dev = qpad.device
     r0, r1 = c0 * bq, c1 * bq
     lc = min(geo.lk, geo.q_offset + r1)  # keys after the last query are never causal
@@ -42,21 +42,22 @@ def _block_mass(qpad, kf, keep, geo: CallGeometry, cfg: AnchorConfig, scale: flo
     return mass.reshape(b, h, r1 - r0).nan_to_num_(0.0).double()  # a row without any valid key has mass 0
 
 
-def kept_mass(q, k, keep, geo: CallGeometry, cfg: AnchorConfig, scale: float) -> torch.Tensor:
-    """``[B, H, Lq]`` exact softmax mass (over valid causal keys) carried by each query's kept keys.
+def kept_mass(q, k, keep, geo: CallGeometry, block_size: int, scale: float) -> torch.Tensor:
+    """``[B, H, Lq]`` exact softmax mass (over valid causal keys) carried by each query's kept keys ``keep``
+    ``[B, H, nb, Lk]`` (blocks of ``block_size`` queries).
 
     One dense softmax pass in chunks of query blocks (never an ``Lq x Lk`` buffer for all
     queries at once); the kept mass of a block's queries is a product with the block's stripe mask.
     """
     b, h, lq, d = q.shape
-    bq, nb = cfg.block_size, geo.nb
+    bq, nb = block_size, geo.nb
     qpad = pad_rows(q.float(), nb * bq)
     kf = k.float()
     out = torch.empty(b, h, nb * bq, dtype=torch.float64, device=q.device)
     step = max(1, tiles.CHUNK_ELEMENTS // max(b * h * bq * geo.lk, 1))
     for c0 in range(0, nb, step):
         c1 = min(nb, c0 + step)
-        out[:, :, c0 * bq : c1 * bq] = _block_mass(qpad, kf, keep, geo, cfg, scale, c0, c1)
+        out[:, :, c0 * bq : c1 * bq] = _block_mass(qpad, kf, keep, geo, bq, scale, c0, c1)
     return out[:, :, :lq]
 
 
@@ -87,37 +88,37 @@ def causal_probe_blocks(cfg: AnchorConfig, q_offset: int, nb: int) -> list[int]:
     return out
 
 
-def _probe_masses(q, k, keep, geo: CallGeometry, cfg: AnchorConfig, scale: float, blocks: list[int]):
+def _probe_masses(q, k, keep, geo: CallGeometry, cfg: AnchorConfig, scale: float, blocks: list[int], use: str):
     """``[B, H, block_size]`` exact softmax mass on the kept keys of the rows of each of ``blocks`` (an iterable).
 
-    With the compiled CPU kernel (``cfg.kernel``) one pass over the probe blocks' causal keys keeps
-    running sums of exp over all and over the kept keys; otherwise a softmax per probe block.
+    With the compiled CPU kernel (``use="compiled"``: the call's stripe-attention kernel) one pass over the probe
+    blocks' causal keys keeps running sums of exp over all and over the kept keys; otherwise a softmax per probe block.
     """
     b, h = q.shape[:2]
     bq = cfg.block_size
-    kern = compiled_kernel(q, geo, cfg)
-    if kern is not None and blocks:
-        return kern.kept_mass(
+    if use == "compiled" and blocks:
+        return stripe_kernel().kept_mass(
             q.contiguous(), k.contiguous(), keep.contiguous(), torch.tensor(blocks), geo.q_offset, bq, scale,
             tiles.KV_TILE, tiles.Q_TILE,
         ).view(b, h, len(blocks), bq).unbind(2)
     qpad = pad_rows(q.float(), geo.nb * bq)
     kf = k.float()
-    return (_block_mass(qpad, kf, keep, geo, cfg, scale, blk, blk + 1) for blk in blocks)
+    return (_block_mass(qpad, kf, keep, geo, bq, scale, blk, blk + 1) for blk in blocks)
 
 
 def probe_recall(q, k, keep, geo: CallGeometry, cfg: AnchorConfig, scale: float, n_sparse: int, *,
-                 masses=None) -> torch.Tensor:
+                 masses=None, use: str = "torch") -> torch.Tensor:
     """``[B, H]`` exact softmax mass on the kept keys, averaged over the valid sparse queries of the probe blocks
     (the global recall guard, ``guard="global"``).  ``masses``: the probe blocks' masses computed elsewhere (one
-    ``[B, H, block_size]`` tensor per block of :func:`probe_blocks`, the Triton path), ``keep`` then unused."""
+    ``[B, H, block_size]`` tensor per block of :func:`probe_blocks`, the Triton path), ``keep`` then unused;
+    ``use``: the call's stripe-attention kernel (``"compiled"`` or ``"torch"``), which measures them otherwise."""
     b, h = q.shape[:2]
     bq = cfg.block_size
     blocks = probe_blocks(cfg, n_sparse)
     tot = torch.zeros(b, h, dtype=torch.float64, device=q.device)
     cnt = torch.zeros(b, dtype=torch.float64, device=q.device)
     if masses is None:
-        masses = _probe_masses(q, k, keep, geo, cfg, scale, blocks)
+        masses = _probe_masses(q, k, keep, geo, cfg, scale, blocks, use)
     for blk, mass in zip(blocks, masses):
         r0 = blk * bq
         rows = torch.arange(r0, r0 + bq, device=q.device) < n_sparse  # queries after n_sparse attend densely
@@ -128,7 +129,7 @@ def probe_recall(q, k, keep, geo: CallGeometry, cfg: AnchorConfig, scale: float,
 
 
 def causal_guard(q, k, keep, geo: CallGeometry, cfg: AnchorConfig, scale: float, *,
-                 masses=None) -> torch.Tensor | None:
+                 masses=None, use: str = "torch") -> torch.Tensor | None:
     """``[B, H, nb]`` bool: the query blocks that the causal recall guard (``guard="causal"``) makes dense, or
     ``None`` when it makes none dense.
 
@@ -139,7 +140,8 @@ def causal_guard(q, k, keep, geo: CallGeometry, cfg: AnchorConfig, scale: float,
     blocks it stands for up to ``j`` (``p_{i+1} - p_i``, and ``j + 1 - p_m`` for the last): an estimate of
     the mean recall of blocks ``f .. j``.  Block ``j``'s decision therefore reads keys and queries at or
     before block ``j``'s last query only.  ``masses``: the probe blocks' masses computed elsewhere (one
-    ``[B, H, block_size]`` tensor per block of :func:`causal_probe_blocks`, the Triton path), ``keep`` then unused.
+    ``[B, H, block_size]`` tensor per block of :func:`causal_probe_blocks`, the Triton path), ``keep`` then unused;
+    ``use``: the call's stripe-attention kernel (``"compiled"`` or ``"torch"``), which measures them otherwise.
     """
     b, h = q.shape[:2]
     bq, nb = cfg.block_size, geo.nb
@@ -149,7 +151,7 @@ def causal_guard(q, k, keep, geo: CallGeometry, cfg: AnchorConfig, scale: float,
     dev = q.device
     rec = torch.empty(b, h, len(blocks), dtype=torch.float64, device=dev)
     if masses is None:
-        masses = _probe_masses(q, k, keep, geo, cfg, scale, blocks)
+        masses = _probe_masses(q, k, keep, geo, cfg, scale, blocks, use)
     for i, (blk, mass) in enumerate(zip(blocks, masses)):
         qv = geo.query_valid[:, blk * bq : (blk + 1) * bq].double()
         n = qv.sum(-1)[:, None]

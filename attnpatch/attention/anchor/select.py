@@ -10,13 +10,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..cpu_kernel import stripe_kernel
+from ..backends.cpu_kernel import stripe_kernel
+from ..backends.dispatch import Call, choose
 from ..prefill import check_inputs
 from . import tiles
 from .config import AnchorConfig
-from .triton_select import select_bits, unpack_bits, use_triton
 
-__all__ = ["CallGeometry", "call_geometry", "causal_keys", "pad_rows", "grouped_heads", "select_stripes", "select_kept"]
+__all__ = ["CallGeometry", "call_geometry", "causal_keys", "pad_rows", "grouped_heads", "select_stripes", "select_kernel",
+           "select_kept"]
 
 
 @dataclass
@@ -45,14 +46,20 @@ class CallGeometry:
     block_end: torch.Tensor  # [nb] absolute position one past the block's last query
     padded: bool = True
 
+    @property
+    def inner_padding(self) -> bool:
+        """Whether some key is padding (read back from the mask only when one was given)."""
+        return self.padded and not bool(self.key_valid.all())
 
-def call_geometry(q: torch.Tensor, k: torch.Tensor, cfg: AnchorConfig, q_offset: int, key_valid: torch.Tensor | None) -> CallGeometry:
+
+def call_geometry(q: torch.Tensor, k: torch.Tensor, block_size: int, q_offset: int,
+                  key_valid: torch.Tensor | None) -> CallGeometry:
     """The :class:`CallGeometry` of queries ``q`` ``[B, H, Lq, D]`` at positions ``q_offset ..`` over keys
     ``k`` ``[B, Hkv, Lk, D]`` (``key_valid`` ``[B, Lk]`` bool or ``None`` = all valid), in blocks of
-    ``cfg.block_size`` queries.  Inputs are not checked here (:func:`select_stripes` checks them)."""
+    ``block_size`` queries.  Inputs are not checked here (:func:`select_stripes` checks them)."""
     b, _, lq, _ = q.shape
     lk = k.shape[2]
-    bq = cfg.block_size
+    bq = block_size
     nb = -(-lq // bq)
     dev = q.device
     padded = key_valid is not None
@@ -120,48 +127,47 @@ def select_stripes(
             ``Hkv``, ``q_offset``, ``key_valid``, a scale that is not positive).
     """
     check_inputs(q, k, None, scale, q_offset, key_valid)
-    geo = call_geometry(q, k, cfg, q_offset, key_valid)
+    geo = call_geometry(q, k, cfg.block_size, q_offset, key_valid)
     return select_kept(q, k, cfg, scale, geo)
 
 
-def _select_kernel(q: torch.Tensor, cfg: AnchorConfig):
-    """The compiled selection kernel when ``cfg.kernel`` allows it and it takes these inputs, else ``None``.
+def select_kernel(q: torch.Tensor, cfg: AnchorConfig, geo: CallGeometry) -> str:
+    """The kernel that selects ``q``'s stripes under ``cfg.kernel``: ``"triton"``, ``"compiled"`` (float32 selection
+    on the CPU, from inputs of any floating dtype, with padding; a ``kernel="compiled"`` it does not take selects with
+    ``"torch"``, and the attention that follows says why) or ``"torch"``
+    (:func:`attnpatch.attention.backends.dispatch.choose`, operation ``"anchor_select"``).
 
-    It selects in float32 on the CPU, from inputs of any floating dtype, with padding (pools without a
-    valid query keep nothing, padding keys are never kept).  ``kernel="compiled"`` where it does not
-    apply (``select_dtype="bfloat16"``, another device) selects with PyTorch operations; :func:`compiled_kernel`
-    raises for the attention that follows where that one does not apply.
+    Raises:
+        KernelError: ``kernel="triton"`` where Triton cannot run.
     """
-    if cfg.kernel in ("torch", "triton") or q.device.type != "cpu" or cfg.select_dtype_on(q.device) != "float32":
-        return None
-    return stripe_kernel()
+    return choose("anchor_select", cfg.kernel, Call.of(q, keys=geo.lk, select_dtype=cfg.select_dtype_on(q.device)))
 
 
 def select_kept(q: torch.Tensor, k: torch.Tensor, cfg: AnchorConfig, scale: float, geo: CallGeometry) -> torch.Tensor:
     """:func:`select_stripes` on inputs already checked, with their :class:`CallGeometry` ``geo``: ``[B, H, nb, Lk]``
     bool, the kept keys of each query block (AnchorAttention Eq. 2-4, arXiv 2505.23520).
 
-    With the Triton path (:func:`~.triton_select.use_triton`: ``kernel="triton"``, or ``"auto"`` on CUDA) the
-    selection runs as one Triton kernel and its bitmask is unpacked.
+    The kernel is :func:`select_kernel`'s; the Triton kernel's bitmask is unpacked.
 
     Raises:
-        OptionError: ``kernel="compiled"`` for inputs the compiled kernel does not take; ``kernel="triton"`` where
-            Triton cannot run.
+        KernelError: ``kernel="triton"`` where Triton cannot run.
     """
     b, h, lq, d = q.shape
     hkv = k.shape[1]
     g = h // hkv
     bq, nb = cfg.block_size, geo.nb
     dev = q.device
-    if use_triton(cfg, q):
+    use = select_kernel(q, cfg, geo)
+    if use == "triton":
+        from .triton_select import select_bits, unpack_bits  # imports Triton: only where its kernels run
+
         return unpack_bits(select_bits(q, k, cfg, scale, geo), geo.lk)
     if math.isinf(cfg.theta):
         keep = (_always_kept(geo, cfg) | (cfg.theta > 0)) & causal_keys(geo)
         return keep[:, None].expand(b, h, nb, geo.lk)
 
-    mod = _select_kernel(q, cfg)
-    if mod is not None:  # the same steps in one parallel region (stripe_select in csrc/anchor_cpu.cpp)
-        return mod.stripe_select(
+    if use == "compiled":  # the same steps in one parallel region (stripe_select in csrc/anchor_cpu.cpp)
+        return stripe_kernel().stripe_select(
             q.float().contiguous(), k.float().contiguous(), geo.key_valid.contiguous(), geo.start.to(torch.int64),
             geo.q_offset, bq, cfg.stride, cfg.init_block, cfg.local_window, float(cfg.theta), float(scale),
             tiles.SELECT_KERNEL_ROWS, tiles.SELECT_KERNEL_TILE,

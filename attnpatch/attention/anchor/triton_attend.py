@@ -33,16 +33,17 @@ from __future__ import annotations
 
 import torch
 
+from ..backends.triton_support import TRITON_AVAILABLE, interpreted
+
+if TRITON_AVAILABLE:  # imported here, on first use of a kernel: `import attnpatch` loads no Triton module
+    from ..backends.triton_support import tl, triton
 from .config import AnchorConfig
 from .guard import causal_guard, causal_probe_blocks, probe_blocks, probe_recall
 from .select import CallGeometry
 from .triton_dots import head_tile, key_tile, qk_precision
-from .triton_select import TRITON_AVAILABLE, interpreted, tile_rows, warps
+from .triton_select import tile_rows, warps
 
 if TRITON_AVAILABLE:
-    import triton
-    import triton.language as tl
-
     from .triton_dots import dot3, qk, split_bf16
 
 __all__ = ["attend_bits", "block_masses", "triton_guard", "triton_stats", "bits_popcount"]

@@ -23,12 +23,10 @@ from __future__ import annotations
 
 import torch
 
-try:  # Triton ships with PyTorch's CUDA wheels
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - exercised only on installs without Triton
-    triton = None
-    tl = None
+from ..backends.triton_support import TRITON_AVAILABLE
+
+if TRITON_AVAILABLE:  # imported here, on first use of a kernel: `import attnpatch` loads no Triton module
+    from ..backends.triton_support import tl, triton
 
 __all__ = ["head_tile", "qk_precision", "key_tile", "split_bf16", "dot3", "dot2", "qk"]
 
@@ -56,7 +54,7 @@ def key_tile(interp: bool, dtype: torch.dtype) -> int:
     return 32 if dtype == torch.float32 else 64
 
 
-if triton is not None:
+if TRITON_AVAILABLE:
 
     @triton.jit
     def split_bf16(x):

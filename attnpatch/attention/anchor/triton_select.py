@@ -23,10 +23,10 @@ The kept keys leave the kernel as a bitmask, ``[B, H, nb, ceil(Lk / 32)]`` int32
 synchronisation; :mod:`.triton_attend` reads it directly.  :func:`unpack_bits` turns it into the PyTorch path's
 ``[B, H, nb, Lk]`` bool mask (for tests and :func:`~.select.select_stripes`).
 
-Dispatch (:func:`use_triton`, :func:`triton_refusal`): ``kernel="triton"`` runs here for CUDA tensors, and for CPU
-tensors only when this module was imported under ``TRITON_INTERPRET=1`` (the Triton interpreter; tests) or inside
-:func:`~attnpatch.attention.triton_target.compile_only` (compiled for a target, never launched); ``kernel="auto"`` runs
-here for CUDA tensors where Triton is installed.
+Which calls run here is decided by :func:`attnpatch.attention.backends.dispatch.choose` (operations ``"anchor_select"``
+and ``"anchor_attend"``): ``kernel="triton"`` for CUDA tensors, and for CPU tensors only under the Triton interpreter
+(``TRITON_INTERPRET=1``; tests) or inside :func:`~attnpatch.attention.backends.aot.compile_only` (compiled for a
+target, never launched); ``kernel="auto"`` for CUDA tensors where Triton is installed.
 
 Source: AnchorAttention, arXiv 2505.23520, Sec. 3, Eq. 2-4.
 """
@@ -34,87 +34,17 @@ Source: AnchorAttention, arXiv 2505.23520, Sec. 3, Eq. 2-4.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
-from ...errors import OptionError
-from ..triton_target import compiling
+from ..backends.triton_support import TRITON_AVAILABLE, interpreted
+
+if TRITON_AVAILABLE:  # imported here, on first use of a kernel: `import attnpatch` loads no Triton module
+    from ..backends.triton_support import tl, triton
 from .config import AnchorConfig
 from .triton_dots import head_tile, key_tile, qk_precision
 
-try:  # Triton ships with PyTorch's CUDA wheels; without it the PyTorch path runs everywhere
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - exercised only on installs without Triton
-    triton = None
-    tl = None
-
-__all__ = ["TRITON_AVAILABLE", "TRITON_DTYPES", "interpreted", "triton_refusal", "allowed_kernels", "use_triton",
-           "select_bits", "unpack_bits", "n_words", "tile_rows", "head_tile", "warps"]
-
-TRITON_AVAILABLE = triton is not None
-#: Input dtypes the Triton path takes (float64 runs the PyTorch path).
-TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def interpreted() -> bool:
-    """Whether this module's kernels were decorated under ``TRITON_INTERPRET=1`` (they then run on CPU tensors, in
-    NumPy, one program after another).  Triton reads the variable when a kernel is decorated, i.e. when this module
-    is imported, not when the kernel is called."""
-    return TRITON_AVAILABLE and _INTERPRETED
-
-
-def allowed_kernels(device: torch.device | str, dtype: torch.dtype) -> list[str]:
-    """The ``kernel`` values that run tensors of ``dtype`` on ``device``: ``auto`` and ``torch`` everywhere,
-    ``compiled`` for float32 on the CPU, ``triton`` where :func:`triton_refusal` has no objection."""
-    kind = torch.device(device).type
-    out = ["auto"] + (["compiled"] if kind == "cpu" and dtype == torch.float32 else []) + ["torch"]
-    return out + (["triton"] if triton_refusal(device, dtype, hint=False) is None else [])
-
-
-def triton_refusal(device: torch.device | str, dtype: torch.dtype, *, hint: bool = True) -> str | None:
-    """Why ``kernel="triton"`` cannot run on tensors of ``dtype`` on ``device`` (one line ending, with ``hint``, in
-    the kernels that can, :func:`allowed_kernels`), or ``None`` where it can: Triton installed, a dtype in
-    :data:`TRITON_DTYPES`, a CUDA device (a CPU device only under the Triton interpreter, or inside
-    :func:`~attnpatch.attention.triton_target.compile_only`)."""
-    kind = torch.device(device).type
-    if not TRITON_AVAILABLE:
-        why = "kernel='triton' needs Triton (pip install triton)"
-    elif dtype not in TRITON_DTYPES:
-        why = f"kernel='triton' takes float32, float16 or bfloat16 tensors, not {dtype}"
-    elif kind == "cuda" or compiling() or (kind == "cpu" and interpreted()):
-        return None
-    elif kind == "cpu":
-        why = ("kernel='triton' runs on CUDA tensors (on CPU tensors only under the Triton interpreter, "
-               "TRITON_INTERPRET=1 set before attnpatch is imported)")
-    else:
-        why = f"kernel='triton' runs on CUDA tensors, not {kind} tensors"
-    if not hint:
-        return why
-    return f"{why}; allowed here: {', '.join(map(repr, allowed_kernels(device, dtype)))}"
-
-
-def use_triton(cfg: AnchorConfig, q: torch.Tensor) -> bool:
-    """Whether the attention call on ``q`` runs the Triton path under ``cfg.kernel``.
-
-    ``"triton"``: always (checked here, :func:`triton_refusal`); ``"auto"``: for CUDA tensors of a dtype in
-    :data:`TRITON_DTYPES` where Triton is installed (on the CPU, the compiled kernel or PyTorch operations as
-    before); ``"compiled"``, ``"torch"``: never.
-
-    Raises:
-        OptionError: ``kernel="triton"`` without Triton, for a dtype it does not take, or for a tensor that is
-            neither on a CUDA device nor on the CPU under the Triton interpreter (``TRITON_INTERPRET=1`` set before
-            attnpatch is imported).
-    """
-    if cfg.kernel == "auto":
-        return TRITON_AVAILABLE and q.device.type == "cuda" and q.dtype in TRITON_DTYPES
-    if cfg.kernel != "triton":
-        return False
-    reason = triton_refusal(q.device, q.dtype)
-    if reason is not None:
-        raise OptionError(reason)
-    return True
+__all__ = ["select_bits", "unpack_bits", "n_words", "tile_rows", "head_tile", "warps"]
 
 
 def n_words(lk: int) -> int:
@@ -135,8 +65,6 @@ def warps(rows: int) -> int:
 
 if TRITON_AVAILABLE:
     from .triton_dots import dot2, qk, split_bf16
-
-    _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
     @triton.jit
     def _anchor_part(qt, anchor, k_base, valid_base, pos, lo, hi, stride_kn, offs_d, d, scale,
@@ -248,8 +176,6 @@ if TRITON_AVAILABLE:
             words = tl.sum(tl.reshape(keep.to(tl.int32), [BN // 32, 32]) << tl.arange(0, 32)[None, :], axis=1)
             widx = j0 // 32 + tl.arange(0, BN // 32)
             tl.store(bits_row + widx, words, mask=widx < nwords)
-else:  # pragma: no cover
-    _INTERPRETED = False
 
 
 def select_bits(q: torch.Tensor, k: torch.Tensor, cfg: AnchorConfig, scale: float, geo) -> torch.Tensor:

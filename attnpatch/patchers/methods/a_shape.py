@@ -1,5 +1,5 @@
 """``a_shape``: StreamingLLM's attention-sink + local-window pattern as a sparse prefill for causal LMs
-(MInference's "A-shape"; the math: :mod:`attnpatch.attention.streaming`).
+(MInference's "A-shape"; the math: :mod:`attnpatch.attention.sparse.a_shape`).
 
 Decoding steps (one query) run the model's own attention.
 
@@ -8,9 +8,9 @@ keeps, for every query, the same keys as the prompt in one call: the initial tok
 in absolute positions, so the outputs agree with the one-call prefill to float rounding; the exact-limit
 shortcut (``window >= q_offset + Lq``) also uses the absolute length.
 
-``kernel`` (:data:`~attnpatch.attention.flex.KERNEL_CHOICES`): the same kept set runs either as the blocked gather
-path or as a FlexAttention ``BlockMask`` (:mod:`attnpatch.attention.flex_patterns`); ``"auto"`` picks flex on CUDA
-and the gather path on the CPU unless :data:`attnpatch.attention.streaming.CPU_FLEX_MIN_KEYS` says otherwise.
+``kernel`` (:data:`KERNEL_CHOICES`): the same kept set runs either as the blocked gather
+path or as a FlexAttention ``BlockMask`` (:mod:`attnpatch.attention.sparse.masks`); ``"auto"`` picks flex on CUDA
+and the gather path on the CPU unless :data:`attnpatch.attention.backends.dispatch.CPU_FLEX_MIN_KEYS` (``"a_shape"``) says otherwise.
 """
 
 from __future__ import annotations
@@ -20,13 +20,16 @@ from typing import Any
 
 import torch
 
-from ...attention.flex import KERNEL_CHOICES
-from ...attention.streaming import A_BLOCK, a_shape_attention, a_shape_kept_pairs, a_shape_recall
+from ...attention.backends.dispatch import kernels_of
+from ...attention.sparse.a_shape import A_BLOCK, a_shape_attention, a_shape_kept_pairs, a_shape_recall
 from ...options import check_fields, opt, options_of
 from ..bench_hook import BenchCase, BenchInputs, sdpa
 from ..contract import ExactLimit, Knob, Method
 from ..registry import register_method
 from ..state import LayerContext, LayerRecord
+
+#: The ``kernel`` option's values (operation "a_shape" of :func:`attnpatch.attention.backends.dispatch.choose`).
+KERNEL_CHOICES = ("auto", *kernels_of("a_shape"))
 
 __all__ = ["AShapeConfig", "a_shape_forward", "a_shape_bench", "A_SHAPE"]
 

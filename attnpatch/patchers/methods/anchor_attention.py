@@ -17,7 +17,7 @@ import torch
 
 from ...attention.anchor import AnchorConfig, anchor_attention, select_stripes
 from ...attention.anchor.config import BREAK_EVEN_BY_WORD
-from ...attention.anchor.triton_select import TRITON_AVAILABLE, TRITON_DTYPES, allowed_kernels, triton_refusal
+from ...attention.backends.dispatch import Call, needs_warm_up, refusal
 from ...errors import OptionError
 from ..bench_hook import BenchCase, BenchInputs
 from ...options import options_of
@@ -134,15 +134,10 @@ def _with_min_len(cfg: AnchorConfig, tokens: int) -> AnchorConfig:
 
 
 def kernel_refusal(cfg: AnchorConfig, device: torch.device, dtype: torch.dtype) -> str | None:
-    """Why ``cfg.kernel`` cannot run a model whose weights are ``dtype`` on ``device`` (one line), or ``None``:
-    ``"triton"`` needs a CUDA device (:func:`~attnpatch.attention.anchor.triton_select.triton_refusal`), ``"compiled"``
-    float32 on the CPU."""
-    if cfg.kernel == "triton":
-        return triton_refusal(device, dtype)
-    allowed = allowed_kernels(device, dtype)
-    if cfg.kernel not in allowed:  # "compiled" off a float32 CPU model
-        return f"kernel='compiled' takes float32 CPU tensors; allowed here: {', '.join(map(repr, allowed))}"
-    return None
+    """Why ``cfg.kernel`` cannot run a model whose weights are ``dtype`` on ``device`` (one line, naming the kernels
+    that can), or ``None``: :func:`attnpatch.attention.backends.dispatch.refusal` for the attention over kept stripes
+    (``"triton"`` needs a CUDA device, ``"compiled"`` float32 on the CPU)."""
+    return refusal("anchor_attend", cfg.kernel, Call(torch.device(device), dtype))
 
 
 def prepare_anchor(cfg: AnchorConfig, geo: ModelGeometry, device: torch.device, dtype: torch.dtype) -> None:
@@ -165,26 +160,22 @@ def prepare_anchor(cfg: AnchorConfig, geo: ModelGeometry, device: torch.device, 
 
 def warm_up(cfg: AnchorConfig, geo: ModelGeometry, device: torch.device, dtype: torch.dtype) -> None:
     """At patch time, the one-time work of the kernels the patched prefill will run, so that no timed call pays it:
-    on the CPU (float32, ``kernel`` ``"auto"`` or ``"compiled"``) the compiled kernel's build (a C++ build the first
-    time on a machine, then a load; :func:`~attnpatch.attention.cpu_kernel.stripe_kernel`); where the Triton path runs,
-    one call of it on a small :func:`synthetic_prefill` of the model's head geometry (``3 * block_size + dense_last``
-    tokens: the kernels' JIT compile).  Raises nothing of its own: a failed C++ build warns once and leaves the PyTorch
-    path (:func:`~attnpatch.attention.cpu_kernel.stripe_kernel`)."""
-    if cfg.theta == math.inf:
-        return  # every layer hands back to the model's own attention
-    if device.type == "cpu" and dtype == torch.float32 and cfg.kernel in ("auto", "compiled"):
-        from ...attention.cpu_kernel import stripe_kernel
-
-        stripe_kernel()
-    elif cfg.kernel == "triton" or (cfg.kernel == "auto" and device.type == "cuda" and TRITON_AVAILABLE
-                                    and dtype in TRITON_DTYPES):
-        if not (geo.heads and geo.head_dim):
-            return
-        n = 3 * cfg.block_size + cfg.dense_last  # a sparse block, the guard's probes, the dense tail
-        q, k, v = synthetic_prefill(n, geo.heads, geo.kv_heads or geo.heads, geo.head_dim, dtype=dtype, device=device)
-        with torch.no_grad():
-            anchor_attention(q, k, v, _with_min_len(cfg, 0), scale=geo.head_dim ** -0.5, return_stats=True,
-                             compute_recall=True)
+    where the kernels :func:`attnpatch.attention.backends.dispatch.choose` picks for the model's device and dtype need
+    a build or a JIT compile (:func:`~attnpatch.attention.backends.dispatch.needs_warm_up`: the compiled CPU kernel,
+    a C++ build the first time on a machine, then a load; the Triton kernels), one call of the method on a small
+    :func:`synthetic_prefill` of the model's head geometry (``3 * block_size + dense_last`` tokens: a sparse block,
+    the guard's probes, the dense tail).  Raises nothing of its own: a failed C++ build warns once and leaves the
+    PyTorch path (:func:`~attnpatch.attention.backends.cpu_kernel.stripe_kernel`)."""
+    if cfg.theta == math.inf or not (geo.heads and geo.head_dim):
+        return  # every layer hands back to the model's own attention, or nothing to build the input from
+    call = Call(device, dtype, head_dim=geo.head_dim, select_dtype=cfg.select_dtype_on(device))
+    if not (needs_warm_up("anchor_attend", cfg.kernel, call) or needs_warm_up("anchor_select", cfg.kernel, call)):
+        return
+    n = 3 * cfg.block_size + cfg.dense_last
+    q, k, v = synthetic_prefill(n, geo.heads, geo.kv_heads or geo.heads, geo.head_dim, dtype=dtype, device=device)
+    with torch.no_grad():
+        anchor_attention(q, k, v, _with_min_len(cfg, 0), scale=geo.head_dim ** -0.5, return_stats=True,
+                         compute_recall=True)
 
 
 def anchor_forward(

@@ -15,14 +15,13 @@ from typing import Any
 import torch
 
 from ...attention.anchorformer import anchor_bipartite_attention
-from ...attention.exact import exact_attention
+from ...attention.exact import exact_attention, repeat_kv
 from ...attention.landmarks import STRATEGIES, select_landmarks
 from ...errors import OptionError
 from ...options import check_fields, opt, options_of
 from ..contract import ExactLimit, Knob, Method
 from ..registry import register_method
 from ..state import LayerContext, LayerRecord
-from ._shared import repeat_kv, say
 
 __all__ = ["AnchorFormerConfig", "anchorformer_forward", "ANCHORFORMER"]
 
@@ -60,7 +59,7 @@ def anchorformer_forward(cfg: AnchorFormerConfig, q: torch.Tensor, k: torch.Tens
     """
     b, h, n, d = q.shape
     if cfg.m >= n:
-        say(ctx, f"anchorformer: m={cfg.m} >= N={n} tokens; running exact attention")
+        ctx.say(f"anchorformer: m={cfg.m} >= N={n} tokens; running exact attention")
         out = exact_attention(q, repeat_kv(k, h), repeat_kv(v, h), scale=ctx.scale)
         return out, LayerRecord(ctx.layer, "dense:m>=N", n, n)
     p = ctx.prefix_tokens

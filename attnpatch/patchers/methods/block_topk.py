@@ -1,4 +1,4 @@
-"""``block_topk``: XAttention block-sparse prefill for causal LMs (the math: :mod:`attnpatch.attention.block_topk`).
+"""``block_topk``: XAttention block-sparse prefill for causal LMs (the math: :mod:`attnpatch.attention.sparse.block_topk`).
 
 Each query block keeps the key blocks that carry a ``threshold`` share of its estimated attention mass
 (strided antidiagonal scores), always the first and the diagonal block, and attends to them exactly.
@@ -8,13 +8,13 @@ Chunked prefill: a prompt fed in pieces on a KV cache is one call per piece (``q
 ``min_len`` is compared with the prompt's length so far, ``q_offset + Lq`` (the absolute position after the
 call's last query), not with the piece's length: a piece runs sparse exactly when a one-call prefill of the
 prompt up to the piece's end would.  Each piece's query blocks start at its first query and its cached keys are
-split into blocks ending there (:func:`~attnpatch.attention.block_topk.block_geometry`), so with pieces of a
+split into blocks ending there (:func:`~attnpatch.attention.sparse.block_topk.block_geometry`), so with pieces of a
 multiple of ``block_size`` tokens the query blocks are those of the one-call prefill.
 
-``kernel`` (:data:`~attnpatch.attention.flex.KERNEL_CHOICES`): the kept blocks run either as AnchorAttention's
+``kernel`` (:data:`KERNEL_CHOICES`): the kept blocks run either as AnchorAttention's
 stripe attention (the gather path: the compiled CPU kernel for float32 where it builds) or as a FlexAttention
-``BlockMask`` (:mod:`attnpatch.attention.flex_patterns`); ``"auto"`` picks flex on CUDA and the gather path on the
-CPU unless :data:`attnpatch.attention.block_topk.CPU_FLEX_MIN_KEYS` says otherwise.
+``BlockMask`` (:mod:`attnpatch.attention.sparse.masks`); ``"auto"`` picks flex on CUDA and the gather path on the
+CPU unless :data:`attnpatch.attention.backends.dispatch.CPU_FLEX_MIN_KEYS` (``"block_topk"``) says otherwise.
 """
 
 from __future__ import annotations
@@ -24,14 +24,17 @@ from typing import Any
 
 import torch
 
-from ...attention.block_topk import block_topk_attention, block_topk_keep
-from ...attention.flex import KERNEL_CHOICES
+from ...attention.sparse.block_topk import block_topk_attention, block_topk_keep
 from ...errors import OptionError
 from ...options import check_fields, opt, options_of
 from ..bench_hook import BenchCase, BenchInputs
 from ..contract import ExactLimit, Knob, Method
 from ..registry import register_method
 from ..state import LayerContext, LayerRecord
+
+#: The ``kernel`` option's values: the FlexAttention pattern or the gather path (operation "block_topk" of
+#: :func:`attnpatch.attention.backends.dispatch.choose`; its "compiled" and "torch" stay with the math function).
+KERNEL_CHOICES = ("auto", "flex", "gather")
 
 __all__ = ["BLOCK_TOPK", "BlockTopkConfig", "block_topk_forward", "block_topk_bench"]
 

@@ -1,4 +1,4 @@
-"""``nystromformer``: Nyströmformer attention for ViTs (the math: :mod:`attnpatch.attention.nystromformer`).
+"""``nystromformer``: Nyströmformer attention for ViTs (the math: :mod:`attnpatch.attention.nystrom.nystromformer`).
 
 Landmarks are segment means of each layer's own queries and keys, recomputed in every layer (no
 state across layers); the CLS and register tokens are landmarks of their own.  ``s >= N`` runs exact
@@ -12,14 +12,13 @@ from typing import Any
 
 import torch
 
-from ...attention.exact import exact_attention
-from ...attention.nystromformer import nystromformer_attention
+from ...attention.exact import exact_attention, repeat_kv
+from ...attention.nystrom.nystromformer import nystromformer_attention
 from ...errors import OptionError
 from ...options import check_fields, opt, options_of
 from ..contract import ExactLimit, Knob, Method
 from ..registry import register_method
 from ..state import LayerContext, LayerRecord
-from ._shared import repeat_kv, say
 
 __all__ = ["NystromformerConfig", "nystromformer_forward", "NYSTROMFORMER"]
 
@@ -58,7 +57,7 @@ def nystromformer_forward(cfg: NystromformerConfig, q: torch.Tensor, k: torch.Te
     """
     b, h, n, _ = q.shape
     if cfg.s >= n:
-        say(ctx, f"nystromformer: s={cfg.s} >= N={n} tokens; running exact attention")
+        ctx.say(f"nystromformer: s={cfg.s} >= N={n} tokens; running exact attention")
         out = exact_attention(q, repeat_kv(k, h), repeat_kv(v, h), scale=ctx.scale)
         return out, LayerRecord(ctx.layer, "dense:s>=N", n, n)
     p = ctx.prefix_tokens

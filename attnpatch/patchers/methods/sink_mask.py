@@ -13,14 +13,13 @@ from typing import Any
 
 import torch
 
-from ...attention.exact import exact_attention
+from ...attention.exact import exact_attention, repeat_kv
 from ...attention.sinks import attention_sinks, massive_tokens
 from ...errors import OptionError
 from ...options import check_fields, opt, options_of
 from ..contract import ExactLimit, Method, ModelGeometry
 from ..registry import register_method
 from ..state import LayerContext, LayerRecord
-from ._shared import repeat_kv
 
 __all__ = ["SINK_MASK", "SinkMaskConfig", "DETECT", "sink_mask_forward", "sinks_of", "check_sink", "NO_SINKS"]
 

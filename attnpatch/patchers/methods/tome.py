@@ -20,13 +20,13 @@ from typing import Any
 
 import torch
 
+from ...attention.exact import repeat_kv
 from ...attention.merge import apply_merge, bipartite_merge, merge_plan, proportional_attention
 from ...options import check_fields, opt, options_of
 from ..bench_hook import BenchCase, BenchInputs
 from ..contract import ExactLimit, Knob, Method
 from ..registry import register_method
 from ..state import LayerContext, LayerRecord
-from ._shared import repeat_kv
 
 __all__ = ["ToMeConfig", "tome_forward", "tome_block", "TOME"]
 

@@ -1,5 +1,5 @@
 """``vertical_slash``: MInference's dynamic vertical-slash sparse prefill for causal LMs (the math:
-:mod:`attnpatch.attention.vertical_slash`).
+:mod:`attnpatch.attention.sparse.vertical_slash`).
 
 Decoding steps (one query) run the model's own attention.
 
@@ -9,9 +9,9 @@ keeps what a ``chunk`` of its length would keep in one call, not what the whole 
 ``chunk=None`` that call's pattern comes from the prompt's last queries).  The exact-limit shortcut
 (``vertical >= q_offset + Lq``) uses the absolute length.
 
-``kernel`` (:data:`~attnpatch.attention.flex.KERNEL_CHOICES`): the kept columns and diagonals run either as the
-gather path or as a FlexAttention ``BlockMask`` (:mod:`attnpatch.attention.flex_patterns`); ``"auto"`` picks flex
-on CUDA and the gather path on the CPU unless :data:`attnpatch.attention.vertical_slash.CPU_FLEX_MIN_KEYS` says
+``kernel`` (:data:`KERNEL_CHOICES`): the kept columns and diagonals run either as the
+gather path or as a FlexAttention ``BlockMask`` (:mod:`attnpatch.attention.sparse.masks`); ``"auto"`` picks flex
+on CUDA and the gather path on the CPU unless :data:`attnpatch.attention.backends.dispatch.CPU_FLEX_MIN_KEYS` (``"vertical_slash"``) says
 otherwise.
 """
 
@@ -22,14 +22,17 @@ from typing import Any
 
 import torch
 
-from ...attention.column_diagonal import BLOCK
-from ...attention.flex import KERNEL_CHOICES
-from ...attention.vertical_slash import vertical_slash_attention, vertical_slash_pattern, vertical_slash_recall
+from ...attention.sparse.column_diagonal import BLOCK
+from ...attention.backends.dispatch import kernels_of
+from ...attention.sparse.vertical_slash import vertical_slash_attention, vertical_slash_pattern, vertical_slash_recall
 from ...options import check_fields, opt, options_of
 from ..bench_hook import BenchCase, BenchInputs, sdpa
 from ..contract import ExactLimit, Knob, Method
 from ..registry import register_method
 from ..state import LayerContext, LayerRecord
+
+#: The ``kernel`` option's values (operation "vertical_slash" of :func:`attnpatch.attention.backends.dispatch.choose`).
+KERNEL_CHOICES = ("auto", *kernels_of("vertical_slash"))
 
 __all__ = ["VerticalSlashConfig", "vertical_slash_forward", "vertical_slash_bench", "VERTICAL_SLASH"]
 

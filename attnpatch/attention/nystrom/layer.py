@@ -2,9 +2,9 @@
 
 :func:`fna_layer` is what the ``fna`` method runs in a layer that samples its landmarks (``features="keys"``,
 ``strategy="fps"``, no local window, no sink mask), without the method's per-forward state: farthest-point sampling
-on the keys (heads concatenated), then :func:`~attnpatch.attention.nystrom.nystrom_attention`.  On CUDA every stage
-stays on the device (FPS as one Triton launch, :mod:`.landmarks_triton`; ``pinv="rtol"`` from batched products,
-:mod:`.pinv_matmul`; two fused attention calls), so the call never waits on the GPU and can be captured in a CUDA
+on the keys (heads concatenated), then :func:`~.fna.nystrom_attention`.  On CUDA every stage
+stays on the device (FPS as one Triton launch, :mod:`attnpatch.attention.landmarks.fps_triton`; ``pinv="rtol"`` from
+batched products, :mod:`.pinv_matmul`, or one Triton launch, :mod:`.pinv_triton`; two fused attention calls), so the call never waits on the GPU and can be captured in a CUDA
 graph.  :func:`fna_layer_case` builds random inputs and the two callables a benchmark compares (FNA against SDPA).
 
 Source: "Fast Nyström Attention" (arXiv 2507.16018), Sec. 3 (landmarks) and Eq. 3 (the Nyström form).
@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .landmarks import farthest_point_sampling
-from .nystrom import nystrom_attention
+from ..landmarks.fps import farthest_point_sampling
+from .fna import nystrom_attention
 
 __all__ = ["fna_layer", "fna_layer_case"]
 
@@ -33,6 +33,7 @@ def fna_layer(
     rtol: float = 1e-2,
     iters: int = 6,
     fps_kernel: str = "auto",
+    pinv_kernel: str = "auto",
 ) -> torch.Tensor:
     """FNA attention of one layer: ``s`` landmarks by FPS on the keys, then Nyström attention on them.
 
@@ -41,20 +42,22 @@ def fna_layer(
         s: landmarks per item (tokens, prefix included), ``max(prefix, 1) <= s <= N``.
         prefix: leading tokens always landmarks (CLS, registers).
         scale: attention scale (``None``: ``D ** -0.5``).
-        pinv, rtol, iters: the landmark kernel's pseudo-inverse (:func:`~attnpatch.attention.nystrom.landmark_pinv`).
-        fps_kernel: :func:`~attnpatch.attention.landmarks.farthest_point_sampling`'s ``kernel``.
+        pinv, rtol, iters: the landmark kernel's pseudo-inverse (:func:`~.pinv.landmark_pinv`).
+        fps_kernel: :func:`~attnpatch.attention.landmarks.fps.farthest_point_sampling`'s ``kernel``.
+        pinv_kernel: :func:`~.pinv.landmark_pinv`'s ``kernel`` (the ``"rtol"`` pseudo-inverse).
 
     Returns:
         ``[B, H, N, D]`` in ``q``'s dtype.
 
     Raises:
-        OptionError: ``s`` out of range, an unknown ``pinv`` or ``fps_kernel``.
+        OptionError: ``s`` out of range, an unknown ``pinv``, ``fps_kernel`` or ``pinv_kernel``.
+        KernelError: a kernel asked for by name that cannot run here.
     """
     b, h, n, d = k.shape
     feats = k.transpose(1, 2).reshape(b, n, h * d)  # [B, N, H*D]: the fna method's features="keys"
     landmarks = farthest_point_sampling(feats, s, prefix, kernel=fps_kernel)
     return nystrom_attention(q, k, v, landmarks, scale=d**-0.5 if scale is None else scale, pinv=pinv, rtol=rtol,
-                             iters=iters)
+                             iters=iters, pinv_kernel=pinv_kernel)
 
 
 def fna_layer_case(

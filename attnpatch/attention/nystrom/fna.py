@@ -11,21 +11,13 @@ segment means.  It is evaluated right to left, ``F @ (pinv(A) @ (B @ V))``, so n
 size ``N x N`` is ever formed: time ``O(s N D)``, memory ``O(s N + N D)``; the two ``N x s``
 products run as fused attention calls.
 
-Landmark selection lives in :mod:`attnpatch.attention.landmarks` (``fps`` by default), the BLAS
-thread control in :mod:`attnpatch.attention.blas_threads`, exact attention (the methods' fallback)
-in :mod:`attnpatch.attention.exact`.
-
-Pseudo-inverse of the ``s x s`` landmark kernel (:func:`landmark_pinv`): ``"rtol"`` (truncated
-pseudo-inverse with singular values below ``rtol x`` the largest dropped, computed in float32 from
-the eigendecomposition of ``A^T A``),
-``"newton"`` (the Newton-Schulz iteration of Nyströmformer, their Eq. 15-16, float32), and
-``"exact"`` (float64 SVD pseudo-inverse with the default machine-precision cut-off).  On CUDA ``"rtol"``
-runs from matrix products only (:mod:`attnpatch.attention.pinv_matmul`: a smooth cut-off at the same ``rtol``, no
-cuSOLVER call and no host sync), so with FPS's Triton kernel (:mod:`attnpatch.attention.landmarks_triton`) the
-whole layer is CUDA-graph capturable; ``"exact"`` stays an SVD (cuSOLVER, a host sync) on every device.  The
-landmark kernel of a pretrained ViT is badly conditioned, so the exact pseudo-inverse amplifies
-the approximation error; the defaults of :class:`attnpatch.patchers.methods.fna.FNAConfig` were
-chosen by measurement (docs/methods.md and BENCHMARKS.md).
+Landmark selection lives in :mod:`attnpatch.attention.landmarks` (``fps`` by default), the pseudo-inverse of the
+``s x s`` landmark kernel in :mod:`.pinv` (``"rtol"``, ``"newton"``, ``"exact"``; on CUDA ``"rtol"`` runs from matrix
+products only, so with FPS's Triton kernel the whole layer is CUDA-graph capturable), the BLAS thread control in
+:mod:`attnpatch.attention.backends.blas`, exact attention (the methods' fallback) in :mod:`attnpatch.attention.exact`.
+The landmark kernel of a pretrained ViT is badly conditioned, so the exact pseudo-inverse amplifies the approximation
+error; the defaults of :class:`attnpatch.patchers.methods.fna.FNAConfig` were chosen by measurement (docs/methods.md
+and BENCHMARKS.md).
 
 All functions are pure tensor functions: ``q, k, v`` are ``[batch, heads, tokens, head_dim]``.
 """
@@ -34,107 +26,13 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import OptionError
-from .blas_threads import local_blas_threads
-from .landmarks import gather_tokens
-from .pinv_matmul import landmark_pinv_matmul
+from ..backends.blas import local_blas_threads
+from ..landmarks.select import gather_tokens
+from .pinv import landmark_pinv_work
 
-__all__ = [
-    "MATMUL_PINV_DEVICES",
-    "PINV_MODES",
-    "RENORM_MIN_MASS",
-    "landmark_pinv",
-    "landmark_pinv_work",
-    "nystrom_attention",
-]
+__all__ = ["RENORM_MIN_MASS", "nystrom_attention"]
 
-PINV_MODES = ("rtol", "newton", "exact")
-#: Device types whose ``pinv="rtol"`` runs :func:`~attnpatch.attention.pinv_matmul.landmark_pinv_matmul` (batched
-#: products, a smooth cut-off at ``rtol``, no factorisation and no host sync) instead of the eigendecomposition;
-#: ``()`` puts every device on the eigendecomposition, ``("cuda", "cpu")`` the CPU on the products too.
-MATMUL_PINV_DEVICES: tuple[str, ...] = ("cuda",)
 _HALF = (torch.float16, torch.bfloat16)
-
-
-# --------------------------------------------------------------------------- pseudo-inverse
-
-
-def landmark_pinv_work(a: torch.Tensor, mode: str, rtol: float, iters: int) -> torch.Tensor:
-    """:func:`landmark_pinv` in its working precision (float32, or float64), never cast to a half dtype, and
-    without the one-thread BLAS block (callers that run it inside :func:`local_blas_threads` themselves).
-
-    Args:
-        a: ``[..., s, s]`` landmark kernels.
-        mode, rtol, iters: see :func:`landmark_pinv`.
-
-    Returns:
-        ``[..., s, s]`` float32 (``"newton"``, ``"rtol"`` with ``rtol >= 1e-2`` on non-float64 input) or float64.
-
-    Raises:
-        OptionError: unknown mode.
-    """
-    if mode == "rtol" and a.device.type in MATMUL_PINV_DEVICES:
-        return landmark_pinv_matmul(a, rtol)
-    if mode == "rtol":
-        work = torch.float64 if a.dtype == torch.float64 or rtol < 1e-2 else torch.float32
-        x = a.to(work)
-        xt = x.transpose(-1, -2)
-        lam, vec = torch.linalg.eigh(xt @ x)  # squared singular values of A (ascending) and right singular vectors
-        inv = torch.where(lam > (rtol * rtol) * lam[..., -1:], 1.0 / lam.clamp(min=torch.finfo(work).tiny), 0.0)
-        return (vec * inv[..., None, :]) @ (vec.transpose(-1, -2) @ xt)
-    if mode == "exact":
-        return torch.linalg.pinv(a.double())
-    if mode == "newton":
-        k = a.float()
-        eye = torch.eye(k.shape[-1], dtype=k.dtype, device=k.device)
-        col = k.abs().sum(-2).amax(-1)
-        row = k.abs().sum(-1).amax(-1)
-        z = k.transpose(-1, -2) / (col * row)[..., None, None]
-        for _ in range(iters):
-            kz = k @ z
-            z = 0.25 * z @ (13 * eye - kz @ (15 * eye - kz @ (7 * eye - kz)))
-        return z
-    raise OptionError(f"pinv={mode!r}: allowed values are {', '.join(map(repr, PINV_MODES))}")
-
-
-def landmark_pinv(a: torch.Tensor, mode: str = "rtol", *, rtol: float = 1e-2, iters: int = 6) -> torch.Tensor:
-    """Pseudo-inverse of a batch of ``s x s`` landmark kernels.
-
-    Args:
-        a: ``[..., s, s]`` row-stochastic matrices ``softmax(Q~ K~^T c)``.
-        mode: ``"rtol"`` — truncated pseudo-inverse dropping singular values below
-            ``rtol x sigma_max`` (regularised), ``V diag(1/sigma^2) V^T A^T`` from the symmetric
-            eigendecomposition ``A^T A = V diag(sigma^2) V^T``, in float32 whatever ``a``'s dtype
-            when ``rtol >= 1e-2`` (the cut-off ``rtol^2`` on ``sigma^2`` is then far above float32's
-            resolution; ``tests/test_fna.py`` checks the agreement with a float64 truncated SVD), in
-            float64 for smaller ``rtol`` or float64 input; a batched ``eigh`` is faster than a batched
-            SVD on the CPU.  On CUDA tensors (:data:`MATMUL_PINV_DEVICES`) ``"rtol"`` is instead the
-            smooth cut-off of :func:`~attnpatch.attention.pinv_matmul.landmark_pinv_matmul`:
-            singular values ``sigma`` weighted by ``phi ~ 1 - 2^-(sigma/tau)^2`` (``tau = rtol x
-            sigma_max``; equal to the truncated pseudo-inverse within 0.2% on ``sigma >= 3 tau``,
-            different within a factor of 2 of ``tau``), from ``8 + 2 ceil(log2(ln 2 / rtol^2))``
-            batched products: no cuSOLVER call, no host sync, CUDA-graph capturable;
-            ``"newton"`` — ``iters`` Newton-Schulz steps in float32
-            from Nyströmformer's start ``Z0 = A^T / (max_j sum_i |a_ij| . max_i sum_j |a_ij|)``
-            (Xiong et al. 2021, Eq. 15-16; the scaling is per matrix here, so items do not
-            influence each other); ``"exact"`` — float64 SVD pseudo-inverse, default cut-off.
-            On the CPU the factorisation runs on one MKL thread (:func:`local_blas_threads`): it
-            is tiny, and a multi-threaded ``eigh`` stalls when another process holds the cores
-            (BENCHMARKS.md).
-        rtol: relative singular-value cut-off of ``"rtol"`` (> 0).
-        iters: Newton-Schulz iterations (>= 1).
-
-    Returns:
-        ``[..., s, s]`` in ``a``'s dtype.  For a half-precision ``a`` the entries can exceed the
-        dtype's range (``"exact"`` on a badly conditioned kernel can exceed float16's largest
-        value, 65504); :func:`nystrom_attention` therefore keeps the pseudo-inverse in float32 and never
-        casts it back.
-
-    Raises:
-        OptionError: unknown mode.
-    """
-    with local_blas_threads(1, a.device):
-        return landmark_pinv_work(a, mode, rtol, iters).to(a.dtype)
 
 
 def nystrom_attention(
@@ -149,6 +47,7 @@ def nystrom_attention(
     iters: int = 6,
     key_keep: torch.Tensor | None = None,
     renormalize: bool = False,
+    pinv_kernel: str = "auto",
 ) -> torch.Tensor:
     """Nyström attention on landmark tokens, evaluated right to left (no ``N x N`` tensor).
 
@@ -169,13 +68,13 @@ def nystrom_attention(
     is also scaled by an exact power of two when ``max|W| > 2^12``) and in float32 for
     ``"exact"`` and ``"newton"``; with ``key_keep`` and ``renormalize`` every logit and product
     is float32.  The small ``s x s`` work runs on one MKL thread on the CPU
-    (:func:`local_blas_threads`).
+    (:func:`~attnpatch.attention.backends.blas.local_blas_threads`).
 
     Args:
         q, k, v: ``[B, H, N, D]`` (same head count; non-causal).
         landmarks: ``[B, s]`` token indices (shared by the heads).
         scale: attention scale ``c`` (usually ``D ** -0.5``).
-        pinv, rtol, iters: see :func:`landmark_pinv`.
+        pinv, rtol, iters: see :func:`~.pinv.landmark_pinv`.
         key_keep: ``[B, N]`` bool or ``None``; keys marked ``False`` get zero attention
             probability (sink masking in Nyström form: their columns of ``B`` are zeroed after
             the softmax, FNA Sec. 4; computed as ``B (keep * V)``, the same fused calls as
@@ -183,6 +82,7 @@ def nystrom_attention(
         renormalize: with ``key_keep``, renormalise each output row to its remaining attention
             mass instead of leaving the mass removed (the estimator, one that cannot divide by a
             mass near or below zero, is described in :func:`_renormalized`).
+        pinv_kernel: the ``"rtol"`` pseudo-inverse's kernel (:func:`~.pinv.landmark_pinv`'s ``kernel``).
 
     Returns:
         ``[B, H, N, D]`` in ``q``'s dtype.  Peak extra memory ``O(B H (s + D) N)`` elements
@@ -199,7 +99,7 @@ def nystrom_attention(
     k_l = gather_tokens(k, landmarks)
     with local_blas_threads(1, q.device):
         a = torch.softmax((q_l.to(wd) * scale) @ k_l.to(wd).transpose(-1, -2), dim=-1)  # [B,H,s,s]
-        z = landmark_pinv_work(a, pinv, rtol, iters).to(wd)
+        z = landmark_pinv_work(a, pinv, rtol, iters, kernel=pinv_kernel).to(wd)
     sdpa = torch.nn.functional.scaled_dot_product_attention
     if key_keep is None:
         # B V = softmax(Q~ K^T c) V and F W = softmax(Q K~^T c) W are attention calls themselves

@@ -20,7 +20,7 @@ Source: "XAttention: Block Sparse Attention with Antidiagonal Scoring" (Xu et al
 4. *Sparse attention*: each query block attends by exact softmax to the keys of its kept blocks, causally
    inside the diagonal block (AnchorAttention's stripe attention over the block mask expanded to keys:
    the compiled CPU kernel for float32 CPU inputs without inner padding, else PyTorch operations; or, with
-   ``kernel="flex"``, the kept blocks as a FlexAttention ``BlockMask``: :func:`~attnpatch.attention.flex_patterns.block_flex`).
+   ``kernel="flex"``, the kept blocks as a FlexAttention ``BlockMask``: :func:`~attnpatch.attention.sparse.masks.block_flex`).
 
 Block geometry.  Query blocks start at the call's first query; key blocks are aligned to them, so that the
 diagonal key block of a query block is the block of its own positions.  A prompt continued on a cache
@@ -41,29 +41,25 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .anchor.attend import pair_counts, sparse_attend
-from .anchor.config import AnchorConfig
-from .anchor.guard import kept_mass
-from .anchor.select import call_geometry
-from .flex import choose_kernel, flex_attend
-from .flex_patterns import block_flex
-from .prefill import check_inputs, per_sequence, split_padding
+from ..anchor.attend import attend_call, pair_counts, sparse_attend
+from ..anchor.guard import kept_mass
+from ..anchor.select import call_geometry
+from ..backends.dispatch import Call, choose, kernels_of
+from ..backends.flex import flex_attend
+from ..prefill import check_inputs, per_sequence, split_padding
+from .masks import block_flex
 
 __all__ = [
     "BlockTopkStats", "block_geometry", "antidiagonal_block_mass", "select_blocks", "block_topk_keep", "block_topk_attention",
     "KERNELS",
 ]
 
-#: ``kernel`` values: ``"auto"`` (FlexAttention on CUDA and, on the CPU, from :data:`CPU_FLEX_MIN_KEYS` keys; else
-#: ``"gather"``), ``"flex"`` (:func:`~attnpatch.attention.flex_patterns.block_flex`), ``"gather"`` (AnchorAttention's stripe
+#: ``kernel`` values (operation ``"block_topk"`` of :func:`attnpatch.attention.backends.dispatch.choose`): ``"auto"``
+#: (FlexAttention on CUDA and, on the CPU, from ``CPU_FLEX_MIN_KEYS["block_topk"]`` keys; else ``"gather"``),
+#: ``"flex"`` (:func:`~attnpatch.attention.sparse.masks.block_flex`), ``"gather"`` (AnchorAttention's stripe
 #: attention: the compiled CPU kernel for float32 CPU inputs where it builds, else PyTorch operations), and
 #: ``"compiled"`` / ``"torch"`` (that stripe attention's two kernels, as AnchorAttention's ``kernel`` option).
-KERNELS = ("auto", "flex", "gather", "compiled", "torch")
-#: ``kernel="auto"`` on the CPU: FlexAttention from this many keys (``q_offset + Lq``) on, else the gather path;
-#: ``None``: never.  ``None`` because the gather path measured faster on the CPU at every length tried, with about
-#: half the causal pairs kept (``benchmarks/flex_cpu.py``, side by side; the numbers: BENCHMARKS.md); set it where
-#: a CPU's FlexAttention kernel measures faster.  On CUDA ``"auto"`` is always flex.
-CPU_FLEX_MIN_KEYS: int | None = None
+KERNELS = ("auto", *kernels_of("block_topk"))
 # Elements of the strided score matrix (all batch items and heads) held at once.
 CHUNK_ELEMENTS = 1 << 23
 
@@ -218,12 +214,6 @@ def select_blocks(mass: torch.Tensor, *, threshold: float, q_offset: int, block_
     return keep | forced
 
 
-@functools.lru_cache(maxsize=None)
-def _attend_config(block_size: int, kernel: str) -> AnchorConfig:
-    # the stripe attention reads block_size and kernel only
-    return AnchorConfig(block_size=block_size, init_block=block_size, local_window=block_size, pool_stride=None, kernel=kernel)
-
-
 def block_topk_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -257,7 +247,7 @@ def block_topk_attention(
         key_valid: ``[B, Lk]`` bool, False at padding keys, or ``None``.
         kernel: one of :data:`KERNELS`: ``"flex"`` runs the kept blocks as a ``BlockMask`` through FlexAttention,
             the others AnchorAttention's stripe attention over the kept keys; ``"auto"``: flex on CUDA, on the CPU
-            from :data:`CPU_FLEX_MIN_KEYS` keys (``q_offset + Lq``), else ``"gather"``.
+            from ``CPU_FLEX_MIN_KEYS["block_topk"]`` keys (``q_offset + Lq``), else ``"gather"``.
         return_stats: also return :class:`BlockTopkStats`.
         compute_recall: fill ``BlockTopkStats.recall`` (one exact softmax pass in query chunks).
 
@@ -267,15 +257,15 @@ def block_topk_attention(
 
     Raises:
         ValueError: inputs that do not fit (ranks, batch, heads, ``q_offset``, ``key_valid``, scale), ``block_size``
-            not a positive multiple of ``stride``, ``threshold`` outside ``[0, 1]``, an unknown ``kernel``.
-        OptionError: ``kernel="compiled"`` or ``"flex"`` for inputs it does not take.
-        RuntimeError: ``kernel="compiled"`` where the kernel cannot be built, ``kernel="flex"`` where ``torch.compile``
-            fails.
+            not a positive multiple of ``stride``, ``threshold`` outside ``[0, 1]``, an unknown ``kernel`` (an
+            ``OptionError``).
+        KernelError: ``kernel="compiled"`` or ``"flex"`` for inputs it does not take, ``"compiled"`` where the kernel
+            cannot be built.
+        RuntimeError: ``kernel="flex"`` where ``torch.compile`` fails.
     """
     check_inputs(q, k, v, scale, q_offset, key_valid)
     _check_options(block_size, stride, threshold)
-    if kernel not in KERNELS:
-        raise ValueError(f"kernel={kernel!r}: one of {', '.join(KERNELS)}")
+    choose("block_topk", kernel, Call.of(q, keys=q_offset + q.shape[2]))  # an unknown name: refused before any work
     kw = dict(scale=scale, block_size=block_size, stride=stride, threshold=threshold, kernel=kernel,
               return_stats=return_stats, compute_recall=compute_recall)
     lq = q.shape[2]
@@ -333,7 +323,11 @@ def _one_call(q, k, v, *, scale, block_size, stride, threshold, q_offset, key_va
         key_valid = None if key_valid is None else key_valid[:, :lk]
     if key_valid is not None and bool(key_valid.all()):
         key_valid = None
-    use = kernel if kernel in ("compiled", "torch") else choose_kernel(kernel, q, lk, CPU_FLEX_MIN_KEYS)
+    geo = call_geometry(q, k, block_size, q_offset, key_valid)
+    call = attend_call(q, geo)
+    use = choose("block_topk", kernel, call)
+    # the stripe attention's kernel: "gather" is its "auto"; "compiled" and "torch" name it
+    stripe = choose("stripe_attend", {"flex": "auto", "gather": "auto"}.get(use, use), call)
     stats = return_stats or compute_recall
     if use == "flex" and not stats:  # the kept blocks alone: no [B, H, nbq, Lk] key mask
         mass = antidiagonal_block_mass(q, k, block_size=block_size, stride=stride, scale=scale, q_offset=q_offset,
@@ -343,28 +337,26 @@ def _one_call(q, k, v, *, scale, block_size, stride, threshold, q_offset, key_va
     else:
         blocks, keep = block_topk_keep(q, k, scale=scale, block_size=block_size, stride=stride, threshold=threshold,
                                        q_offset=q_offset, key_valid=key_valid)
-    cfg = _attend_config(block_size, use if use in ("compiled", "torch") else "auto")
-    geo = call_geometry(q, k, cfg, q_offset, key_valid)
 
     def gather() -> torch.Tensor:
         kp = keep if keep is not None else block_topk_keep(
             q, k, scale=scale, block_size=block_size, stride=stride, threshold=threshold, q_offset=q_offset,
             key_valid=key_valid)[1]
-        return sparse_attend(q, k, v, kp, geo, cfg, scale)
+        return sparse_attend(q, k, v, kp, geo, block_size, scale, use=stripe)
 
     if use == "flex":
         out = flex_attend(
             lambda: block_flex(q, k, v, blocks, block_size=block_size, scale=scale, q_offset=q_offset, key_valid=key_valid),
-            gather, strict=kernel == "flex")
+            gather, kernel=kernel)
     else:
         out = gather()
     if not stats:
         return out, None
     b, h = q.shape[:2]
-    causal, kept = pair_counts(keep, geo, cfg)
+    causal, kept = pair_counts(keep, geo, block_size)
     stats = BlockTopkStats(causal.expand(b, h).clone(), kept, blocks.sum(-1))
     if compute_recall:
-        r = kept_mass(q, k, keep, geo, cfg, scale)  # [B, H, Lq]
+        r = kept_mass(q, k, keep, geo, block_size, scale)  # [B, H, Lq]
         qv = geo.query_valid[:, :lq].double()
         stats.recall = (r * qv[:, None]).sum(-1) / qv.sum(-1).clamp(min=1)[:, None]
     return out, stats

@@ -3,8 +3,9 @@ ask for (registers, spill bytes, shared memory), with no GPU and nothing launche
 
 :func:`compile_only` is a context manager.  Inside it Triton's active driver is a stand-in that reports the chosen
 target (``GPUTarget("cuda", arch, 32)``: compute capability ``arch``, e.g. 90 for Hopper, 80 for Ampere) and the
-project's launchers (:mod:`.landmarks_triton`, :mod:`.pinv_triton`, :mod:`.anchor.triton_select`,
-:mod:`.anchor.triton_attend`) take CPU tensors as if they were on that GPU (:func:`device_ok`, :func:`sm_count`): each
+project's launchers (:mod:`attnpatch.attention.landmarks.fps_triton`, :mod:`attnpatch.attention.nystrom.pinv_triton`,
+:mod:`attnpatch.attention.anchor.triton_select`, :mod:`attnpatch.attention.anchor.triton_attend`) take CPU tensors as if
+they were on that GPU (:func:`~.triton_support.on_gpu`, :func:`~.triton_support.sm_count`): each
 ``kernel[grid](...)`` goes through Triton's own argument binding and specialisation (the same dtypes, constexprs,
 divisibility attributes and ``num_warps`` as on the GPU) and is compiled by Triton's own pipeline down to a cubin,
 ``ptxas`` from the Triton wheel included; then the launch is dropped (the output tensors keep whatever they held).
@@ -30,9 +31,9 @@ from typing import Iterator
 
 import torch
 
-__all__ = ["KernelVariant", "SUPPORTED_ARCHS", "compile_only", "compiling", "device_ok", "sm_count", "parse_ptxas"]
+from .triton_support import CompileTarget, interpreted, set_compile_target
 
-_ACTIVE: "_CompileOnlyDriver | None" = None
+__all__ = ["KernelVariant", "SUPPORTED_ARCHS", "SM_COUNTS", "compile_only", "parse_ptxas"]
 
 #: Multiprocessors of the GPUs the targets stand for when the launchers size their grids (H100/H200 SXM: 132;
 #: A100: 108; RTX 3090: 82; L40S: 142).
@@ -227,48 +228,27 @@ def compile_only(arch: int = 90, sms: int | None = None) -> Iterator[list[Kernel
 
     Blocks nest: leaving one restores the target of the block around it.
     """
-    global _ACTIVE
     try:
         import triton  # noqa: F401
         from triton import knobs
         from triton.runtime.driver import driver
     except ImportError:
         raise RuntimeError("compile_only needs Triton (pip install triton)") from None
-    from . import landmarks_triton
 
-    if landmarks_triton.interpreted():
+    if interpreted():
         raise RuntimeError("compile_only: the kernels were decorated under TRITON_INTERPRET=1; run it in a process "
                            "without it")
     if arch not in SUPPORTED_ARCHS:
         raise ValueError(f"arch={arch}: compute capabilities compiled for are {', '.join(map(str, SUPPORTED_ARCHS))}")
     drv = _CompileOnlyDriver(arch, sms or SM_COUNTS.get(arch, 132))
-    previous, outer = driver._active, _ACTIVE
+    previous = driver._active
     old_hook = knobs.runtime.jit_cache_hook
     driver.set_active(drv)
     knobs.runtime.jit_cache_hook = _hook(drv)
-    _ACTIVE = drv
+    outer = set_compile_target(CompileTarget(arch, drv.sms))
     try:
         yield drv.compiled
     finally:
-        _ACTIVE = outer
+        set_compile_target(outer)
         knobs.runtime.jit_cache_hook = old_hook
         driver._active = previous
-
-
-def compiling() -> bool:
-    """Whether a :func:`compile_only` block is active (the launchers then take CPU tensors as the target GPU's)."""
-    return _ACTIVE is not None
-
-
-def device_ok(t: torch.Tensor) -> bool:
-    """Whether the launchers may hand ``t`` to a compiled (non-interpreted) kernel: a CUDA tensor, or any tensor inside
-    :func:`compile_only`."""
-    return t.device.type == "cuda" or _ACTIVE is not None
-
-
-def sm_count(device: torch.device) -> int:
-    """Multiprocessors of ``device`` (inside :func:`compile_only`: of the target)."""
-    if _ACTIVE is not None:
-        return _ACTIVE.sms
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    return torch.cuda.get_device_properties(idx).multi_processor_count

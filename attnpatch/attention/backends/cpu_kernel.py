@@ -2,7 +2,8 @@
 farthest-point sampling.
 
 Built on first use with :func:`torch.utils.cpp_extension.load` (a C++ compiler, the Python headers
-and ``ninja`` are needed; once, then cached by PyTorch under ``TORCH_EXTENSIONS_DIR``; the build time is in BENCHMARKS.md).
+and ``ninja`` are needed; once, then cached by PyTorch under ``TORCH_EXTENSIONS_DIR``).  A build (not a load from the
+cache) says so on stderr before it starts, with how long it usually takes, and again when it is done, with its time.
 Where it cannot be built, :func:`stripe_kernel` returns ``None`` and says why in
 :func:`kernel_status` (a failed build also warns once); AnchorAttention's ``kernel="auto"`` and
 farthest-point sampling then run their PyTorch paths (the same results, more slowly).
@@ -10,14 +11,18 @@ farthest-point sampling then run their PyTorch paths (the same results, more slo
 
 from __future__ import annotations
 
+import functools
 import logging
 import platform
 import threading
+import time
 import warnings
 from pathlib import Path
 from types import ModuleType
 
 import torch
+
+from ...log import Log, log_stderr
 
 _SOURCE = Path(__file__).with_name("csrc") / "anchor_cpu.cpp"
 _lock = threading.Lock()
@@ -33,8 +38,31 @@ def _flags() -> list[str]:
     return flags
 
 
+#: What a first build usually takes (seconds; 2 CPU cores, idle: about 20 s; beside other work up to about 90 s).
+BUILD_SECONDS = (20, 90)
+
+
+def _name() -> str:
+    # -march=native: one build per CPU capability (a home folder shared by different machines)
+    return f"attnpatch_anchor_cpu_{torch.backends.cpu.get_cpu_capability().lower()}"
+
+
+def built_before() -> bool:
+    """Whether PyTorch's extension cache holds a build of the kernel at least as new as its source (a load, not a
+    build, then follows); ``False`` where the cache cannot be read."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+
+        folder = Path(_get_build_directory(_name(), verbose=False))
+    except Exception:  # noqa: BLE001 - a PyTorch without that helper: say "building" to be safe
+        return False
+    libs = list(folder.glob(f"{_name()}*.so")) + list(folder.glob(f"{_name()}*.pyd"))
+    return any(lib.stat().st_mtime >= _SOURCE.stat().st_mtime for lib in libs) if _SOURCE.exists() else False
+
+
+@functools.lru_cache(maxsize=None)
 def kernel_supported() -> str | None:
-    """``None`` when this platform can build the kernel, else the reason it cannot."""
+    """``None`` when this platform can build the kernel, else the reason it cannot (asked once per process)."""
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
         return f"the compiled kernel is built on x86-64 Linux only (this is {platform.system()} {platform.machine()})"
     if not torch.backends.mkldnn.is_available() or "BLAS_INFO=mkl" not in torch.__config__.show():
@@ -42,7 +70,7 @@ def kernel_supported() -> str | None:
     return None
 
 
-def stripe_kernel() -> ModuleType | None:
+def stripe_kernel(log: Log = log_stderr) -> ModuleType | None:
     """The built extension, or ``None`` if it cannot be built here (the reason: :func:`kernel_status`).
 
     The extension's functions take float32 CPU tensors only (AnchorAttention, arXiv 2505.23520, Sec. 3;
@@ -57,11 +85,12 @@ def stripe_kernel() -> ModuleType | None:
     * ``stripe_select(...)``: AnchorAttention's kept keys (:func:`~attnpatch.attention.anchor.select.select_kept`).
     * ``farthest_point_sampling(x, s, first)``: ``x`` ``[B, N, D]`` contiguous; returns int64 ``[B, s]``, the
       farthest-point traversal with exact squared differences, ties to the lowest index
-      (:func:`~attnpatch.attention.landmarks.farthest_point_sampling`).
+      (:func:`~attnpatch.attention.landmarks.fps.farthest_point_sampling`).
 
     Both raise ``RuntimeError`` for inputs of another dtype, layout or shape.  This function raises
     nothing: a failed build warns once (``RuntimeWarning``) and returns ``None``.  Thread-safe; the
-    build is attempted once per process.
+    build is attempted once per process.  A build (no cached one: :func:`built_before`) calls ``log`` once before it
+    starts, naming :data:`BUILD_SECONDS`, and once when it ends, with its time in seconds.
     """
     with _lock:
         if "module" not in _state:
@@ -69,24 +98,26 @@ def stripe_kernel() -> ModuleType | None:
             mod = None
             if reason is None:
                 # importing cpp_extension logs a warning about CUDA on machines without it; not ours to show
-                log = logging.getLogger("torch.utils.cpp_extension")
-                level = log.level
-                log.setLevel(logging.ERROR)
+                quiet = logging.getLogger("torch.utils.cpp_extension")
+                level = quiet.level
+                quiet.setLevel(logging.ERROR)
+                building = not built_before()
+                if building:
+                    log(f"building the compiled CPU kernel ({_SOURCE.name}) once for this machine: about "
+                        f"{BUILD_SECONDS[0]} s on an idle 2-core machine, up to {BUILD_SECONDS[1]} s beside other work; "
+                        "later runs load it from PyTorch's extension cache")
+                t0 = time.perf_counter()
                 try:
                     from torch.utils.cpp_extension import load
 
-                    mod = load(
-                        # -march=native: one build per CPU capability (a home folder shared by different machines)
-                        name=f"attnpatch_anchor_cpu_{torch.backends.cpu.get_cpu_capability().lower()}",
-                        sources=[str(_SOURCE)],
-                        extra_cflags=_flags(),
-                        verbose=False,
-                    )
+                    mod = load(name=_name(), sources=[str(_SOURCE)], extra_cflags=_flags(), verbose=False)
+                    if building:
+                        log(f"built the compiled CPU kernel in {time.perf_counter() - t0:.0f} s")
                 except Exception as exc:  # a missing compiler, headers or ninja: the PyTorch path remains
                     lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
                     reason = f"building {_SOURCE.name} failed: {type(exc).__name__}: {' | '.join(lines[-4:])}"
                 finally:
-                    log.setLevel(level)
+                    quiet.setLevel(level)
                 if mod is None:
                     warnings.warn(f"the compiled CPU kernels are unavailable, AnchorAttention and farthest-point sampling "
                                   f"run their PyTorch paths: {reason}", RuntimeWarning, stacklevel=3)

@@ -1,8 +1,8 @@
 """Farthest-point sampling as one Triton kernel: every step of the greedy traversal on the device, no host sync.
 
 :func:`farthest_point_sampling_triton` has the contract of
-:func:`~attnpatch.attention.landmarks.farthest_point_sampling` (``[B, N, D]`` features in, ``[B, s]`` int64 token
-indices out, the prefix tokens first, ties to the lowest index), which dispatches to it for CUDA tensors.
+:func:`~attnpatch.attention.landmarks.fps.farthest_point_sampling` (``[B, N, D]`` features in, ``[B, s]`` int64 token
+indices out, the prefix tokens first, ties to the lowest index), which runs it for CUDA tensors.
 
 Kernel (:func:`_fps_kernel`).  The grid is ``(B, P)``: ``P`` programs per item, each owning the token blocks
 ``p, p + P, p + 2P, ...`` (``BLOCK_N`` tokens each) and their running minimum distance (a float32 ``[B, N]``
@@ -30,53 +30,24 @@ Source: Gonzalez 1985 (farthest-first traversal); landmarks of FNA (arXiv 2507.1
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from ..errors import OptionError
-from .triton_target import device_ok, sm_count as _sm_count
+from ...errors import OptionError
+from ..backends.triton_support import TRITON_AVAILABLE, interpreted, launchable, on_gpu, sm_count
 
-try:  # Triton ships with PyTorch's CUDA wheels; without it the PyTorch path runs everywhere
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - exercised only on installs without Triton
-    triton = None
-    tl = None
+if TRITON_AVAILABLE:  # imported here, on first use of a kernel: `import attnpatch` loads no Triton module
+    from ..backends.triton_support import tl, triton
 
-__all__ = [
-    "PROGRAMS",
-    "STEPWISE",
-    "TRITON_AVAILABLE",
-    "farthest_point_sampling_triton",
-    "fps_programs",
-    "interpreted",
-]
-
-TRITON_AVAILABLE = triton is not None
+__all__ = ["farthest_point_sampling_triton", "fps_programs"]
 
 #: Spins of the per-step grid barrier before a program gives up waiting (about a second on a GPU); a give-up is
 #: counted in the launch's status word (:func:`_fps_launch`), so a test can tell a missed barrier from a result.
 MAX_SPINS = 1 << 22
 
-#: Defaults of :func:`farthest_point_sampling_triton`'s ``programs`` (``None``: :func:`fps_programs`) and ``stepwise``,
-#: for callers that reach it through :func:`~attnpatch.attention.landmarks.farthest_point_sampling`: ``PROGRAMS = 1``
-#: is one program per item (no grid barrier), ``STEPWISE = True`` one launch per step.
-PROGRAMS: int | None = None
-STEPWISE = False
-
 _KEY_LOW = 0x7FFFFFFF  # low half of a key: 2^31 - 1 - token index (larger for lower indices; a literal in the kernels)
 
 
-def interpreted() -> bool:
-    """Whether this module's kernels were decorated under ``TRITON_INTERPRET=1`` (they then run on CPU tensors, in
-    NumPy, one program after another).  Triton reads the variable when a kernel is decorated, i.e. when this module
-    is imported, not when the kernel is called."""
-    return TRITON_AVAILABLE and _INTERPRETED
-
-
 if TRITON_AVAILABLE:
-    _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
     @triton.jit
     def _fps_pass(x_row, dist_row, c, first, n, d, stride_n, stride_d, pid_p, n_prog,
@@ -139,8 +110,6 @@ if TRITON_AVAILABLE:
                     spins += 1
                 if seen < n_prog:
                     tl.atomic_add(status_ptr, 1)
-else:  # pragma: no cover
-    _INTERPRETED = False
 
 
 def _blocks(n: int, d: int) -> tuple[int, int]:
@@ -157,10 +126,10 @@ def fps_programs(x: torch.Tensor) -> int:
     over the multiprocessors (``B * P`` at most their count, at most one token block each); 1 under the
     interpreter or when ``B`` alone fills the GPU."""
     b, n, d = x.shape
-    if not device_ok(x) or interpreted():
+    if not on_gpu(x) or interpreted():
         return 1
     block_n, _ = _blocks(n, d)
-    return max(1, min(_sm_count(x.device) // max(b, 1), triton.cdiv(n, block_n)))
+    return max(1, min(sm_count(x.device) // max(b, 1), triton.cdiv(n, block_n)))
 
 
 def _fps_launch(
@@ -173,7 +142,7 @@ def _fps_launch(
         raise OptionError(f"s={s}: farthest-point sampling needs {max(prefix, 1)} <= s <= N={n} tokens")
     if not TRITON_AVAILABLE:
         raise RuntimeError("farthest_point_sampling_triton needs Triton (pip install triton); use kernel='torch'")
-    if not (device_ok(x) or interpreted()):
+    if not launchable(x):
         raise RuntimeError(
             f"farthest_point_sampling_triton on a {x.device.type} tensor needs TRITON_INTERPRET=1 set before "
             "attnpatch is imported; use kernel='torch' on the CPU")
@@ -186,8 +155,8 @@ def _fps_launch(
     if sync and interpreted():
         raise OptionError(
             "programs > 1 in one launch needs co-resident programs; under the interpreter use stepwise=True")
-    if sync and b * p > _sm_count(x.device):
-        raise OptionError(f"programs={p} x batch {b} exceeds the {_sm_count(x.device)} multiprocessors: the grid "
+    if sync and b * p > sm_count(x.device):
+        raise OptionError(f"programs={p} x batch {b} exceeds the {sm_count(x.device)} multiprocessors: the grid "
                           "barrier needs every program resident; use fewer programs or stepwise=True")
     first = max(prefix, 1)
     dev = x.device
@@ -211,11 +180,11 @@ def _fps_launch(
 
 
 def farthest_point_sampling_triton(
-    x: torch.Tensor, s: int, prefix: int = 1, *, programs: int | None = None, stepwise: bool | None = None
+    x: torch.Tensor, s: int, prefix: int = 1, *, programs: int | None = None, stepwise: bool = False
 ) -> torch.Tensor:
     """Farthest-point sampling of ``s`` token indices per item in one Triton kernel launch (module docstring).
 
-    The contract of :func:`~attnpatch.attention.landmarks.farthest_point_sampling`: the ``max(prefix, 1)`` first
+    The contract of :func:`~attnpatch.attention.landmarks.fps.farthest_point_sampling`: the ``max(prefix, 1)`` first
     tokens are taken first, then ``s - max(prefix, 1)`` times the token whose squared Euclidean distance to the
     nearest taken token is largest (ties: lowest index).  Distances are the exact ``sum_k (x_ik - x_ck)^2`` in
     float32, so on near-ties the indices can differ from the PyTorch path's (``|x_i|^2 + |x_c|^2 - 2 x_i.x_c``).
@@ -227,12 +196,11 @@ def farthest_point_sampling_triton(
             float32), or on the CPU when the module was imported under ``TRITON_INTERPRET=1`` (:func:`interpreted`).
         s: indices per item, ``max(prefix, 1) <= s <= N``.
         prefix: leading tokens always included (CLS, registers); ``prefix = 0`` starts from token 0.
-        programs: programs per item (``None``: :data:`PROGRAMS`, whose ``None`` is :func:`fps_programs`).  Above 1
+        programs: programs per item (``None``: :func:`fps_programs`).  Above 1
             in one launch they meet at a grid barrier after each step, which needs all ``B x programs`` programs
             resident at once (at most the number of multiprocessors; a GPU shared under MPS with a thread limit
             may not honour that: use ``stepwise=True`` or ``programs=1`` there).
-        stepwise: launch one kernel per step instead of one in all (no grid barrier; ``s - prefix`` launches);
-            ``None``: :data:`STEPWISE`.
+        stepwise: launch one kernel per step instead of one in all (no grid barrier; ``s - prefix`` launches).
 
     Returns:
         ``[B, s]`` int64 indices on ``x``'s device, distinct per item (for inputs without NaN), prefix first.
@@ -245,5 +213,4 @@ def farthest_point_sampling_triton(
 
     Source: Gonzalez 1985 (farthest-first traversal); landmarks of FNA (arXiv 2507.16018, Sec. 3).
     """
-    return _fps_launch(x, s, prefix, PROGRAMS if programs is None else programs,
-                       STEPWISE if stepwise is None else stepwise)[0]
+    return _fps_launch(x, s, prefix, programs, stepwise)[0]

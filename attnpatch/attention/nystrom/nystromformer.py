@@ -34,9 +34,9 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import OptionError
-from .blas_threads import local_blas_threads
-from .nystrom import landmark_pinv
+from ...errors import OptionError
+from ..backends.blas import local_blas_threads
+from .pinv import landmark_pinv
 
 __all__ = ["segment_plan", "segment_means", "nystromformer_attention"]
 
@@ -105,7 +105,7 @@ def nystromformer_attention(
     ``out = F (Z (B V))`` with ``Q~, K~`` ``[s, D]`` the segment means of ``Q`` and ``K``
     (:func:`segment_plan`), ``F = softmax(Q K~^T c)`` ``[N, s]``, ``A = softmax(Q~ K~^T c)``
     ``[s, s]``, ``Z`` = ``pinv_iters`` steps of the paper's iterative pseudo-inverse of ``A``
-    (Eq. 16; :func:`attnpatch.attention.nystrom.landmark_pinv` with ``mode="newton"``, float32,
+    (Eq. 16; :func:`attnpatch.attention.nystrom.pinv.landmark_pinv` with ``mode="newton"``, float32,
     scaled per matrix so that items and heads do not influence each other) and
     ``B = softmax(Q~ K^T c)`` ``[s, N]``.  ``B V`` and ``F W`` are fused attention calls (``s``
     queries over ``N`` keys; ``N`` queries over ``s`` keys): no ``N x s`` buffer either.
@@ -114,7 +114,7 @@ def nystromformer_attention(
     pseudo-inverse, ``W = Z (B V)`` and ``F W`` are float32 (``Z`` of a few iterations is not
     bounded, so ``W`` may leave float16's range; the float16 output saturates at +-65504 instead
     of becoming inf), and the result is cast back.  The ``s x s`` work runs on one MKL thread on the
-    CPU (:func:`attnpatch.attention.blas_threads.local_blas_threads`).
+    CPU (:func:`attnpatch.attention.backends.blas.local_blas_threads`).
 
     Args:
         q: ``[B, H, N, D]`` queries; k: ``[B, Hkv, N, D]`` keys; v: ``[B, Hkv, N, Dv]`` values

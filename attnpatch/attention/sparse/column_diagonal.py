@@ -3,8 +3,8 @@ A-shape run on.
 
 Source: MInference 1.0, Jiang et al., arXiv 2407.02490, Sec. 3.2 and Alg. 2 (step 4 of the vertical-slash head):
 query ``i`` attends with an exact softmax to key ``j`` when ``j <= i``, ``j`` is not padding and
-``col[j] or diag[i - j]``.  The A-shape pattern (:mod:`attnpatch.attention.streaming`) is the special case of
-the initial columns and the diagonals ``0 .. window - 1``; vertical-slash (:mod:`attnpatch.attention.vertical_slash`)
+``col[j] or diag[i - j]``.  The A-shape pattern (:mod:`attnpatch.attention.sparse.a_shape`) is the special case of
+the initial columns and the diagonals ``0 .. window - 1``; vertical-slash (:mod:`attnpatch.attention.sparse.vertical_slash`)
 chooses its columns and diagonals from the last queries.
 
 :func:`column_diagonal_attention` never forms a ``queries x keys`` matrix: queries go in blocks of ``BLOCK`` rows,
@@ -25,9 +25,11 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .prefill import check_inputs
+from ..backends.dispatch import masked_rows_are_zero
+from ..prefill import check_inputs
 
-__all__ = ["BLOCK", "CHUNK_ELEMENTS", "RECALL_ELEMENTS", "column_diagonal_attention", "column_diagonal_recall"]
+__all__ = ["BLOCK", "CHUNK_ELEMENTS", "RECALL_ELEMENTS", "column_diagonal_attention", "column_diagonal_recall",
+           "column_diagonal_counts"]
 
 #: Queries per block and keys per tile of :func:`column_diagonal_attention` (MInference's GPU kernel uses 64;
 #: on the CPU, 128 halves the gathering and indexing per kept pair).
@@ -199,7 +201,7 @@ def column_diagonal_attention(
         keep = keep.reshape(n, 1, bq, mk * bq)
         mask = torch.where(keep, zero, neg)  # additive: the fused kernel reads it as is
         o = F.scaled_dot_product_attention(qg.index_select(0, idx), kk, vv, attn_mask=mask, scale=scale, enable_gqa=gu > 1)
-        if dev.type != "cpu":  # rows without a kept key: zeros (the CPU kernel already gives zeros)
+        if not masked_rows_are_zero(dev):  # rows without a kept key: zeros (the CPU kernel already gives zeros)
             o = torch.where(keep.any(-1, keepdim=True), o.nan_to_num(0.0), 0.0)
         og.index_copy_(0, idx, o)
         if kept is not None:
@@ -265,3 +267,33 @@ def column_diagonal_recall(
         total += (r.double() * qv[:, None, :]).sum(-1)
         count += qv.double().sum(-1)
     return total, count
+
+
+def column_diagonal_counts(columns: torch.Tensor, diagonals: torch.Tensor, *, heads: int, lq: int, q_offset: int = 0,
+                           key_valid: torch.Tensor | None = None) -> torch.Tensor:
+    """Kept causal pairs per (sequence, query head) over valid queries of a column/diagonal pattern: the
+    ``kept`` of :func:`~attnpatch.attention.column_diagonal.column_diagonal_attention`, without attending.
+
+    Per query ``i``: ``#{j <= i valid: columns[j]} + sum_d diagonals[d] w[i - d]`` with ``w`` the valid keys
+    not in a kept column (a causal convolution, by FFT in float64, rounded).
+
+    Args:
+        columns, diagonals: bool ``[B, P, >= q_offset + lq]``, ``P`` dividing ``heads``.
+        heads: query heads ``H``.
+        lq, q_offset: the queries' count and first absolute position.
+        key_valid: ``[B, >= q_offset + lq]`` bool or ``None``.
+
+    Returns:
+        float64 ``[B, H]``.
+    """
+    b, p = columns.shape[:2]
+    lc = q_offset + lq
+    dev = columns.device
+    valid = torch.ones(b, lc, dtype=torch.bool, device=dev) if key_valid is None else key_valid[:, :lc]
+    col = columns[..., :lc] & valid[:, None]
+    w = (valid[:, None] & ~col).double()
+    n = 1 << (2 * lc - 1).bit_length()
+    conv = torch.fft.irfft(torch.fft.rfft(diagonals[..., :lc].double(), n) * torch.fft.rfft(w, n), n)[..., :lc].round()
+    per_query = (col.double().cumsum(-1) + conv)[..., q_offset:lc]  # [B, P, Lq]
+    total = (per_query * valid[:, None, q_offset:lc].double()).sum(-1)
+    return total.repeat_interleave(heads // p, dim=1)

@@ -1,6 +1,7 @@
-"""FlexAttention for the block-sparse baselines: the compiled ``flex_attention``, its length buckets, the rule that
-picks it (the methods' ``kernel`` option) and the fallback to the gather paths.  The patterns themselves (tile
-tables and ``mask_mod``): :mod:`attnpatch.attention.flex_patterns`.
+"""FlexAttention for the block-sparse baselines: the compiled ``flex_attention``, its length buckets and the fallback
+to the gather paths.  The patterns themselves (tile tables and ``mask_mod``): :mod:`attnpatch.attention.sparse.masks`;
+the rule that picks FlexAttention for a call (the methods' ``kernel`` option):
+:mod:`attnpatch.attention.backends.dispatch`.
 
 Sources: FlexAttention, Dong et al., "Flex Attention: A Programming Model for Generating Optimized Attention
 Kernels", arXiv 2412.05496 (``mask_mod``, ``BlockMask``: per (query tile, key tile) the tiles to skip, to
@@ -29,17 +30,14 @@ from typing import Callable
 import torch
 
 __all__ = [
-    "FLEX_BLOCK", "RECOMPILE_LIMIT", "KERNEL_CHOICES", "FLEX_STATS", "FLEX_DTYPES", "bucket_length", "padded_lengths",
-    "flex_unavailable", "flex_attention_compiled", "choose_kernel", "run_tiles", "flex_attend", "FlexCompileError",
+    "FLEX_BLOCK", "RECOMPILE_LIMIT", "FLEX_STATS", "FLEX_DTYPES", "bucket_length", "padded_lengths",
+    "flex_unsupported", "flex_unavailable", "flex_broken", "forget_failures", "flex_attention_compiled", "run_tiles", "flex_attend", "FlexCompileError",
 ]
 
 #: Queries and keys per tile of the ``BlockMask`` (FlexAttention's default sparse block size).
 FLEX_BLOCK = 128
 #: Compilations of the isolated compiled ``flex_attention`` before it raises instead of compiling again.
 RECOMPILE_LIMIT = 64
-#: The values of the methods' ``kernel`` option: ``"auto"`` (flex on CUDA; on the CPU the dispatch rule of each
-#: method), ``"flex"`` (always this module; an error where it cannot run) or ``"gather"`` (the PyTorch gather path).
-KERNEL_CHOICES = ("auto", "flex", "gather")
 #: Per process: ``calls`` run by the compiled kernel, ``fallbacks`` to the gather path (compile limit or failure).
 FLEX_STATS = {"calls": 0, "fallbacks": 0}
 #: Input dtypes the compiled kernel takes.
@@ -60,19 +58,37 @@ def bucket_length(n: int) -> int:
     return p * FLEX_BLOCK
 
 
-def flex_unavailable(q: torch.Tensor) -> str | None:
-    """``None`` when the compiled FlexAttention kernel can take ``q`` here, else why not."""
-    if q.dtype not in FLEX_DTYPES:
-        return f"flex_attention's compiled kernel takes {', '.join(str(d) for d in FLEX_DTYPES)}, not {q.dtype}"
-    if q.device.type not in ("cpu", "cuda"):
-        return f"flex_attention is compiled here for CPU and CUDA tensors, not {q.device.type}"
+def flex_unsupported(device: torch.device, dtype: torch.dtype) -> str | None:
+    """``None`` when the compiled FlexAttention kernel takes tensors of ``dtype`` on ``device`` here, else why not."""
+    if dtype not in FLEX_DTYPES:
+        return f"flex_attention's compiled kernel takes {', '.join(str(d) for d in FLEX_DTYPES)}, not {dtype}"
+    if device.type not in ("cpu", "cuda"):
+        return f"flex_attention is compiled here for CPU and CUDA tensors, not {device.type}"
     try:
         from torch.nn.attention.flex_attention import BlockMask, flex_attention  # noqa: F401
     except ImportError as exc:  # an older PyTorch
         return f"torch.nn.attention.flex_attention is not available ({exc})"
+    return None
+
+
+def flex_unavailable(q: torch.Tensor) -> str | None:
+    """``None`` when the compiled FlexAttention kernel can take ``q`` here, else why not."""
     if q.requires_grad and torch.is_grad_enabled():
         return "the flex path is inference-only (inputs require grad)"
-    return None
+    return flex_unsupported(q.device, q.dtype)
+
+
+def flex_broken() -> str | None:
+    """Why ``torch.compile(flex_attention)`` failed in this process (``kernel="auto"`` then stays on the gather
+    path), or ``None``."""
+    with _lock:
+        return _BROKEN[-1] if _BROKEN else None
+
+
+def forget_failures() -> None:
+    """Forget this process's compile failures (tests that simulate one clean up with it)."""
+    with _lock:
+        _BROKEN.clear()
 
 
 @functools.lru_cache(maxsize=None)
@@ -153,21 +169,22 @@ class FlexCompileError(RuntimeError):
 
 
 def flex_attend(run_flex: Callable[[], torch.Tensor], run_gather: Callable[[], torch.Tensor], *,
-                strict: bool) -> torch.Tensor:
+                kernel: str) -> torch.Tensor:
     """``run_flex()``, falling back to ``run_gather()`` (the same kept set) where the compiled kernel cannot run.
 
-    With ``strict=False`` (the ``"auto"`` dispatch), where the compiled function has reached :data:`RECOMPILE_LIMIT`
+    ``kernel`` is the method's ``kernel`` option that chose FlexAttention: ``"flex"`` (asked for by name: an error where
+    it cannot run) or ``"auto"``.  With ``"auto"``, where the compiled function has reached :data:`RECOMPILE_LIMIT`
     compilations or ``torch.compile`` fails here (no C++ compiler, an Inductor or Triton error: a
     :class:`FlexCompileError` from the compiled call), the gather path runs instead, with a ``RuntimeWarning`` once
     per process; after a compile failure ``"auto"`` no longer picks flex in this process.  Other errors (out of
     memory, bad inputs) propagate.  Counted in :data:`FLEX_STATS`.
 
     Raises:
-        RuntimeError: ``strict=True`` (``kernel="flex"``) and the compiled kernel cannot run (limit reached or
-            compile error).
+        RuntimeError: ``kernel="flex"`` and the compiled kernel cannot run (limit reached or compile error).
     """
     from torch._dynamo.exc import FailOnRecompileLimitHit
 
+    strict = kernel == "flex"
     try:
         out = run_flex()
     except (FlexCompileError, FailOnRecompileLimitHit) as exc:  # the compiled call only: other errors are bugs
@@ -192,35 +209,6 @@ def flex_attend(run_flex: Callable[[], torch.Tensor], run_gather: Callable[[], t
     with _lock:
         FLEX_STATS["calls"] += 1
     return out
-
-
-def choose_kernel(kernel: str, q: torch.Tensor, keys: int, cpu_min_keys: int | None) -> str:
-    """``"flex"`` or ``"gather"`` for one call of a method's ``kernel`` option.
-
-    ``"flex"``/``"gather"`` as asked; ``"auto"``: flex on CUDA, and on the CPU where ``keys`` (``q_offset + Lq``,
-    the prompt's length so far) is at least ``cpu_min_keys`` (``None``: never), each wherever the compiled kernel
-    takes the inputs (:func:`flex_unavailable`) and has not failed to compile in this process.
-
-    Raises:
-        ValueError: ``kernel`` not in :data:`KERNEL_CHOICES`.
-        OptionError: ``kernel="flex"`` for inputs the compiled kernel does not take.
-    """
-    if kernel not in KERNEL_CHOICES:
-        raise ValueError(f"kernel={kernel!r}: one of {', '.join(map(repr, KERNEL_CHOICES))}")
-    if kernel == "gather":
-        return "gather"
-    why = flex_unavailable(q)
-    if kernel == "flex":
-        if why is not None:
-            from ..errors import OptionError
-
-            raise OptionError(f"kernel='flex': {why}; use kernel='auto' or 'gather'")
-        return "flex"
-    if why is not None or _BROKEN:
-        return "gather"
-    if q.device.type == "cuda":
-        return "flex"
-    return "flex" if cpu_min_keys is not None and keys >= cpu_min_keys else "gather"
 
 
 def padded_lengths(lq: int, base: int) -> tuple[int, int, int, int]:

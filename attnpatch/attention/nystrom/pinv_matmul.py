@@ -1,7 +1,7 @@
 """A regularised pseudo-inverse of small landmark kernels from matrix products only: no factorisation, no host sync.
 
-:func:`landmark_pinv_matmul` is what ``pinv="rtol"`` of :func:`~attnpatch.attention.nystrom.landmark_pinv` runs on
-CUDA tensors (:data:`~attnpatch.attention.nystrom.MATMUL_PINV_DEVICES`): the eigendecomposition the CPU uses is a
+:func:`landmark_pinv_matmul` is what ``pinv="rtol"`` of :func:`~attnpatch.attention.nystrom.pinv.landmark_pinv` runs on
+CUDA tensors (its ``"products"`` kernel: :mod:`attnpatch.attention.backends.dispatch`): the eigendecomposition the CPU uses is a
 cuSOLVER call there, which checks its status on the host (a device-to-host sync per call) and is slow for a batch of
 ``s x s`` matrices.  Here every step is a batched ``s x s`` product and the step count depends on ``rtol`` only, so
 the whole pseudo-inverse is a fixed sequence of kernels: CUDA-graph capturable and ``torch.compile(fullgraph=True)``
@@ -30,7 +30,8 @@ with ``m = 8`` and ``s <= 256`` the estimate is at most 2.2% high, so ``tau`` at
 from that upper bound, which keeps ``alpha sigma^2 <= 1`` (the iteration's convergence condition) for every
 singular value.
 
-On CUDA, for ``s <= 64`` in float32, the whole computation is one Triton launch (:mod:`.pinv_triton`).
+On CUDA, for ``s <= 64`` in float32, the same filter runs as one Triton launch instead (:mod:`.pinv_triton`, the
+``"triton"`` kernel).
 
 Cost: ``m + 2k`` batched ``s x s`` products (``k = ceil(log2(ln 2 / rtol^2))``: 13 at ``rtol = 1e-2``, 20 at
 ``1e-3``), no ``O(s^3)`` factorisation.  Precision: float32 for ``rtol >= 1e-2`` (``G``'s entries resolve singular
@@ -43,15 +44,10 @@ import math
 
 import torch
 
-__all__ = ["PINV_KERNEL", "filter_steps", "landmark_pinv_matmul", "gram_norm_bound"]
+__all__ = ["SQUARINGS", "filter_steps", "landmark_pinv_matmul", "gram_norm_bound"]
 
 #: Trace-power squarings of :func:`gram_norm_bound` used by :func:`landmark_pinv_matmul`.
 SQUARINGS = 8
-
-#: :func:`landmark_pinv_matmul`'s ``kernel="auto"`` on CUDA float32 work with ``s <= 64``: ``"triton"`` runs the whole
-#: filter as one launch (:mod:`.pinv_triton`), ``"torch"`` as batched PyTorch products (about ninety small kernels).
-PINV_KERNEL = "triton"
-PINV_KERNELS = ("auto", "torch", "triton")
 
 
 def filter_steps(rtol: float) -> int:
@@ -92,9 +88,7 @@ def gram_norm_bound(g: torch.Tensor, squarings: int = SQUARINGS) -> torch.Tensor
     return torch.exp(log_bound)
 
 
-def landmark_pinv_matmul(
-    a: torch.Tensor, rtol: float = 1e-2, *, squarings: int = SQUARINGS, kernel: str = "auto"
-) -> torch.Tensor:
+def landmark_pinv_matmul(a: torch.Tensor, rtol: float = 1e-2, *, squarings: int = SQUARINGS) -> torch.Tensor:
     """Smoothly truncated pseudo-inverse of a batch of ``s x s`` landmark kernels from batched products (module
     docstring): ``sum_i phi(sigma_i) v_i u_i^T / sigma_i`` with ``phi(sigma) ~ 1 - 2^-(sigma/tau)^2`` and
     ``tau = rtol sigma_max``.
@@ -104,33 +98,18 @@ def landmark_pinv_matmul(
             ``exp`` of shifted logits in the local-window hybrid).
         rtol: relative cut-off ``tau / sigma_max``, in ``(0, 1)``.
         squarings: trace-power squarings of the ``sigma_max`` bound (:func:`gram_norm_bound`).
-        kernel: ``"torch"`` batched PyTorch products; ``"triton"`` one Triton launch
-            (:func:`~attnpatch.attention.pinv_triton.landmark_pinv_triton`: float32 work, ``s <= 64``, the default
-            ``squarings``); ``"auto"`` Triton for CUDA tensors where it applies and :data:`PINV_KERNEL` is
-            ``"triton"``, else PyTorch.  Both compute the same filter; they round differently.
 
     Returns:
         ``[..., s, s]`` in float32 (``rtol >= 1e-2`` and non-float64 ``a``) or float64.
 
     Raises:
-        ValueError: ``rtol`` outside ``(0, 1)``, an unknown ``kernel``, or ``kernel="triton"`` where it does not
-            apply (see :func:`~attnpatch.attention.pinv_triton.landmark_pinv_triton`).
+        ValueError: ``rtol`` outside ``(0, 1)``.
 
     Source: Newton-Schulz pseudo-inverse iteration (Ben-Israel and Cohen 1966; Nyströmformer, Xiong et al. 2021,
     Sec. 3, Eq. 15-16) with a fixed step count chosen as a spectral filter; used by FNA (arXiv 2507.16018) on CUDA.
     """
     k = filter_steps(rtol)
-    if kernel not in PINV_KERNELS:
-        raise ValueError(f"kernel={kernel!r}: allowed values are {', '.join(map(repr, PINV_KERNELS))}")
     work = torch.float64 if a.dtype == torch.float64 or rtol < 1e-2 else torch.float32
-    if kernel == "triton" or (
-        kernel == "auto" and a.is_cuda and PINV_KERNEL == "triton" and work == torch.float32 and a.shape[-1] <= 64
-        and squarings == SQUARINGS
-    ):
-        from . import pinv_triton
-
-        if kernel == "triton" or pinv_triton.TRITON_AVAILABLE:
-            return pinv_triton.landmark_pinv_triton(a, rtol)
     x = a.to(work)
     xt = x.transpose(-1, -2)
     g = x @ xt  # [.., s, s] = A A^T

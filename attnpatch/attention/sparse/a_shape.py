@@ -20,13 +20,15 @@ their last query).  About ``init_tokens + window + A_BLOCK`` keys per query, nev
 matrix.  The fused kernel applies the scale before the product and accumulates the softmax in float32 for
 half-precision inputs.  Padding before a sequence's first or after its last real token is stripped (the
 sequence runs alone); a sequence with padding between its real tokens runs as column + diagonal attention
-(:func:`attnpatch.attention.column_diagonal.column_diagonal_attention`), the initial tokens as columns and the
+(:func:`attnpatch.attention.sparse.column_diagonal.column_diagonal_attention`), the initial tokens as columns and the
 diagonals ``0 .. window - 1``.
 
 ``kernel="flex"`` runs the same kept set through FlexAttention (a ``BlockMask`` of 128-token tiles and a
-``mask_mod``, one compiled kernel per length bucket: :func:`attnpatch.attention.flex_patterns.a_shape_flex`, or
-:func:`attnpatch.attention.flex_patterns.column_diagonal_flex` with those columns and diagonals for padding inside the
-keys); ``"auto"`` picks it on CUDA and, on the CPU, from :data:`CPU_FLEX_MIN_KEYS`.
+``mask_mod``, one compiled kernel per length bucket: :func:`attnpatch.attention.sparse.masks.a_shape_flex`, or
+:func:`attnpatch.attention.sparse.masks.column_diagonal_flex` with those columns and diagonals for padding inside the
+keys); ``"auto"`` picks it on CUDA and, on the CPU, from
+:data:`attnpatch.attention.backends.dispatch.CPU_FLEX_MIN_KEYS` (operation ``"a_shape"`` of
+:func:`~attnpatch.attention.backends.dispatch.choose`).
 """
 
 from __future__ import annotations
@@ -37,10 +39,11 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .prefill import check_inputs, per_sequence, per_sequence_rows, split_padding
-from .column_diagonal import column_diagonal_attention, column_diagonal_recall
-from .flex import choose_kernel, flex_attend
-from .flex_patterns import a_shape_flex, column_diagonal_counts, column_diagonal_flex
+from ..backends.dispatch import Call, choose
+from ..backends.flex import flex_attend
+from ..prefill import check_inputs, per_sequence, per_sequence_rows, split_padding
+from .column_diagonal import column_diagonal_attention, column_diagonal_counts, column_diagonal_recall
+from .masks import a_shape_flex, column_diagonal_flex
 
 __all__ = ["a_shape_attention", "a_shape_pattern", "a_shape_kept_pairs", "a_shape_recall", "A_BLOCK"]
 
@@ -48,11 +51,6 @@ __all__ = ["a_shape_attention", "a_shape_pattern", "a_shape_kept_pairs", "a_shap
 A_BLOCK = 256
 #: Score elements (query rows x keys, all heads) per fused attention call.
 CHUNK_ELEMENTS = 1 << 24
-#: ``kernel="auto"`` on the CPU: FlexAttention from this many keys (``q_offset + Lq``) on, else the gather path;
-#: ``None``: never.  ``None`` because the gather path measured faster on the CPU at every length tried, with about
-#: half the causal pairs kept (``benchmarks/flex_cpu.py``, side by side; the numbers: BENCHMARKS.md); set it where
-#: a CPU's FlexAttention kernel measures faster.  On CUDA ``"auto"`` is always flex.
-CPU_FLEX_MIN_KEYS: int | None = None
 
 
 def a_shape_pattern(key_valid: torch.Tensor | None, *, batch: int, keys: int, init_tokens: int, window: int,
@@ -125,8 +123,9 @@ def a_shape_attention(
         block: queries per block (tokens, >= 1); changes float rounding only.
         return_counts: also return the kept causal pairs per (sequence, head) over valid queries.
         kernel: ``"gather"`` (the blocked PyTorch path above), ``"flex"`` (the same kept set as a ``BlockMask`` run
-            by FlexAttention, :func:`~attnpatch.attention.flex_patterns.column_diagonal_flex`) or ``"auto"`` (flex on CUDA;
-            on the CPU from :data:`CPU_FLEX_MIN_KEYS` keys; see :func:`~attnpatch.attention.flex.choose_kernel`).
+            by FlexAttention, :func:`~attnpatch.attention.sparse.masks.column_diagonal_flex`) or ``"auto"`` (flex on
+            CUDA; on the CPU from ``CPU_FLEX_MIN_KEYS["a_shape"]`` keys; see
+            :func:`~attnpatch.attention.backends.dispatch.choose`).
 
     Returns:
         ``(out, kept)``: ``out`` ``[B, H, Lq, Dv]`` in ``q.dtype`` (a query with no valid key, e.g. at a
@@ -134,8 +133,8 @@ def a_shape_attention(
 
     Raises:
         ValueError: inputs that do not fit (see :func:`~attnpatch.attention.prefill.check_inputs`),
-            ``init_tokens < 0``, ``window < 1``, ``block < 1``, an unknown ``kernel``.
-        OptionError: ``kernel="flex"`` for inputs FlexAttention does not take (e.g. float64).
+            ``init_tokens < 0``, ``window < 1``, ``block < 1``, an unknown ``kernel`` (an ``OptionError``).
+        KernelError: ``kernel="flex"`` for inputs FlexAttention does not take (e.g. float64).
         RuntimeError: ``kernel="flex"`` where ``torch.compile`` fails.
     """
     check_inputs(q, k, v, scale, q_offset, key_valid, value_dim=True)
@@ -143,7 +142,7 @@ def a_shape_attention(
         raise ValueError(f"init_tokens={init_tokens} must be >= 0, window={window} and block={block} >= 1")
     b, h, lq, _ = q.shape
     kw = dict(init_tokens=init_tokens, window=window, scale=scale, block=block, return_counts=return_counts)
-    use = choose_kernel(kernel, q, q_offset + lq, CPU_FLEX_MIN_KEYS)
+    use = choose("a_shape", kernel, Call.of(q, keys=q_offset + lq))
     split = split_padding(key_valid, q_offset, lq)
     if split is not None:
         out, parts = per_sequence(functools.partial(a_shape_attention, kernel=kernel, **kw), q, k, v, split,
@@ -161,7 +160,7 @@ def a_shape_attention(
 
         out = flex_attend(
             run_flex, lambda: a_shape_attention(q, k, v, q_offset=q_offset, key_valid=key_valid, kernel="gather", **kw)[0],
-            strict=kernel == "flex")
+            kernel=kernel)
         kept = None
         if return_counts and inner:
             kept = column_diagonal_counts(columns, diagonals, heads=h, lq=lq, q_offset=q_offset, key_valid=key_valid)

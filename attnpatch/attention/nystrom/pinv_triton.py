@@ -1,7 +1,7 @@
 """The product pseudo-inverse of :mod:`.pinv_matmul` as one Triton kernel: one program per ``s x s`` matrix.
 
 :func:`landmark_pinv_triton` computes exactly the filter of
-:func:`~attnpatch.attention.pinv_matmul.landmark_pinv_matmul` (the trace-power bound of ``sigma_max^2``, then
+:func:`~attnpatch.attention.nystrom.pinv_matmul.landmark_pinv_matmul` (the trace-power bound of ``sigma_max^2``, then
 ``alpha A^T prod_{j<k} (I + R^(2^j))``, ``R = I - alpha A A^T``), but the ``m + 2k`` products and the
 element-wise steps between them (about ninety small kernels in PyTorch) run inside one program per matrix, on
 zero-padded ``S x S`` register tiles (``S`` = ``s`` rounded up to a power of two, 16 to 64), with float32 ``tl.dot``
@@ -19,13 +19,11 @@ import math
 
 import torch
 
-from .landmarks_triton import TRITON_AVAILABLE, interpreted
-from .pinv_matmul import SQUARINGS, filter_steps
-from .triton_target import device_ok
+from ..backends.triton_support import TRITON_AVAILABLE, interpreted, launchable
 
-if TRITON_AVAILABLE:
-    import triton
-    import triton.language as tl
+if TRITON_AVAILABLE:  # imported here, on first use of a kernel: `import attnpatch` loads no Triton module
+    from ..backends.triton_support import tl, triton
+from .pinv_matmul import SQUARINGS, filter_steps
 
 __all__ = ["MAX_SIDE", "landmark_pinv_triton"]
 
@@ -80,7 +78,7 @@ if TRITON_AVAILABLE:
 
 
 def landmark_pinv_triton(a: torch.Tensor, rtol: float = 1e-2) -> torch.Tensor:
-    """:func:`~attnpatch.attention.pinv_matmul.landmark_pinv_matmul` (float32 work) in one kernel launch.
+    """:func:`~attnpatch.attention.nystrom.pinv_matmul.landmark_pinv_matmul` (float32 work) in one kernel launch.
 
     Args:
         a: ``[..., s, s]`` with ``s <= MAX_SIDE`` (64), any float dtype but float64 (read as float32), on a CUDA device
@@ -102,7 +100,7 @@ def landmark_pinv_triton(a: torch.Tensor, rtol: float = 1e-2) -> torch.Tensor:
             f"rtol={rtol}, dtype {a.dtype}: the float32 kernel needs rtol in [1e-2, 1) and no float64 input")
     if not TRITON_AVAILABLE:
         raise RuntimeError("landmark_pinv_triton needs Triton; use landmark_pinv_matmul")
-    if not (device_ok(a) or interpreted()):
+    if not launchable(a):
         raise RuntimeError(f"landmark_pinv_triton on a {a.device.type} tensor needs TRITON_INTERPRET=1 set before "
                            "attnpatch is imported")
     k = filter_steps(rtol)

@@ -1,6 +1,6 @@
 """Nyström attention with an exact local 2-D window: a low-rank far field plus a sparse exact near field.
 
-The hybrid of :mod:`attnpatch.attention.nystrom` (FNA, arXiv 2507.16018) and exact local attention, combined as in
+The hybrid of :mod:`attnpatch.attention.nystrom.fna` (FNA, arXiv 2507.16018) and exact local attention, combined as in
 Scatterbrain (Chen et al., arXiv 2110.15343, Sec. 3.2: "sparse + low-rank", the sparse part replacing the low-rank
 estimate on its entries).  For query ``i`` with exact logits ``s_ij = c q_i . k_j``:
 
@@ -23,7 +23,7 @@ Stabilisation.  Each query row is shifted by ``m_i`` = its largest logit over it
 each landmark query row by ``n_l`` = its largest logit over all keys; the shifts cancel exactly in the ratio
 (``pinv(D^-1 A) = pinv(A) D`` for an invertible diagonal ``D``, so the landmark kernel is taken as
 ``exp(S(Q_L, K_L) - n)``, entries in ``(0, 1]``, whose pseudo-inverse is the truncated one of
-:func:`~attnpatch.attention.nystrom.landmark_pinv`).  The low-rank estimate of the far mass can be negative (a
+:func:`~attnpatch.attention.nystrom.pinv.landmark_pinv`).  The low-rank estimate of the far mass can be negative (a
 Nyström estimate is not a kernel); a row whose estimated far mass is not positive keeps its exact window
 attention alone (its denominator is then at least ``e^{s_ii - m_i} > 0``: the query's own key is in its window).
 
@@ -45,9 +45,9 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .blas_threads import local_blas_threads
-from .landmarks import gather_tokens
-from .nystrom import landmark_pinv_work
+from ..backends.blas import local_blas_threads
+from ..landmarks.select import gather_tokens
+from .pinv import landmark_pinv_work
 
 __all__ = ["grid_of", "window_keys", "nystrom_local_attention", "nystrom_local_reference"]
 
@@ -131,6 +131,7 @@ def nystrom_local_attention(
     pinv: str = "rtol",
     rtol: float = 1e-2,
     iters: int = 6,
+    pinv_kernel: str = "auto",
 ) -> torch.Tensor:
     """Nyström attention on landmark tokens with exact attention on each query's local 2-D window (module docstring).
 
@@ -142,7 +143,8 @@ def nystrom_local_attention(
         radius: window radius in patches (``>= 0``).
         tile: query tile side in patches (``>= 1``): the queries of one tile share their window box.
         grid: ``(rows, cols)`` of the patch tokens, or ``None`` (see :func:`grid_of`).
-        pinv, rtol, iters: the landmark kernel's pseudo-inverse (:func:`~attnpatch.attention.nystrom.landmark_pinv`).
+        pinv, rtol, iters, pinv_kernel: the landmark kernel's pseudo-inverse and the ``"rtol"`` kernel
+            (:func:`~attnpatch.attention.nystrom.pinv.landmark_pinv`).
 
     Returns:
         ``[B, H, N, D]`` in ``q``'s dtype (computed in float32 for half-precision inputs, float64 for float64).
@@ -169,7 +171,7 @@ def nystrom_local_attention(
     b_ = torch.exp(s_b - n_l)  # [B,H,s,N], entries in (0, 1]
     a_ = gather_tokens(b_.transpose(-1, -2), landmarks).transpose(-1, -2)  # [B,H,s,s] = B'[:, L]
     with local_blas_threads(1, q.device):
-        z = landmark_pinv_work(a_, pinv, rtol, iters).to(wd)  # [B,H,s,s]
+        z = landmark_pinv_work(a_, pinv, rtol, iters, kernel=pinv_kernel).to(wd)  # [B,H,s,s]
     g = z @ b_  # [B,H,s,N]: phi'_ij = F'_i . g_j
     # near field, in tile layout: each tile's queries against its key box (slots outside the image masked)
     qidx, kidx, valid, back = _layout_on(rows, cols, tile, radius, q.device)

@@ -16,10 +16,11 @@ one head, with queries at absolute positions ``i`` and keys at positions ``j <= 
 :func:`vertical_slash_attention` does this for the whole call, or per chunk of queries, each chunk choosing
 its own pattern from its own last queries.
 
-Step 4 is :func:`~attnpatch.attention.column_diagonal.column_diagonal_attention` (its own module, which
-also runs the A-shape pattern of :mod:`attnpatch.attention.streaming`), or with ``kernel="flex"`` the same kept set
-through FlexAttention (:func:`~attnpatch.attention.flex_patterns.column_diagonal_flex`); ``"auto"`` picks flex on CUDA and,
-on the CPU, from :data:`CPU_FLEX_MIN_KEYS`.
+Step 4 is :func:`~attnpatch.attention.sparse.column_diagonal.column_diagonal_attention` (its own module, which
+also runs the A-shape pattern of :mod:`attnpatch.attention.sparse.a_shape`), or with ``kernel="flex"`` the same kept
+set through FlexAttention (:func:`~attnpatch.attention.sparse.masks.column_diagonal_flex`); ``"auto"`` picks flex on
+CUDA and, on the CPU, from :data:`attnpatch.attention.backends.dispatch.CPU_FLEX_MIN_KEYS` (operation
+``"vertical_slash"`` of :func:`~attnpatch.attention.backends.dispatch.choose`).
 
 All functions are pure tensor functions on ``[batch, heads, tokens, head_dim]`` tensors; keys and values
 may have fewer heads than queries (grouped-query attention).
@@ -32,10 +33,11 @@ import math
 
 import torch
 
-from .column_diagonal import BLOCK, column_diagonal_attention, column_diagonal_recall
-from .flex import choose_kernel, flex_attend
-from .flex_patterns import column_diagonal_counts, column_diagonal_flex
-from .prefill import check_inputs, per_sequence, per_sequence_rows, split_padding
+from ..backends.dispatch import Call, choose
+from ..backends.flex import flex_attend
+from ..prefill import check_inputs, per_sequence, per_sequence_rows, split_padding
+from .column_diagonal import BLOCK, column_diagonal_attention, column_diagonal_counts, column_diagonal_recall
+from .masks import column_diagonal_flex
 
 __all__ = [
     "LOCAL_DIAGONALS",
@@ -50,11 +52,6 @@ __all__ = [
 LOCAL_DIAGONALS = 16
 #: Elements of the estimation's ``last_q x keys`` probabilities per step (chunked over key/value heads).
 SELECT_ELEMENTS = 1 << 25
-#: ``kernel="auto"`` on the CPU: FlexAttention from this many keys (``q_offset + Lq``) on, else the gather path;
-#: ``None``: never.  ``None`` because the gather path measured faster on the CPU at every length tried, with about
-#: half the causal pairs kept (``benchmarks/flex_cpu.py``, side by side; the numbers: BENCHMARKS.md); set it where
-#: a CPU's FlexAttention kernel measures faster.  On CUDA ``"auto"`` is always flex.
-CPU_FLEX_MIN_KEYS: int | None = None
 
 
 def vertical_slash_scores(
@@ -199,16 +196,17 @@ def vertical_slash_attention(
         block: query rows per block / keys per tile of the gather path (tokens).
         return_counts: also return the kept causal pairs per (sequence, head) over valid queries.
         kernel: how step 4 runs: ``"gather"`` (:func:`column_diagonal_attention`), ``"flex"`` (the same kept set as
-            a ``BlockMask`` run by FlexAttention, :func:`~attnpatch.attention.flex_patterns.column_diagonal_flex`) or
-            ``"auto"`` (flex on CUDA; on the CPU from :data:`CPU_FLEX_MIN_KEYS` keys).
+            a ``BlockMask`` run by FlexAttention, :func:`~attnpatch.attention.sparse.masks.column_diagonal_flex`) or
+            ``"auto"`` (flex on CUDA; on the CPU from ``CPU_FLEX_MIN_KEYS["vertical_slash"]`` keys:
+            :func:`~attnpatch.attention.backends.dispatch.choose`).
 
     Returns:
         ``(out, kept)``: ``out`` ``[B, H, Lq, Dv]`` in ``q.dtype``; ``kept`` float64 ``[B, H]`` or ``None``.
 
     Raises:
         ValueError: inputs that do not fit (:func:`~attnpatch.attention.prefill.check_inputs`); ``vertical`` or ``slash`` < 0,
-            ``last_q`` or ``chunk`` < 1, an unknown ``kernel``.
-        OptionError: ``kernel="flex"`` for inputs FlexAttention does not take (e.g. float64).
+            ``last_q`` or ``chunk`` < 1, an unknown ``kernel`` (an ``OptionError``).
+        KernelError: ``kernel="flex"`` for inputs FlexAttention does not take (e.g. float64).
         RuntimeError: ``kernel="flex"`` where ``torch.compile`` fails.
     """
     check_inputs(q, k, v, scale, q_offset, key_valid, value_dim=True)
@@ -217,7 +215,7 @@ def vertical_slash_attention(
     b, h, lq, _ = q.shape
     kw = dict(vertical=vertical, slash=slash, last_q=last_q, scale=scale, chunk=chunk, block=block, return_counts=return_counts,
               kernel=kernel)
-    use = choose_kernel(kernel, q, q_offset + lq, CPU_FLEX_MIN_KEYS)
+    use = choose("vertical_slash", kernel, Call.of(q, keys=q_offset + lq))
     split = split_padding(key_valid, q_offset, lq)
     if split is not None:
         out, parts = per_sequence(functools.partial(vertical_slash_attention, **kw), q, k, v, split, q_offset=q_offset, key_valid=key_valid)
@@ -238,7 +236,7 @@ def vertical_slash_attention(
                                              key_valid=key_valid),
                 lambda: column_diagonal_attention(q[:, :, c0:c1], k, v, cols, diags, scale=scale, q_offset=q_offset + c0,
                                                   key_valid=key_valid, block=block)[0],
-                strict=kernel == "flex")
+                kernel=kernel)
             kc = None if not return_counts else column_diagonal_counts(
                 cols, diags, heads=h, lq=c1 - c0, q_offset=q_offset + c0, key_valid=key_valid)
         else:
