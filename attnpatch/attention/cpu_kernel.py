@@ -2,7 +2,7 @@
 farthest-point sampling.
 
 Built on first use with :func:`torch.utils.cpp_extension.load` (a C++ compiler, the Python headers
-and ``ninja`` are needed; once, then cached by PyTorch under ``TORCH_EXTENSIONS_DIR``; the build time is in BENCHMARKS.md).
+and ``ninja`` are needed; once, then cached by PyTorch under ``TORCH_EXTENSIONS_DIR``; the build time is in docs/benchmarks/cpu.md).
 Where it cannot be built, :func:`stripe_kernel` returns ``None`` and says why in
 :func:`kernel_status` (a failed build also warns once); AnchorAttention's ``kernel="auto"`` and
 farthest-point sampling then run their PyTorch paths (the same results, more slowly).

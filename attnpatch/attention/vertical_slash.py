@@ -52,7 +52,7 @@ LOCAL_DIAGONALS = 16
 SELECT_ELEMENTS = 1 << 25
 #: ``kernel="auto"`` on the CPU: FlexAttention from this many keys (``q_offset + Lq``) on, else the gather path;
 #: ``None``: never.  ``None`` because the gather path measured faster on the CPU at every length tried, with about
-#: half the causal pairs kept (``benchmarks/flex_cpu.py``, side by side; the numbers: BENCHMARKS.md); set it where
+#: half the causal pairs kept (``benchmarks/flex_cpu.py``, side by side; the numbers: docs/benchmarks/cpu.md); set it where
 #: a CPU's FlexAttention kernel measures faster.  On CUDA ``"auto"`` is always flex.
 CPU_FLEX_MIN_KEYS: int | None = None
 

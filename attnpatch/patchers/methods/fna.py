@@ -3,7 +3,7 @@
 Landmark indices are sampled once per forward call (at ``sample_layer``) and kept in the
 per-forward :class:`~attnpatch.patchers.state.ForwardState`, so later layers reuse them.  What
 each option does is declared once on :class:`FNAConfig`; how the defaults were chosen, and the
-accuracy and speed they give, is measured in BENCHMARKS.md and docs/methods.md.
+accuracy and speed they give, is measured in docs/benchmarks/vision.md and docs/methods.md.
 
 Kept whole: the config, forward, bench hook and break-even resolution of one method, each short, read together.
 """
@@ -38,7 +38,7 @@ __all__ = ["FNA", "FNAConfig", "FEATURES", "fna_forward", "fna_core", "fna_bench
 FEATURES = ("keys", "hidden")
 
 #: ``min_tokens="auto"``: the token count (CLS and registers included) from which FNA's defaults are faster than the
-#: model's exact attention end to end, by device type (CPU: measured on dinov2-small, BENCHMARKS.md); other device
+#: model's exact attention end to end, by device type (CPU: measured on dinov2-small, docs/benchmarks/vision.md); other device
 #: types are calibrated at first use (:func:`min_tokens_for`).  ``ATTNPATCH_FNA_BREAK_EVEN`` (tokens) overrides it on
 #: every device (the test suite sets 0 so that tiny models are approximated).
 BREAK_EVEN: dict[str, int] = {"cpu": 600}
@@ -91,7 +91,7 @@ class FNAConfig:
 
     The defaults were chosen by measurement on the offline ``dinov2-small``; the sweeps (sample
     layer, pseudo-inverse, landmark features and strategy; final-CLS cosine to dense and
-    teacher-forced layer error) are in BENCHMARKS.md and docs/methods.md.
+    teacher-forced layer error) are in docs/benchmarks/vision.md and docs/methods.md.
     """
 
     s: int = field(default=64, metadata=opt(
@@ -413,7 +413,7 @@ def _knob(t: float, n: int) -> dict[str, Any]:
 
 
 #: Named option sets (``patch(model, "fna", preset=...)``); what each is for: docs/methods.md ("FNA presets"); measured
-#: speed and CLS cosine of each: BENCHMARKS.md ("FNA presets").
+#: speed and CLS cosine of each: docs/benchmarks/vision.md ("FNA presets").
 PRESETS = {
     "accurate": Preset(
         dict(s=64, sample_layer="auto", local_window=0, window_until=None, min_tokens="auto"),
