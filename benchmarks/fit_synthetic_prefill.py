@@ -18,7 +18,7 @@ to prefill layers captured from a real model, and show how closely it matches.
    sparsity and recall per setting, and the fitted parameters (``SYNTHETIC_PREFILL`` in the method file holds them).
 
 The method and its selection rule: AnchorAttention, arXiv 2505.23520, Sec. 3.  The output is printed (the tables go to
-BENCHMARKS.md by hand).
+docs/benchmarks/gpu.md by hand).
 """
 
 from __future__ import annotations

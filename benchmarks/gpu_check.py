@@ -36,7 +36,7 @@ warm-up excluded, median of the repeats, every timer synchronising the device):
   the driver reports (the device's side of ``benchmarks/triton_compile.py``, which compiles them with no GPU).
 
 Results go to ``<out>/gpu_check.json`` after every section (a stopped run keeps what it finished), which
-``python benchmarks/make_benchmarks.py render`` turns into BENCHMARKS.md tables when copied to
+``python benchmarks/make_benchmarks.py render`` turns into the tables of docs/benchmarks/gpu.md when copied to
 ``benchmarks/results/cuda/``.  ``--budget`` seconds (default 420) bounds the run: a section that would start past it
 is skipped and said so.  Needs only torch (2.11 or later) and triton from the environment: ``import attnpatch``
 needs none of faiss, open_clip, gguf or datasets.

@@ -1,21 +1,22 @@
-"""Generate BENCHMARKS.md: every speed and memory number of the project, measured side by side in one run.
+"""Generate the benchmark pages: every speed and memory number of the project, measured side by side in one run.
 
     python benchmarks/make_benchmarks.py run                 # all sections (about an hour on 2 CPU cores)
     python benchmarks/make_benchmarks.py run --only fna vit   # some sections
-    python benchmarks/make_benchmarks.py render              # BENCHMARKS.md's generated blocks from benchmarks/results/
-    python benchmarks/make_benchmarks.py render --check      # exit 1 (and print a diff) when BENCHMARKS.md is stale
-    python benchmarks/make_benchmarks.py render --output X   # write X instead of BENCHMARKS.md
+    python benchmarks/make_benchmarks.py render              # the generated blocks of every page from benchmarks/results/
+    python benchmarks/make_benchmarks.py render --check      # exit 1 (and print a diff) when a page is stale
+    python benchmarks/make_benchmarks.py render --output DIR # write the pages under DIR instead of in place
 
 ``run`` writes one JSON per section (and the PNG plots) under ``benchmarks/results/<device>/``;
 ``render`` turns whatever sections exist, per results folder, into tables with the machine description and
 date each section was measured on.  ``--device cuda`` runs the same sections on a GPU
 (longer lengths: ``--long``) into ``benchmarks/results/cuda/``.
 
-BENCHMARKS.md is mostly hand-written (dated entries, measurements moved out of the README and the docstrings).
-``render`` rewrites only the text between ``<!-- generated:NAME -->`` and ``<!-- /generated:NAME -->``: ``toc``
-(the table of contents), ``intro``, and one block per results folder (``cpu``, ``cuda``, ``compile``: the report
-of ``benchmarks/triton_compile.py``, ...); everything else is kept byte for byte.  A result file's optional
-``"note"`` is printed under its section's machine line.
+The pages are BENCHMARKS.md (the front page: the headline figures of each area) and every ``docs/benchmarks/*.md``
+(one page per area, with the full tables).  They are mostly hand-written (dated entries, each naming its command and
+result files).  ``render`` rewrites only the text between ``<!-- generated:NAME -->`` and ``<!-- /generated:NAME -->``
+on every page: ``toc`` (the page's table of contents), ``intro``, and one block per results folder (``cpu``, ``cuda``,
+``compile``: the report of ``benchmarks/triton_compile.py``, ...), on whichever page holds its markers; everything
+else is kept byte for byte.  A result file's optional ``"note"`` is printed under its section's machine line.
 
 Sections:
   fna      bench attention, non-causal, random q/k/v, DINOv2-S geometry (6 heads x 64), N = 256 .. 16384
@@ -30,6 +31,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import posixpath
 import re
 import sys
 from pathlib import Path
@@ -175,10 +177,17 @@ def _note(r: dict) -> list[str]:
     return [r["note"], ""] if r.get("note") else []
 
 
-def render_folder(name: str, folder: Path) -> str:
+def _same_page(target: str) -> str:
+    """A link target as written from the repository root (the default of ``link``: a page at the root, every heading
+    on the page itself)."""
+    return target
+
+
+def render_folder(name: str, folder: Path, link=_same_page) -> str:
     """The tables of one results folder (``benchmarks/results/<name>/``): one section per result file that ``run``
     writes (``fna``, ``anchor_smollm2``, ``anchor_qwen``, ``vit``, ``llm``, ``qwen``), in that order, whatever the
-    device; other files in the folder are read by the hand-written sections.  Empty when the folder has none."""
+    device; other files in the folder are read by the hand-written sections.  Empty when the folder has none.
+    ``link`` turns a repository path or a ``#heading`` into a link from the page the block is written into."""
     from attnpatch.evals.run.report import (
         BENCH_ATTENTION_COLUMNS, BENCH_LM_COLUMNS, BENCH_VISION_COLUMNS, rows_to_markdown,
     )
@@ -199,7 +208,8 @@ def render_folder(name: str, folder: Path) -> str:
                 *_note(r), rows_to_markdown(r["rows"], BENCH_ATTENTION_COLUMNS), "",
                 "Scaling exponents (least-squares slope of log time vs log N): "
                 + ", ".join(f"{k} {v:.2f}" for k, v in r["exponents"].items() if v is not None) + ".", "",
-                f"![time](benchmarks/results/{name}/fna_time.png) ![speed-up](benchmarks/results/{name}/fna_speedup.png)", ""]
+                f"![time]({link(f'benchmarks/results/{name}/fna_time.png')}) "
+                f"![speed-up]({link(f'benchmarks/results/{name}/fna_speedup.png')})", ""]
     for key, what in (("anchor_smollm2", "SmolLM2-135M (9 heads, 3 KV heads, head dim 64)"),
                       ("anchor_qwen", "Qwen2.5-Coder-0.5B (14 heads, 2 KV heads, head dim 64)")):
         if key in data:
@@ -220,7 +230,8 @@ def render_folder(name: str, folder: Path) -> str:
                     "by a fixed chunk size (about 100 MiB), so at small N it exceeds one N×N score matrix and at 32k it "
                     "is about 1/100 of one.", "",
                     *_note(r), rows_to_markdown(rows, BENCH_ATTENTION_COLUMNS), "",
-                    f"![time](benchmarks/results/{name}/{key}_time.png) ![speed-up](benchmarks/results/{name}/{key}_speedup.png)", ""]
+                    f"![time]({link(f'benchmarks/results/{name}/{key}_time.png')}) "
+                    f"![speed-up]({link(f'benchmarks/results/{name}/{key}_speedup.png')})", ""]
     if "vit" in data:
         r = data["vit"]
         out += [*_head("DINOv2-S end to end (images/s), dense vs FNA", r),
@@ -250,7 +261,7 @@ def render_folder(name: str, folder: Path) -> str:
             out += [*_head(f"{what} prefill latency, dense vs AnchorAttention", r), "  ".join(notes), "",
                     *_note(r), rows_to_markdown(rows, BENCH_LM_COLUMNS), ""]
     if "gpu_check" in data:
-        out += gpu_check_tables(data["gpu_check"])
+        out += gpu_check_tables(data["gpu_check"], link)
     if not out:
         return ""
     return "\n".join([f"## Device: {name}", "", *out])
@@ -264,7 +275,7 @@ def _table(header: list[str], rows: list[list]) -> list[str]:
     return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header), *("| " + " | ".join(r) + " |" for r in rows), ""]
 
 
-def gpu_check_tables(r: dict) -> list[str]:
+def gpu_check_tables(r: dict, link=_same_page) -> list[str]:
     """The tables of ``benchmarks/gpu_check.py``'s ``gpu_check.json``: exactness checks, FNA, AnchorAttention's Triton
     path and the FlexAttention baselines against SDPA (flash), and the calibrated break-even lengths; a section that
     failed shows its error."""
@@ -332,7 +343,7 @@ def gpu_check_tables(r: dict) -> list[str]:
     if r.get("kernels"):
         out += ["Every Triton kernel variant the run compiled, as the driver reports it (`spilled`: registers spilled to "
                 "local memory; compare the no-GPU compile report, [The Triton kernels compiled for sm_90 and sm_80]"
-                "(#the-triton-kernels-compiled-for-sm_90-and-sm_80)):", ""]
+                f"({link('#the-triton-kernels-compiled-for-sm_90-and-sm_80')})):", ""]
         out += _table(["kernel", "warps", "registers", "spilled", "shared (B)"],
                       [[x["kernel"], _cell(x.get("num_warps"), "{}"), _cell(x.get("registers"), "{}"),
                         _cell(x.get("spills"), "{}") if "error" not in x else f"error: {x['error'][:60]}",
@@ -388,29 +399,34 @@ def compile_tables(after: dict, before: dict | None) -> list[str]:
     return lines + _table(["target", "kernel", "input", "width", "variants", "spill stores before", "spill stores now"], rows)
 
 
-def render_intro(folder_names: list[str]) -> str:
+def render_intro(folder_names: list[str], link=_same_page) -> str:
     """The intro: where the generated tables come from; ``folder_names`` are the results folders with tables."""
-    out = ["Generated parts (between `<!-- generated:NAME -->` markers) come from `python benchmarks/make_benchmarks.py "
-           "render`, which reads the JSON that `python benchmarks/make_benchmarks.py run` writes under "
-           "`benchmarks/results/<device>/`; every ratio in them is measured side by side in one run (each length or "
-           "resolution times the exact baseline and every method back to back on the same inputs, warm-up excluded, "
-           "median of the repeats).  The same tables come from the CLI: `attnpatch bench attention`, `attnpatch bench "
-           "model`.  Everything outside the markers is hand-written (dated entries, each naming its command and result "
-           "files) and `render` keeps it verbatim.", ""]
+    out = ["Generated parts (between `<!-- generated:NAME -->` markers, here and on the pages under `docs/benchmarks/`) "
+           "come from `python benchmarks/make_benchmarks.py render`, which reads the JSON that `python "
+           "benchmarks/make_benchmarks.py run` writes under `benchmarks/results/<device>/`; every ratio in them is "
+           "measured side by side in one run (each length or resolution times the exact baseline and every method back "
+           "to back on the same inputs, warm-up excluded, median of the repeats).  The same tables come from the CLI: "
+           "`attnpatch bench attention`, `attnpatch bench model`.  Everything outside the markers is hand-written (dated "
+           "entries, each naming its command and result files) and `render` keeps it verbatim; `render --check` says "
+           "whether every page is what the results files make.", ""]
     if "cuda" not in folder_names:
         out += ["No generated GPU tables yet (`benchmarks/results/cuda/` is empty; the one GPU run so far is the "
-                "hand-written [On a GPU](#on-a-gpu-nvidia-h200-2026-11-30) entry, which predates the GPU kernels: see "
-                "[The GPU check](#the-gpu-check-prepared-not-yet-run-on-a-gpu-2026-12-03)).  On a GPU machine, "
-                "`PYTHONPATH=. python benchmarks/gpu_check.py` (at most about 8 minutes) writes "
+                f"hand-written [On a GPU]({link('#on-a-gpu-nvidia-h200-2026-11-30')}) entry, which predates the GPU "
+                f"kernels: see [The GPU check]({link('#the-gpu-check-prepared-not-yet-run-on-a-gpu-2026-12-03')})).  "
+                "On a GPU machine, `PYTHONPATH=. python benchmarks/gpu_check.py` (at most about 8 minutes) writes "
                 "`benchmarks/results/cuda/gpu_check.json`, and `python benchmarks/make_benchmarks.py run --device cuda "
                 "--long` the full tables (FNA up to N = 65536; the captured AnchorAttention inputs up to 32k); `render` "
                 "adds both to the `generated:cuda` block.", ""]
     return "\n".join(out)
 
 
-# --------------------------------------------------------------------------- the document: generated blocks + hand-written rest
+# --------------------------------------------------------------------------- the pages: generated blocks + hand-written rest
 
-BENCHMARKS = ROOT.parent / "BENCHMARKS.md"
+REPO = ROOT.parent
+#: The front page, and the folder of the per-area pages (every ``*.md`` in it is rendered), relative to the repository.
+FRONT = "BENCHMARKS.md"
+PAGE_DIR = "docs/benchmarks"
+BENCHMARKS = REPO / FRONT
 BLOCK = re.compile(r"<!-- generated:(?P<name>[\w./-]+) -->\n(?P<body>.*?)<!-- /generated:(?P=name) -->", re.S)
 FENCE = re.compile(r"^(```|~~~)")
 DEFAULT_TEMPLATE = ("# Benchmarks\n\n<!-- generated:toc -->\n<!-- /generated:toc -->\n\n"
@@ -438,12 +454,16 @@ def headings(markdown: str) -> list[tuple[int, str]]:
     return out
 
 
+def anchors(markdown: str) -> list[str]:
+    """The anchors of every heading of ``markdown``, in order."""
+    seen: dict[str, int] = {}
+    return [slug(text, seen) for _, text in headings(markdown)]
+
+
 def render_toc(markdown: str, levels: tuple[int, ...] = (2, 3)) -> str:
     """A table of contents of the ``##`` and ``###`` headings (nested), with GitHub's anchors."""
-    seen: dict[str, int] = {}
     lines = ["**Contents**", ""]
-    for level, text in headings(markdown):
-        anchor = slug(text, seen)
+    for (level, text), anchor in zip(headings(markdown), anchors(markdown)):
         if level in levels:
             label = re.sub(r"([][])", r"\\\1", text)
             lines.append("  " * (level - levels[0]) + f"- [{label}](#{anchor})")
@@ -455,37 +475,102 @@ def folders_of(results: Path) -> list[str]:
     return [d.name for d in sorted(results.iterdir()) if d.is_dir() and d.name != "qkv"] if results.is_dir() else []
 
 
-def render(template: str, results: Path = RESULTS) -> str:
-    """``template`` (the committed BENCHMARKS.md) with every ``<!-- generated:NAME -->`` block rendered anew from
-    ``results``; the text outside the blocks is kept as it is.
+def linker(page: str, where: dict[str, str]):
+    """``link(target)`` for generated text written into ``page`` (a path relative to the repository): ``target`` is a
+    repository path (``benchmarks/results/cpu/fna_time.png``) or ``#anchor``, the anchor of a heading on whichever
+    page holds it (``where``: anchor -> page; this page first, else the same page)."""
+    here = posixpath.dirname(page) or "."
 
-    Blocks: ``toc`` (the table of contents of the whole document), ``intro``, and one per results folder (``cpu``,
-    ``cuda``, ...; empty for a folder without the files ``run`` writes).  A folder with tables but no block in the
-    template gets one at the end of the document (move it where it belongs: render keeps it there from then on).
+    def link(target: str) -> str:
+        path, _, anchor = target.partition("#")
+        if not path:
+            path = where.get(anchor, page)
+        rel = "" if path == page else posixpath.relpath(path, here)
+        return rel + (f"#{anchor}" if anchor else "")
+    return link
+
+
+def _where(pages: dict[str, str], first: str) -> dict[str, str]:
+    """anchor -> the page that has a heading with it (``first``'s own headings win, then the pages in order)."""
+    out: dict[str, str] = {}
+    for name in [first, *pages]:
+        for a in anchors(pages[name]):
+            out.setdefault(a, name)
+    return out
+
+
+def _render_once(pages: dict[str, str], results: Path, finished: dict[str, str]) -> dict[str, str]:
+    names = folders_of(results)
+    with_tables = [n for n in names if render_folder(n, results / n)]
+    held = {m["name"] for text in pages.values() for m in BLOCK.finditer(text)}
+    front = FRONT if FRONT in pages else next(iter(pages))
+    out = {}
+    for page, template in pages.items():
+        link = linker(page, _where(finished, page))
+
+        def fill(m: re.Match) -> str:
+            name = m["name"]
+            if name == "toc":
+                return m.group(0)
+            if name == "intro":
+                return _block(name, render_intro(with_tables, link))
+            return _block(name, render_folder(name, results / name, link) if name in names else "")
+
+        doc = BLOCK.sub(fill, template)
+        if page == front:
+            for name in with_tables:
+                if name not in held:
+                    _say(f"results folder {name!r} had no block on any page: appended at the end of {page}")
+                    doc = doc.rstrip("\n") + "\n\n" + _block(name, render_folder(name, results / name, link)) + "\n"
+        # the table of contents last, from the finished page (the toc block itself holds no headings)
+        out[page] = BLOCK.sub(lambda m: _block("toc", render_toc(doc)) if m["name"] == "toc" else m.group(0), doc)
+    return out
+
+
+def render_pages(pages: dict[str, str], results: Path = RESULTS) -> dict[str, str]:
+    """Every page (path relative to the repository -> its committed text) with every ``<!-- generated:NAME -->``
+    block rendered anew from ``results``; the text outside the blocks is kept as it is.
+
+    Blocks: ``toc`` (the table of contents of the page's own headings), ``intro``, and one per results folder
+    (``cpu``, ``cuda``, ``compile``, ...; empty for a folder without the files ``run`` writes), each on whichever page
+    holds its markers.  A folder with tables but no block on any page gets one at the end of the front page (move it
+    where it belongs: render keeps it there from then on).  Links in generated text are written relative to the page,
+    and a link to a heading goes to the page that has it; a second pass resolves links to headings the first one
+    generated, so rendering a rendered set changes nothing.
     """
-    folders = {n: render_folder(n, results / n) for n in folders_of(results)}
-    blocks = {"intro": render_intro([n for n, body in folders.items() if body]), **folders}
-    placed: set[str] = set()
+    first = _render_once(pages, results, pages)
+    return _render_once(pages, results, first)
 
-    def fill(m: re.Match) -> str:
-        name = m["name"]
-        if name == "toc":
-            return m.group(0)
-        placed.add(name)
-        return _block(name, blocks.get(name, ""))
 
-    doc = BLOCK.sub(fill, template)
-    for name, body in folders.items():
-        if name not in placed and body:
-            _say(f"results folder {name!r} had no block in BENCHMARKS.md: appended at the end")
-            doc = doc.rstrip("\n") + "\n\n" + _block(name, body) + "\n"
-    # the table of contents last, from the finished document (the toc block itself holds no headings)
-    return BLOCK.sub(lambda m: _block("toc", render_toc(doc)) if m["name"] == "toc" else m.group(0), doc)
+def render(template: str, results: Path = RESULTS, page: str = FRONT) -> str:
+    """One page (``template``, at ``page`` in the repository) rendered on its own: :func:`render_pages` of it alone."""
+    return render_pages({page: template}, results)[page]
 
 
 def _block(name: str, body: str) -> str:
     body = body.strip("\n")
     return f"<!-- generated:{name} -->\n" + (f"{body}\n\n" if body else "") + f"<!-- /generated:{name} -->"
+
+
+def page_names(repo: Path = REPO) -> list[str]:
+    """The front page and every page under ``docs/benchmarks/``, relative to ``repo``."""
+    return [FRONT, *sorted(f"{PAGE_DIR}/{p.name}" for p in (repo / PAGE_DIR).glob("*.md"))]
+
+
+def read_pages(repo: Path = REPO) -> dict[str, str]:
+    """The committed text of every page (a missing front page: :data:`DEFAULT_TEMPLATE`)."""
+    return {n: (repo / n).read_text() if (repo / n).is_file() else DEFAULT_TEMPLATE for n in page_names(repo)}
+
+
+def stale_pages(repo: Path = REPO, results: Path = RESULTS) -> dict[str, str]:
+    """The pages whose committed text differs from what ``render`` writes, each with a unified diff (rendered in
+    memory; nothing is written).  Empty when every page is up to date."""
+    import difflib
+
+    current = read_pages(repo)
+    rendered = render_pages(current, results)
+    return {n: "".join(difflib.unified_diff(current[n].splitlines(True), rendered[n].splitlines(True), n, "rendered"))
+            for n in current if rendered[n] != current[n] or not (repo / n).is_file()}
 
 
 def main() -> int:
@@ -496,10 +581,13 @@ def main() -> int:
     r.add_argument("--device", default="cpu")
     r.add_argument("--long", action="store_true", help="longer FNA lengths (GPU)")
     r.add_argument("--threads", type=int)
-    pr = sub.add_parser("render", help="rewrite the generated blocks of BENCHMARKS.md from benchmarks/results/")
-    pr.add_argument("--output", type=Path, help="write here instead of BENCHMARKS.md (the template is still BENCHMARKS.md)")
+    pr = sub.add_parser("render", help="rewrite the generated blocks of BENCHMARKS.md and docs/benchmarks/*.md from "
+                                       "benchmarks/results/")
+    pr.add_argument("--output", type=Path, metavar="DIR",
+                    help="write the pages under DIR (BENCHMARKS.md, docs/benchmarks/*.md) instead of in place; the "
+                         "templates are still the committed pages")
     pr.add_argument("--check", action="store_true",
-                    help="write nothing; exit 1 with a diff when BENCHMARKS.md is not what render would write")
+                    help="write nothing; exit 1 with a diff per page when a page is not what render would write")
     a = p.parse_args()
     if a.cmd == "run":
         if a.threads:
@@ -509,21 +597,22 @@ def main() -> int:
         for s in a.only:
             _say(f"section {s}")
             globals()[f"run_{s}"](out, a.device, a.long)
-    target = BENCHMARKS
-    current = target.read_text() if target.is_file() else DEFAULT_TEMPLATE
-    text = render(current)
     if getattr(a, "check", False):
-        if text == current:
-            _say("BENCHMARKS.md is up to date")
+        stale = stale_pages()
+        if not stale:
+            _say(f"every page is up to date ({', '.join(page_names())})")
             return 0
-        import difflib
-
-        sys.stdout.writelines(difflib.unified_diff(current.splitlines(True), text.splitlines(True), "BENCHMARKS.md", "rendered"))
-        _say("BENCHMARKS.md differs from what render writes (diff above): run `python benchmarks/make_benchmarks.py render`")
+        for diff in stale.values():
+            sys.stdout.write(diff)
+        _say(f"{', '.join(stale)} {'differs' if len(stale) == 1 else 'differ'} from what render writes (diff above): run "
+             "`python benchmarks/make_benchmarks.py render`")
         return 1
-    out_path = getattr(a, "output", None) or target
-    out_path.write_text(text)
-    _say(f"wrote {out_path}")
+    root = getattr(a, "output", None) or REPO
+    for name, text in render_pages(read_pages()).items():
+        dest = root / name
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        dest.write_text(text)
+        _say(f"wrote {dest}")
     return 0
 
 

@@ -1,4 +1,4 @@
-"""The hot path's small matrix work runs on one MKL thread, locally (no timings here: speed under load is in BENCHMARKS.md).
+"""The hot path's small matrix work runs on one MKL thread, locally (no timings here: speed under load is in docs/benchmarks/contention.md).
 
 A multi-threaded ``torch.linalg.eigh`` of six 64 x 64 landmark kernels takes 1-2 ms on an idle
 machine and 60-1000 ms while another PyTorch process keeps the cores busy (its OpenMP team

@@ -1,9 +1,10 @@
-"""The documents: README.md (the front door), docs/*.md and BENCHMARKS.md.
+"""The documents: README.md (the front door), docs/*.md, BENCHMARKS.md and its pages under docs/benchmarks/.
 
-Every relative link resolves (file and heading anchor, by GitHub's slug rules); no document states a test count;
-the README keeps the commands CI and users run; the pages name public import paths only; and
-``benchmarks/make_benchmarks.py render`` reproduces the committed BENCHMARKS.md byte for byte, keeping its
-hand-written parts.
+Every relative link resolves (file and heading anchor, by GitHub's slug rules), and so does every reference to a
+benchmark page's heading anywhere in the repository (``BENCHMARKS.md#anchor``, ``docs/benchmarks/vision.md,
+"Section"`` in a docstring); no document states a test count; the README keeps the commands CI and users run; the
+pages name public import paths only; BENCHMARKS.md stays a front page; and ``benchmarks/make_benchmarks.py render``
+reproduces every benchmark page byte for byte, keeping its hand-written parts.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-DOCS = sorted([*REPO.glob("*.md"), *(REPO / "docs").glob("*.md")])
+BENCH_PAGES = sorted((REPO / "docs" / "benchmarks").glob("*.md"))
+DOCS = sorted([*REPO.glob("*.md"), *(REPO / "docs").glob("*.md"), *BENCH_PAGES])
 PAGES = sorted((REPO / "docs").glob("*.md"))
 
 
@@ -88,6 +90,7 @@ def test_the_documents_exist():
     names = {p.relative_to(REPO).as_posix() for p in DOCS}
     for name in ("README.md", "BENCHMARKS.md", "docs/methods.md", "docs/cli.md", "docs/claims.md", "docs/extending.md"):
         assert name in names
+    assert {p.stem for p in BENCH_PAGES} >= {"cpu", "vision", "anchor", "claims", "contention", "gpu", "compile"}
 
 
 @pytest.mark.parametrize("page", DOCS, ids=lambda p: p.relative_to(REPO).as_posix())
@@ -118,6 +121,87 @@ def test_github_anchor_rules():
         "anchor_attention-under-the-competitor"}
 
 
+#: A benchmark page as the repository names it: the front page, or a page under docs/benchmarks/ (from docs/*.md:
+#: ``benchmarks/NAME.md``; from a docstring: ``docs/benchmarks/NAME.md``).
+BENCH_PAGE = r"(?P<page>BENCHMARKS\.md|(?:docs/)?benchmarks/[\w-]+\.md)"
+#: ``PAGE#anchor``: a link or a plain reference to a heading of a benchmark page.
+BENCH_ANCHOR = re.compile(BENCH_PAGE + r"#(?P<anchor>[^\s)\]\"'`,;]+)")
+#: ``PAGE, "Section"`` / ``PAGE ("Section")`` (also ``[PAGE, "Section"](...)``): a heading named by its text, or the
+#: start of it.
+BENCH_SECTION = re.compile(BENCH_PAGE + r"(?:\]?,\s*|\s+\()\"(?P<name>[^\"]+)\"")
+#: The files that refer to the benchmark pages: documents, the package's docstrings, the scripts and the tests.
+REFERRERS = ("*.md", "docs/**/*.md", "attnpatch/**/*.py", "benchmarks/*.py", "tests/*.py")
+
+
+def _bench_page(name: str, root: Path) -> Path:
+    return root / ("BENCHMARKS.md" if name == "BENCHMARKS.md" else f"docs/benchmarks/{Path(name).name}")
+
+
+def _heading_texts(text: str) -> list[str]:
+    out, fenced = [], False
+    for line in text.splitlines():
+        if FENCE.match(line):
+            fenced = not fenced
+        elif not fenced and (m := re.match(r"^ {0,3}#{1,6}[ \t]+(.*?)(?:[ \t]+#+)?[ \t]*$", line)):
+            out += [m.group(1), m.group(1).replace("`", "")]
+    return out
+
+
+def broken_bench_references(root: Path = REPO, skip: tuple[str, ...] = ("tests/test_docs.py",)) -> tuple[list[str], int]:
+    """Every reference to a benchmark page's heading under ``root`` (``BENCHMARKS.md#anchor``,
+    ``docs/benchmarks/x.md#anchor``, ``BENCHMARKS.md, "Section"``, ``docs/benchmarks/x.md ("Section")``) whose page
+    does not exist or has no such heading (an anchor by GitHub's rules; a section name: the start of a heading's
+    text), and the number of references checked."""
+    bad, checked = [], 0
+    files = sorted({f for pattern in REFERRERS for f in root.glob(pattern) if f.is_file()})
+    for f in files:
+        rel = f.relative_to(root).as_posix()
+        if rel in skip:
+            continue
+        text = re.sub(r"\s+", " ", f.read_text())  # a section name may run over a line break of a docstring
+        for m in BENCH_ANCHOR.finditer(text):
+            checked += 1
+            page = _bench_page(m["page"], root)
+            if not page.is_file():
+                bad.append(f"{rel}: {m.group(0)}: no such page")
+            elif m["anchor"] not in github_anchors(page.read_text()):
+                bad.append(f"{rel}: {m.group(0)}: no heading with this anchor in {page.relative_to(root).as_posix()}")
+        for m in BENCH_SECTION.finditer(text):
+            checked += 1
+            page = _bench_page(m["page"], root)
+            if not page.is_file():
+                bad.append(f"{rel}: {m.group(0)}: no such page")
+            elif not any(h.startswith(m["name"]) for h in _heading_texts(page.read_text())):
+                bad.append(f"{rel}: {m.group(0)}: no heading starting so in {page.relative_to(root).as_posix()}")
+    return bad, checked
+
+
+def test_every_reference_to_a_benchmark_heading_resolves():
+    bad, checked = broken_bench_references()
+    assert bad == []
+    assert checked >= 20, "the references to the benchmark pages were not found: is the pattern still right?"
+
+
+def test_the_reference_checker_finds_broken_references(tmp_path):
+    (tmp_path / "docs" / "benchmarks").mkdir(parents=True)
+    (tmp_path / "attnpatch").mkdir()
+    (tmp_path / "BENCHMARKS.md").write_text("# Benchmarks\n\n## Summary\n")
+    (tmp_path / "docs" / "benchmarks" / "vision.md").write_text("# Vision\n\n## FNA presets: speed (2026-12-01)\n")
+    (tmp_path / "docs" / "cli.md").write_text(
+        '[a](../BENCHMARKS.md#summary) [b](benchmarks/vision.md#fna-presets-speed-2026-12-01) '
+        '[docs/benchmarks/vision.md, "FNA presets"](benchmarks/vision.md)\n')
+    (tmp_path / "attnpatch" / "m.py").write_text(
+        '"""Measured: docs/benchmarks/vision.md ("FNA presets: speed"); BENCHMARKS.md, "Summary"."""\n')
+    assert broken_bench_references(tmp_path) == ([], 5)
+    (tmp_path / "attnpatch" / "m.py").write_text(
+        '"""docs/benchmarks/vision.md ("FNA presets,\n    again"); BENCHMARKS.md#nowhere; docs/benchmarks/gone.md#x;\n'
+        'BENCHMARKS.md, "Vision"."""\n')
+    bad, checked = broken_bench_references(tmp_path)
+    assert checked == 7 and len(bad) == 4
+    assert "BENCHMARKS.md#nowhere: no heading" in bad[0] and "gone.md#x: no such page" in bad[1]
+    assert '"FNA presets, again"' in bad[2] and 'BENCHMARKS.md, "Vision"' in bad[3]
+
+
 # --------------------------------------------------------------------------- what the documents say
 
 #: A stated test count ("1,844 tests", "1844 passed", "the test count"): it goes stale with every test added.
@@ -137,7 +221,7 @@ def test_no_document_states_a_test_count():
 
 
 def test_every_page_starts_with_a_table_of_contents():
-    for page in [*PAGES, REPO / "BENCHMARKS.md"]:
+    for page in [*PAGES, REPO / "BENCHMARKS.md", *BENCH_PAGES]:
         text = page.read_text()
         first_section = text.find("\n## ")
         assert "**Contents**" in text[:first_section], f"{page.relative_to(REPO)}: no table of contents before its first section"
@@ -194,13 +278,83 @@ def _make_benchmarks():
     return module
 
 
+def _bench_files() -> dict[str, bytes]:
+    return {p.relative_to(REPO).as_posix(): p.read_bytes() for p in [REPO / "BENCHMARKS.md", *BENCH_PAGES]}
+
+
+def test_benchmarks_is_a_front_page():
+    """BENCHMARKS.md holds the headline figures and a line per area page; the full tables live on the pages."""
+    text = (REPO / "BENCHMARKS.md").read_text()
+    assert len(text.splitlines()) < 400, "BENCHMARKS.md is the front page: full tables go to docs/benchmarks/"
+    for page in BENCH_PAGES:
+        assert f"](docs/benchmarks/{page.name})" in text, f"the front page has no line for docs/benchmarks/{page.name}"
+        assert "](../../BENCHMARKS.md)" in page.read_text(), f"{page.name} does not link back to the front page"
+
+
 def test_render_reproduces_the_committed_benchmarks(tmp_path):
-    out = tmp_path / "BENCHMARKS.md"
-    before = (REPO / "BENCHMARKS.md").read_bytes()
-    subprocess.run([sys.executable, str(REPO / "benchmarks" / "make_benchmarks.py"), "render", "--output", str(out)],
+    """``render --output DIR`` writes every page under DIR, each byte-equal to the committed one, and touches none."""
+    before = _bench_files()
+    subprocess.run([sys.executable, str(REPO / "benchmarks" / "make_benchmarks.py"), "render", "--output", str(tmp_path)],
                    check=True, cwd=tmp_path, capture_output=True)
-    assert (REPO / "BENCHMARKS.md").read_bytes() == before, "render --output must not touch BENCHMARKS.md"
-    assert out.read_bytes() == before, "BENCHMARKS.md is stale: run `python benchmarks/make_benchmarks.py render`"
+    assert _bench_files() == before, "render --output must not touch the committed pages"
+    written = {p.relative_to(tmp_path).as_posix(): p.read_bytes() for p in tmp_path.rglob("*.md")}
+    assert set(written) == set(before)
+    stale = [name for name in before if written[name] != before[name]]
+    assert stale == [], f"stale: {stale}; run `python benchmarks/make_benchmarks.py render`"
+
+
+def test_every_benchmark_page_is_what_render_writes():
+    """The front page and every docs/benchmarks/ page, rendered in memory from benchmarks/results/, equal the committed
+    files: a table edited by hand inside a ``generated`` block, or a results file changed without ``render``, fails."""
+    stale = _make_benchmarks().stale_pages()
+    assert stale == {}, "".join(stale.values())[-4000:] + "\nrun `python benchmarks/make_benchmarks.py render`"
+
+
+def test_stale_pages_finds_a_hand_edit_inside_a_generated_block(tmp_path):
+    mb = _make_benchmarks()
+    for name, data in _bench_files().items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(data)
+    assert mb.stale_pages(tmp_path) == {}
+    cpu = tmp_path / "docs" / "benchmarks" / "cpu.md"
+    text = cpu.read_text()
+    start = text.index("<!-- generated:cpu -->")
+    row = re.search(r"\| 4097 \| fna \(s=64\) \| 8\.17ms \| 17\.42x", text[start:])
+    assert row, "the FNA row the test edits is gone from the cpu block"
+    cpu.write_text(text[:start + row.start()] + row.group(0).replace("17.42x", "27.42x") + text[start + row.end():])
+    stale = mb.stale_pages(tmp_path)
+    assert list(stale) == ["docs/benchmarks/cpu.md"] and "-| 4097 | fna (s=64) | 8.17ms | 27.42x" in stale["docs/benchmarks/cpu.md"]
+    cpu.write_text(text)
+    front = tmp_path / "BENCHMARKS.md"
+    committed = front.read_text()
+    front.write_text(committed.replace("- [Summary](#summary)\n", ""))  # inside the front page's table of contents
+    assert list(mb.stale_pages(tmp_path)) == ["BENCHMARKS.md"]
+    # the text outside the blocks is the page's own: editing it makes nothing stale
+    front.write_text(committed.replace("## Summary\n", "## Summary\n\nA hand-written line.\n"))
+    assert mb.stale_pages(tmp_path) == {}
+
+
+def test_render_pages_writes_links_from_each_page(tmp_path):
+    """A block on a page under docs/benchmarks/ links the plots relative to that page, and a link to a heading goes
+    to the page that has it."""
+    mb = _make_benchmarks()
+    results = tmp_path / "results"
+    (results / "cpu").mkdir(parents=True)
+    (results / "cpu" / "fna.json").write_text((REPO / "benchmarks" / "results" / "cpu" / "fna.json").read_text())
+    pages = {"BENCHMARKS.md": "# Benchmarks\n\n<!-- generated:intro -->\n<!-- /generated:intro -->\n\n## Summary\n",
+             "docs/benchmarks/cpu.md": "# CPU\n\n<!-- generated:toc -->\n<!-- /generated:toc -->\n\n"
+                                       "<!-- generated:cpu -->\n<!-- /generated:cpu -->\n",
+             "docs/benchmarks/gpu.md": "# GPU\n\n## On a GPU (NVIDIA H200, 2026-11-30)\n"}
+    out = mb.render_pages(pages, results)
+    assert "![time](../../benchmarks/results/cpu/fna_time.png)" in out["docs/benchmarks/cpu.md"]
+    assert "- [FNA attention vs SDPA (non-causal, one layer)](#fna-attention-vs-sdpa-non-causal-one-layer)" in out[
+        "docs/benchmarks/cpu.md"]
+    assert "[On a GPU](docs/benchmarks/gpu.md#on-a-gpu-nvidia-h200-2026-11-30)" in out["BENCHMARKS.md"]
+    assert out["docs/benchmarks/gpu.md"] == pages["docs/benchmarks/gpu.md"]  # no block: kept as it is
+    assert mb.render_pages(out, results) == out
+    link = mb.linker("docs/benchmarks/gpu.md", {"the-triton-kernels-compiled-for-sm_90-and-sm_80": "docs/benchmarks/compile.md"})
+    assert link("#the-triton-kernels-compiled-for-sm_90-and-sm_80") == "compile.md#the-triton-kernels-compiled-for-sm_90-and-sm_80"
+    assert link("#elsewhere") == "#elsewhere" and link("BENCHMARKS.md#summary") == "../../BENCHMARKS.md#summary"
 
 
 def test_render_keeps_hand_written_text_and_renders_each_results_folder(tmp_path):
@@ -233,9 +387,9 @@ def test_render_keeps_hand_written_text_and_renders_each_results_folder(tmp_path
 
 
 def test_render_check_option_reports_a_stale_file(tmp_path):
-    """``render --check`` exits 0 on the committed file; the test does not write BENCHMARKS.md."""
-    before = (REPO / "BENCHMARKS.md").read_bytes()
+    """``render --check`` exits 0 on the committed pages; the test writes none of them."""
+    before = _bench_files()
     done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "make_benchmarks.py"), "render", "--check"],
                           cwd=tmp_path, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    assert (REPO / "BENCHMARKS.md").read_bytes() == before
+    assert _bench_files() == before

@@ -38,8 +38,8 @@ def spill_budget(arch: int, v: dict) -> int:
     sm_90, where the GPU check runs: none, but float32 at head dim 128 (three bfloat16 products per tile; not a shape of
     the GPU check: 36 B measured).  sm_80, whose mma.sync keeps both operands in registers: half precision at head dim
     128 up to 64 B; the float32 attention, selection and probe masses, and the 64-wide pseudo-inverse, up to the
-    kilobytes measured when the budget was written (BENCHMARKS.md, "The Triton kernels compiled for sm_90 and
-    sm_80")."""
+    kilobytes measured when the budget was written (docs/benchmarks/compile.md, "The Triton kernels compiled for
+    sm_90 and sm_80")."""
     c = v["constexprs"]
     fp32 = _input(v) == "*fp32"
     if arch == 90:

@@ -19,7 +19,7 @@ The functions here are pure tensor functions (no model knowledge).  Tensors foll
 (grouped-query attention) and are never repeated in memory for the selection step.
 
 Beyond the paper, :class:`AnchorConfig` offers remedies for the paper-faithful setting's
-failure on retrieval (the measurements that chose the defaults are in docs/methods.md and BENCHMARKS.md):
+failure on retrieval (the measurements that chose the defaults are in docs/methods.md and docs/benchmarks/anchor.md):
 finer pooling (``pool_stride``; 1 = every query selects for itself), dense attention for the last
 ``dense_last`` prompt queries, dense fallback for chosen layers or (layer, head) pairs, and the recall
 guard (``min_recall``): heads whose kept keys lose softmax mass on probe blocks attend densely, decided

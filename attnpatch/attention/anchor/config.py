@@ -21,14 +21,14 @@ _LAYERS = "name model layers"  # why dense_layers / dense_heads do not apply to 
 
 #: ``min_len="auto"``: the prompt length (tokens) from which the defaults' sparse prefill is faster than the fused dense
 #: attention, by device type.  CPU: between the lengths where the defaults were measured not faster (SmolLM2-135M at
-#: 8k) and faster (Qwen2.5-Coder-0.5B at 16k) than dense end to end (BENCHMARKS.md, "The defaults' break-even length");
+#: 8k) and faster (Qwen2.5-Coder-0.5B at 16k) than dense end to end (docs/benchmarks/anchor.md, "The defaults' break-even length");
 #: a device type not listed is calibrated at first use by the patch (:func:`attnpatch.patchers.methods.anchor_attention.resolved`);
 #: called directly, ``"auto"`` on such a device never runs sparse.
 BREAK_EVEN: dict[str, int] = {"cpu": 12288}
 
 #: ``min_len="auto-fast"``: the same for a speed setting (the ``fast`` preset's pooling and threshold, and the tuner's
 #: candidates), which skips more keys for a cheaper selection and so pays from shorter prompts.  CPU: between the
-#: lengths where the ``fast`` preset was measured slower and faster than dense end to end (BENCHMARKS.md; docs/methods.md, "anchor_attention presets").
+#: lengths where the ``fast`` preset was measured slower and faster than dense end to end (docs/benchmarks/anchor.md, "The presets"; docs/methods.md, "anchor_attention presets").
 FAST_BREAK_EVEN: dict[str, int] = {"cpu": 3072}
 
 #: The words ``min_len`` takes besides a token count, each with its table of break-even lengths by device type.
@@ -115,7 +115,7 @@ class AnchorConfig:
         select_dtype: ``"float32"``, ``"bfloat16"`` or ``"auto"``: the precision of the pooled queries and
             keys in the stripe-scoring product (accumulated in float32).  ``"bfloat16"`` makes the selection
             faster on CPUs with native bfloat16 dot products (AVX512-BF16, AMX) and flips stripes only within
-            rounding of the threshold (speed and flipped stripes measured: BENCHMARKS.md); on a CPU without
+            rounding of the threshold (speed and flipped stripes measured: docs/benchmarks/anchor.md); on a CPU without
             them it is emulated and many times slower.  ``"auto"``: ``"bfloat16"`` where
             :func:`bfloat16_is_faster` measures it faster on the input's device type, else ``"float32"``.
             The anchors, the recall guard and the attention itself stay in the input precision.
@@ -186,7 +186,7 @@ class AnchorConfig:
     the accuracy-first setting before them (``pool_stride=2``, sparse from 512 tokens); ``fast`` skips more
     keys from the shorter break-even length of ``min_len="auto-fast"`` (:data:`FAST_BREAK_EVEN`).  The
     measurements (accuracy, sparsity and recall per setting, and the speed of the defaults and of
-    settings chosen for speed) are in docs/methods.md and BENCHMARKS.md.
+    settings chosen for speed) are in docs/methods.md and docs/benchmarks/anchor.md.
     """
 
     theta: float = field(default=12.0, metadata=opt(

@@ -50,7 +50,7 @@ def anchor_attention(
     through PyTorch operations, which synchronise where they branch on a result).
 
     Speed and recall of the defaults and of faster settings, against causal SDPA on captured inputs:
-    BENCHMARKS.md.  Heads the global recall
+    docs/benchmarks/cpu.md.  Heads the global recall
     guard makes dense run PyTorch's fused causal attention (one call per key/value head, K/V not repeated);
     blocks the causal guard makes dense run the compiled kernel over every causal key, or on the PyTorch path
     fused attention over the rows from the first guarded block (:func:`dense_rows_attention`).

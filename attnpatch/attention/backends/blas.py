@@ -57,7 +57,7 @@ def local_blas_threads(n: int = 1, device: torch.device | str | None = None):
     products) is microseconds of arithmetic split over MKL's OpenMP team.  On an idle machine
     that costs nothing, but while another process keeps the cores busy every parallel region
     waits for a descheduled team thread, and work of a few milliseconds takes far longer (measured
-    beside a competing process: BENCHMARKS.md).  One thread has nothing to
+    beside a competing process: docs/benchmarks/contention.md).  One thread has nothing to
     wait for.  The setting is MKL's thread-local ``mkl_set_num_threads_local`` (restored on exit),
     so unlike ``torch.set_num_threads`` it is safe with other Python threads (PyTorch sets the same
     thread-local count to its thread count when a thread first runs an operator); ATen's own

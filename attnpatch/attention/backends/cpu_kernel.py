@@ -3,7 +3,8 @@ farthest-point sampling.
 
 Built on first use with :func:`torch.utils.cpp_extension.load` (a C++ compiler, the Python headers
 and ``ninja`` are needed; once, then cached by PyTorch under ``TORCH_EXTENSIONS_DIR``).  A build (not a load from the
-cache) says so on stderr before it starts, with how long it usually takes, and again when it is done, with its time.
+cache) says so on stderr before it starts, with how long it usually takes, and again when it is done, with its time
+(measured build times: docs/benchmarks/cpu.md).
 Where it cannot be built, :func:`stripe_kernel` returns ``None`` and says why in
 :func:`kernel_status` (a failed build also warns once); AnchorAttention's ``kernel="auto"`` and
 farthest-point sampling then run their PyTorch paths (the same results, more slowly).

@@ -109,7 +109,8 @@ class Kernel:
 
 #: ``kernel="auto"`` of the block-sparse baselines on the CPU: FlexAttention from this many keys (``q_offset + Lq``) on,
 #: else the gather path; ``None``: never.  ``None`` because the gather path measured faster on the CPU at every length
-#: tried, with about half the causal pairs kept (``benchmarks/flex_cpu.py``, side by side; the numbers: BENCHMARKS.md).
+#: tried, with about half the causal pairs kept (``benchmarks/flex_cpu.py``, side by side; the numbers:
+#: docs/benchmarks/cpu.md).
 #: On CUDA ``"auto"`` is always FlexAttention.
 CPU_FLEX_MIN_KEYS: dict[str, int | None] = {"a_shape": None, "vertical_slash": None, "block_topk": None}
 

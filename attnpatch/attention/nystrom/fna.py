@@ -17,7 +17,7 @@ products only, so with FPS's Triton kernel the whole layer is CUDA-graph captura
 :mod:`attnpatch.attention.backends.blas`, exact attention (the methods' fallback) in :mod:`attnpatch.attention.exact`.
 The landmark kernel of a pretrained ViT is badly conditioned, so the exact pseudo-inverse amplifies the approximation
 error; the defaults of :class:`attnpatch.patchers.methods.fna.FNAConfig` were chosen by measurement (docs/methods.md
-and BENCHMARKS.md).
+and docs/benchmarks/vision.md).
 
 All functions are pure tensor functions: ``q, k, v`` are ``[batch, heads, tokens, head_dim]``.
 """
@@ -59,7 +59,7 @@ def nystrom_attention(
     Without ``key_keep``, ``B @ V`` is attention of the ``s`` landmark queries over all ``N``
     keys and ``F @ W`` attention of all ``N`` queries over the ``s`` landmark keys, so both run
     as fused ``scaled_dot_product_attention`` calls (no ``[N, s]`` buffer either; the speed against
-    SDPA over all keys is in BENCHMARKS.md).
+    SDPA over all keys is in docs/benchmarks/cpu.md).
 
     Half-precision inputs (bfloat16, float16): the landmark kernel's logits, its
     pseudo-inverse and ``W = pinv(A) (B V)`` are computed in float32 and the pseudo-inverse is
@@ -160,7 +160,7 @@ def _renormalized(f: torch.Tensor, z: torch.Tensor, bm: torch.Tensor, v: torch.T
     The ratio is used where the estimated mass exceeds :data:`RENORM_MIN_MASS` (0.1: the
     division amplifies the Nyström error at most 10x), rows elsewhere.  The rule and its threshold
     were chosen by measurement (final-CLS cosine to dense of ``fna+sink_mask`` with
-    ``renormalize=True`` on dinov2-small: BENCHMARKS.md); ``tests/test_precision.py`` holds the
+    ``renormalize=True`` on dinov2-small: docs/benchmarks/vision.md); ``tests/test_precision.py`` holds the
     image whose estimated kept mass goes below zero.
     """
     kept = bm.sum(-1, keepdim=True)  # [.., s, 1] exact kept mass of each landmark query's row

@@ -108,7 +108,7 @@ def landmark_pinv(a: torch.Tensor, mode: str = "rtol", *, rtol: float = 1e-2, it
             (Xiong et al. 2021, Eq. 15-16; the scaling is per matrix here, so items do not influence each other);
             ``"exact"`` — float64 SVD pseudo-inverse, default cut-off.  On the CPU the factorisation runs on one MKL
             thread (:func:`~attnpatch.attention.backends.blas.local_blas_threads`): it is tiny, and a multi-threaded
-            ``eigh`` stalls when another process holds the cores (BENCHMARKS.md).
+            ``eigh`` stalls when another process holds the cores (docs/benchmarks/contention.md).
         rtol: relative singular-value cut-off of ``"rtol"`` (> 0).
         iters: Newton-Schulz iterations (>= 1).
         kernel: ``"auto"`` or the ``"rtol"`` kernel by name: ``"eigh"``, ``"products"``, ``"triton"``

@@ -6,7 +6,7 @@ alive across operator boundaries; a kernel's internal scratch is not seen).
 
 Any bench can run beside a competing PyTorch process (:func:`background_load`, ``--background-load``):
 a second program keeping every core busy, as a data-loader worker or another job does, is where
-small multi-threaded kernels stall (measurements under such a load: BENCHMARKS.md).
+small multi-threaded kernels stall (measurements under such a load: docs/benchmarks/contention.md).
 """
 
 from __future__ import annotations

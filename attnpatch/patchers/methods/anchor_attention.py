@@ -2,7 +2,7 @@
 
 What each option does is declared once, on the fields of
 :class:`~attnpatch.attention.anchor.AnchorConfig` (kind, default, help, range); how the defaults were chosen and what they
-cost and keep is measured in BENCHMARKS.md and docs/methods.md.
+cost and keep is measured in docs/benchmarks/anchor.md and docs/methods.md.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ _NOT_SPEED = ("min_len", "dense_layers", "dense_heads")  # options a one-layer c
 #: The parameters of :func:`synthetic_prefill`, in logit units (natural-log scale, after ``D ** -0.5``) and tokens:
 #: fitted by ``benchmarks/fit_synthetic_prefill.py`` so that the sparsity and mean recall of the defaults, ``fast`` and
 #: ``paper`` settings on the generator at 8k match their means on SmolLM2-135M prefill layers captured on natural prose
-#: (the fit and the match: BENCHMARKS.md, "AnchorAttention's synthetic prefill, fitted to SmolLM2 captures").
+#: (the fit and the match: docs/benchmarks/gpu.md, "AnchorAttention's synthetic prefill, fitted to SmolLM2 captures").
 SYNTHETIC_PREFILL = dict(sink=6.0, stripe=8.0, stripe_every=256, column=2.5, local=10.0, local_span=1024, noise=2.5)
 
 
@@ -63,7 +63,7 @@ def synthetic_prefill(n: int, heads: int, kv_heads: int, head_dim: int, *, dtype
       against ``k``'s).
 
     Values standard normal.  Every parameter left ``None`` takes its value in :data:`SYNTHETIC_PREFILL` (fitted to
-    captured layers; the fit and how closely the generator's sparsity and recall match: BENCHMARKS.md).  Deterministic
+    captured layers; the fit and how closely the generator's sparsity and recall match: docs/benchmarks/gpu.md).  Deterministic
     in ``seed`` (built on the CPU in float32, then moved to ``device`` and cast to ``dtype``).  ``D >= 4``.
     """
     p = {**SYNTHETIC_PREFILL, **{name: value for name, value in dict(
@@ -268,7 +268,7 @@ def _knob(t: float, n: int) -> dict[str, Any]:
 
 
 #: Named option sets (``patch(model, "anchor_attention", preset=...)``); what each is for: docs/methods.md; measured
-#: speed and accuracy of each: BENCHMARKS.md ("The presets").
+#: speed and accuracy of each: docs/benchmarks/anchor.md ("The presets").
 PRESETS = {
     "accurate": Preset(
         dict(theta=12.0, pool_stride=2, dense_last=256, min_recall=0.9, min_len=512, select_dtype="float32"),

@@ -3,7 +3,7 @@
 Sink tokens are detected once per forward call (at ``detect_layer``) and kept in the
 per-forward :class:`~attnpatch.patchers.state.ForwardState`, so every masked layer masks the
 same tokens.  The detection itself lives in :mod:`attnpatch.attention.sinks`; measurements of
-the defaults are in BENCHMARKS.md and docs/methods.md.
+the defaults are in docs/benchmarks/vision.md and docs/methods.md.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ class SinkMaskConfig:
         keep_cls: never mask the first (CLS) token.
 
     The defaults (mask the last layer only, no renormalisation) were chosen by measurement on
-    ``dinov2-small``; the numbers are in BENCHMARKS.md and docs/methods.md.
+    ``dinov2-small``; the numbers are in docs/benchmarks/vision.md and docs/methods.md.
     """
 
     mask_layers: int = field(default=1, metadata=opt(

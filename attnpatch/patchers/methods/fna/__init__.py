@@ -3,7 +3,7 @@
 Landmark indices are sampled once per forward call (at ``sample_layer``) and kept in the
 per-forward :class:`~attnpatch.patchers.state.ForwardState`, so later layers reuse them.  What
 each option does is declared once on :class:`~.config.FNAConfig`; how the defaults were chosen, and the
-accuracy and speed they give, is measured in BENCHMARKS.md and docs/methods.md.
+accuracy and speed they give, is measured in docs/benchmarks/vision.md and docs/methods.md.
 
 This module is the method itself: landmark bookkeeping, the forward and the registration.  Its options, checks,
 presets and the layer's approximation: :mod:`.config`; its calibration, bench and tune hooks: :mod:`.hooks`.

@@ -24,7 +24,7 @@ __all__ = ["FNAConfig", "FEATURES", "BREAK_EVEN", "PRESETS", "check_fna", "appro
 FEATURES = ("keys", "hidden")
 
 #: ``min_tokens="auto"``: the token count (CLS and registers included) from which FNA's defaults are faster than the
-#: model's exact attention end to end, by device type (CPU: measured on dinov2-small, BENCHMARKS.md); other device
+#: model's exact attention end to end, by device type (CPU: measured on dinov2-small, docs/benchmarks/vision.md); other device
 #: types are calibrated at first use (:func:`min_tokens_for`).  ``ATTNPATCH_FNA_BREAK_EVEN`` (tokens) overrides it on
 #: every device (the test suite sets 0 so that tiny models are approximated).
 BREAK_EVEN: dict[str, int] = {"cpu": 600}
@@ -77,7 +77,7 @@ class FNAConfig:
 
     The defaults were chosen by measurement on the offline ``dinov2-small``; the sweeps (sample
     layer, pseudo-inverse, landmark features and strategy; final-CLS cosine to dense and
-    teacher-forced layer error) are in BENCHMARKS.md and docs/methods.md.
+    teacher-forced layer error) are in docs/benchmarks/vision.md and docs/methods.md.
     """
 
     s: int = field(default=64, metadata=opt(
@@ -163,7 +163,7 @@ def approximate(cfg: FNAConfig, q, k, v, landmarks, *, scale, prefix, window, ke
 
 
 #: Named option sets (``patch(model, "fna", preset=...)``); what each is for: docs/methods.md ("FNA presets"); measured
-#: speed and CLS cosine of each: BENCHMARKS.md ("FNA presets").
+#: speed and CLS cosine of each: docs/benchmarks/vision.md ("FNA presets").
 PRESETS = {
     "accurate": Preset(
         dict(s=64, sample_layer="auto", local_window=0, window_until=None, min_tokens="auto"),
