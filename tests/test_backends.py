@@ -256,6 +256,11 @@ def test_auto_on_a_cuda_device_as_the_table_reads_it():
     assert choose("pinv", "auto", Call(cuda.device, torch.float32, side=32, work_dtype=torch.float64)) == "products"
     assert choose("a_shape", "auto", cuda) == "flex"
     assert choose("anchor_attend", "auto", Call(cuda.device, torch.float64)) == "torch"  # Triton takes no float64
+    # AnchorAttention's Triton tiles are compiled and budget-checked up to head dim 128: wider heads take PyTorch
+    assert choose("anchor_attend", "auto", Call(cuda.device, torch.bfloat16, head_dim=256)) == "torch"
+    if TRITON_AVAILABLE:
+        with pytest.raises(KernelError, match="^kernel='triton' takes head dims up to 128, not 256; allowed here: "):
+            choose("anchor_attend", "triton", Call(cuda.device, torch.bfloat16, head_dim=256))
 
 
 def test_one_error_text_for_a_kernel_that_cannot_run():

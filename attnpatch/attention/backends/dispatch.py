@@ -9,8 +9,8 @@ In the spirit of xformers' ``ops/fmha`` dispatch (each operator declares what it
 The table (:data:`TABLE`) holds, per operation, its kernels in order of preference.  Each :class:`Kernel` declares:
 
 * ``auto_on``: the device types where ``kernel="auto"`` may pick it (``"*"``: every device);
-* ``devices`` and ``dtypes``: what it runs (``None``: anything); the Triton kernels also run CPU tensors under the
-  Triton interpreter and inside a compile-only block (:mod:`.triton_support`);
+* ``devices``, ``dtypes`` and ``max_head_dim``: what it runs (``None``: anything); the Triton kernels also run CPU
+  tensors under the Triton interpreter and inside a compile-only block (:mod:`.triton_support`);
 * ``fits``: the rules that depend on the call (the pseudo-inverse kernel's ``s <= 64`` and float32 work, the
   compiled stripe attention's "no padding inside the keys", FlexAttention's inputs);
 * ``prefer``: rules for ``"auto"`` only (the CPU FlexAttention minimum :data:`CPU_FLEX_MIN_KEYS`, a FlexAttention
@@ -98,6 +98,7 @@ class Kernel:
     auto_on: tuple[str, ...] = ("*",)
     devices: tuple[str, ...] | None = None
     dtypes: tuple[torch.dtype, ...] | None = None
+    max_head_dim: int | None = None
     needs: Callable[[], "str | None"] | None = None
     fits: Rule | None = None
     prefer: Rule | None = None
@@ -196,9 +197,10 @@ TABLE: dict[str, list[Kernel]] = {
     # the other pseudo-inverse modes have one form each
     "pinv_newton": [Kernel("newton")],
     "pinv_exact": [Kernel("svd")],
-    "anchor_select": [Kernel("triton", dtypes=TRITON_DTYPES, **_TRITON),
+    # AnchorAttention's Triton tiles are compiled and checked (registers, spills, shared memory) up to head dim 128
+    "anchor_select": [Kernel("triton", dtypes=TRITON_DTYPES, max_head_dim=128, **_TRITON),
                       Kernel("compiled", fits=_select_float32, fallback="torch", **_COMPILED), Kernel("torch")],
-    "anchor_attend": [Kernel("triton", dtypes=TRITON_DTYPES, **_TRITON), *_STRIPE],
+    "anchor_attend": [Kernel("triton", dtypes=TRITON_DTYPES, max_head_dim=128, **_TRITON), *_STRIPE],
     "stripe_attend": _STRIPE,
     "anchor_merge": [Kernel("flash_lse", auto_on=("cpu",), devices=("cpu",),
                             dtypes=(torch.float32, torch.float64, torch.bfloat16, torch.float16), needs=_lse_op,
@@ -236,6 +238,8 @@ def _why_not(k: Kernel, c: Call, *, auto: bool) -> str | None:
             extra = (" (on CPU tensors only under the Triton interpreter, TRITON_INTERPRET=1 set before attnpatch is "
                      "imported)") if k.triton else ""
             return f"runs on {where} tensors{extra}, not {kind} tensors"
+    if k.max_head_dim is not None and c.head_dim is not None and c.head_dim > k.max_head_dim:
+        return f"takes head dims up to {k.max_head_dim}, not {c.head_dim}"
     if k.fits is not None and (why := k.fits(c)) is not None:
         return why
     if auto and k.prefer is not None and (why := k.prefer(c)) is not None:

@@ -133,11 +133,12 @@ def _with_min_len(cfg: AnchorConfig, tokens: int) -> AnchorConfig:
     return dataclasses.replace(cfg, min_len=tokens)
 
 
-def kernel_refusal(cfg: AnchorConfig, device: torch.device, dtype: torch.dtype) -> str | None:
-    """Why ``cfg.kernel`` cannot run a model whose weights are ``dtype`` on ``device`` (one line, naming the kernels
-    that can), or ``None``: :func:`attnpatch.attention.backends.dispatch.refusal` for the attention over kept stripes
-    (``"triton"`` needs a CUDA device, ``"compiled"`` float32 on the CPU)."""
-    return refusal("anchor_attend", cfg.kernel, Call(torch.device(device), dtype))
+def kernel_refusal(cfg: AnchorConfig, device: torch.device, dtype: torch.dtype, head_dim: int | None = None) -> str | None:
+    """Why ``cfg.kernel`` cannot run a model whose weights are ``dtype`` on ``device`` with heads of ``head_dim``
+    (one line, naming the kernels that can), or ``None``: :func:`attnpatch.attention.backends.dispatch.refusal` for the
+    attention over kept stripes (``"triton"`` needs a CUDA device and head dims up to 128, ``"compiled"`` float32 on the
+    CPU)."""
+    return refusal("anchor_attend", cfg.kernel, Call(torch.device(device), dtype, head_dim=head_dim))
 
 
 def prepare_anchor(cfg: AnchorConfig, geo: ModelGeometry, device: torch.device, dtype: torch.dtype) -> None:
@@ -147,9 +148,9 @@ def prepare_anchor(cfg: AnchorConfig, geo: ModelGeometry, device: torch.device, 
 
     Raises:
         OptionError: ``kernel="triton"`` where Triton cannot run (a CPU model outside the Triton interpreter, no
-            Triton, float64), ``kernel="compiled"`` for a model that is not float32 on the CPU.
+            Triton, float64, heads wider than 128), ``kernel="compiled"`` for a model that is not float32 on the CPU.
     """
-    reason = kernel_refusal(cfg, device, dtype)
+    reason = kernel_refusal(cfg, device, dtype, geo.head_dim)
     if reason is not None:
         raise OptionError(reason)
     probe = None if isinstance(cfg.min_len, int) else probe_inputs(geo, device, dtype)
