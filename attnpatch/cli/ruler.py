@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from .args import DEFAULT_MODEL, check_fits, fraction, method_spec, positive_int, Repeatable
+from .args import DEFAULT_MODEL, OneSetting, Repeatable, check_fits, fraction, method_spec, positive_int
 from .output import check_outputs, fmt_opts, report_interrupted, slug, world_note
 from .runtime import load_kwargs, scale_out_args
 
@@ -160,7 +160,8 @@ def add_parser(esub) -> None:
 
     pr = esub.add_parser("ruler", help="RULER-style long-context tasks (needle-in-a-haystack and friends)")
     pr.add_argument("--model", default=DEFAULT_MODEL, help="catalogue name, local directory or hub id (default: %(default)s)")
-    pr.add_argument("--method", default="anchor_attention", help="one setting, METHOD or METHOD:OPT=VALUE,... ('dense' for a "
+    pr.add_argument("--method", action=OneSetting, default="anchor_attention", metavar="METHOD",
+                    hint="several settings side by side: attnpatch compare --eval ruler", help="one setting, METHOD or METHOD:OPT=VALUE,... ('dense' for a "
                     "baseline-only run; several settings side by side: compare --eval ruler)")
     pr.add_argument("-o", "--option", action="append", default=[], metavar="NAME=VALUE", help="method option, repeatable (e.g. -o theta=12)")
     pr.add_argument("--tasks", nargs="+", action=Repeatable, choices=list(ruler_tasks.TASKS) + ["all"], help="default: niah_single")
