@@ -310,6 +310,7 @@ _DENSE_WHY = {
     "dense:theta=inf": "theta = inf keeps every key",
     "dense:layer": "dense_layers",
     "dense:s>=N": "every token is a landmark (s >= N)",
+    "dense:no-sinks": "no sink token was found, so sink_mask masked nothing",
 }
 
 
