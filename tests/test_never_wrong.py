@@ -221,6 +221,37 @@ def test_output_attentions_under_an_approximate_method_warns():
     assert all(a is None for a in out.attentions)
 
 
+def _eager_vit(name):
+    """``(model, images, layers, attentions of a forward)`` of a tiny random eager Hugging Face ViT."""
+    from tiny_models import tiny_dinov2, tiny_hf_clip, tiny_hf_vit
+
+    g = torch.Generator().manual_seed(0)
+    if name == "dinov2":
+        return tiny_dinov2(attn_implementation="eager"), torch.randn(2, 3, 70, 70, generator=g), 4, lambda m, x: m(x, output_attentions=True).attentions
+    if name == "vit":
+        return tiny_hf_vit(attn_implementation="eager"), torch.randn(2, 3, 32, 32, generator=g), 2, lambda m, x: m(x, output_attentions=True).attentions
+    model = tiny_hf_clip(attn_implementation="eager")
+    return model, torch.randn(2, 3, 32, 32, generator=g), 3, lambda m, x: m.vision_model(pixel_values=x, output_attentions=True).attentions
+
+
+@pytest.mark.parametrize("name", ["dinov2", "vit", "clip"])
+@torch.no_grad()
+def test_output_attentions_keeps_one_entry_per_layer_under_fna(name):
+    """``attentions[i]`` is layer i's: ``None`` exactly where FNA approximated (no matrix exists), the unpatched
+    weights where the layer ran exact attention (transformers' hook skips a ``None``, which shortened the tuple)."""
+    model, x, layers, attentions = _eager_vit(name)
+    ref = attentions(model, x)
+    assert len(ref) == layers and all(a is not None for a in ref)
+    with patched(model, "fna", s=8, sample_layer=1, min_tokens=0), record_stats(model) as rec:
+        with pytest.warns(UserWarning, match=r"output_attentions=True: method 'fna' forms no attention matrix"):
+            got = attentions(model, x)
+    approximated = [i for i, r in sorted(rec.forwards[0].items()) if not r.mode.startswith("dense")]
+    assert approximated == list(range(1, layers))  # layer 0 exact (before the sample layer), the others FNA
+    assert len(got) == layers
+    assert [i for i, a in enumerate(got) if a is None] == approximated
+    assert all(torch.equal(got[i], ref[i]) for i in range(layers) if i not in approximated)
+
+
 @torch.no_grad()
 def test_dense_on_open_clip_vit_b32_is_bit_exact():
     open_clip = pytest.importorskip("open_clip")
