@@ -264,6 +264,20 @@ def test_a_malformed_metadata_value_is_one_line_before_loading(no_loading, tiny_
         assert value in line and says in line
 
 
+def test_a_length_beyond_the_models_context_is_one_line_before_the_task_index(no_loading, tiny_lm_dir, capsys, tmp_path,
+                                                                              monkeypatch):
+    """max_seq_lengths=[10000000] on a model of 1024 positions ran RULER's haystack generation for more than 10 minutes
+    with no word; it is refused from the model's config.json, before lm-eval's task index is built."""
+    from attnpatch.evals.lmeval import tasks
+
+    monkeypatch.setattr(tasks, "_index_manager", lambda: pytest.fail("the task index was built before the lengths were checked"))
+    assert main(["eval", "lm-eval", "--model", str(tiny_lm_dir), "--tasks", "niah_single_1",
+                 "--metadata", "max_seq_lengths=[512,10000000]", "--json", str(tmp_path / "x.json")]) == 2
+    assert _one_error_line(capsys) == (
+        "attnpatch: error: --metadata max_seq_lengths 10000000: beyond the model's context of 1024 tokens "
+        f"(max_position_embeddings in {tiny_lm_dir / 'config.json'}); give lengths up to 1024")
+
+
 def test_a_vision_method_is_refused_before_loading(no_loading, tiny_lm_dir, capsys, tmp_path):
     assert main(["eval", "lm-eval", "--model", str(tiny_lm_dir), "--tasks", "niah_single_1", "--method", "fna",
                  "--json", str(tmp_path / "x.json")]) == 2

@@ -18,7 +18,7 @@ def cmd_eval_ruler(args) -> int:
     from rich.markup import escape
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from ..checkpoints import load_causal_lm
+    from ..checkpoints import check_lengths, load_causal_lm
     from ..evals.run.distributed import ranks as current_ranks
     from ..evals.run.plots import plot_path
     from ..evals.run.report import RULER_COLUMNS, EvalInterrupted, machine_info, print_table, rows_to_markdown, write_json, write_text
@@ -38,6 +38,7 @@ def cmd_eval_ruler(args) -> int:
     check_fits(args.method, "causal_lm")
     options = validate_options(get_method(args.method), spec_options)
     tasks = ruler_task_names(args)
+    check_lengths(args.model, args.lengths, "--lengths")  # from the model's config.json: nothing loads before it
     path = args.json or f"ruler_{slug(args.model)}_{slug(args.method)}.json"
     png = str(plot_path(path, args.plot))  # a --plot that is not a .png fails here, on every process
     kwargs = load_kwargs(args, ranks)

@@ -191,6 +191,10 @@ def _cmd_tune(args) -> int:
         raise AttnpatchError(f"--calibration {args.calibration_given}: with --prompts every prompt file is a calibration "
                              "prompt; drop one of the two")
     prompt_files = _prompt_files(args.prompts) if args.prompts else None  # before loading the model
+    if not vision:
+        from ..checkpoints import check_lengths
+
+        check_lengths(args.model, [args.length], "--length")  # from the model's config.json: nothing loads before it
     for flag, v in (("--out", args.out), ("--json", args.json), ("--markdown", args.markdown), ("--plot", args.plot)):
         if v is not None and not v.strip():
             raise AttnpatchError(f"{flag} '': empty; give a file path")

@@ -45,6 +45,10 @@ def cmd_eval_lm_eval(args) -> int:
         check_fits(method, "causal_lm")  # lm-eval loads a causal LM: a vision method fails before loading
         validate_options(get_method(method), opts)  # a bad method or option fails before loading
     user_meta = lmeval.parse_metadata(args.metadata)
+    if "max_seq_lengths" in user_meta:  # RULER's context lengths, against the model's config.json: nothing loads before it
+        from ...checkpoints import check_lengths
+
+        check_lengths(args.model, user_meta["max_seq_lengths"], "--metadata max_seq_lengths")
     manager = lmeval.task_manager(user_meta)
     lmeval.check_tasks(manager, args.tasks)
     lmeval.check_metadata(manager, args.tasks, user_meta)
