@@ -186,17 +186,24 @@ def test_smollm2_unpatched_answers_are_lm_evals_own_at_4k():
 
 
 @pytest.fixture(scope="module")
-def three_settings(tiny_lm_dir, tmp_path_factory):
+def three_settings(tmp_path_factory):
     """ruler_cwe and niah_single_1 at 2048 tokens (lm-eval's ruler_cwe has no answer words at 1024) under the dense
     method, a_shape with a window of 2048 keys (exact at these lengths) and a sparse anchor_attention, with a
     compiled-kernel build that takes BUILD_S seconds (the kernel's state reset): the build must not land in a timed
-    request."""
+    request.  The tiny Llama of ``tiny_lm_dir`` with 2048 positions (a longer length than the config's is refused)."""
     import time
 
     import torch.utils.cpp_extension as cpp
 
+    from test_ruler_tasks import _make_tokenizer
+    from tiny_models import tiny_causal_lm
+
     import attnpatch.attention.cpu_kernel as ck
 
+    tiny_lm_dir = tmp_path_factory.mktemp("tiny-llama-2k")
+    tok = _make_tokenizer(chat=True)
+    tiny_causal_lm("llama", vocab=len(tok), max_position_embeddings=2048).save_pretrained(tiny_lm_dir)
+    tok.save_pretrained(tiny_lm_dir)
     out = tmp_path_factory.mktemp("lm-eval-three")
     path = out / "three.json"
     real = cpp.load
