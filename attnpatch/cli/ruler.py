@@ -21,10 +21,11 @@ def cmd_eval_ruler(args) -> int:
     from ..checkpoints import check_lengths, load_causal_lm
     from ..evals.run.distributed import ranks as current_ranks
     from ..evals.run.plots import plot_path
-    from ..evals.run.report import RULER_COLUMNS, EvalInterrupted, machine_info, print_table, rows_to_markdown, write_json, write_text
+    from ..evals.run.report import EvalInterrupted, machine_info, print_table, rows_to_markdown, write_json, write_text
     from ..evals.run.resume import resume_cells
     from ..evals.ruler.plots import plot_niah_heatmap
     from ..evals.ruler.runner import run_ruler
+    from ..evals.ruler.table import RULER_COLUMNS
     from ..log import log_stderr
     from ..patchers.registry import get_method, validate_options
 
