@@ -163,8 +163,9 @@ def add_parser(esub) -> None:
     pr = esub.add_parser("ruler", help="RULER-style long-context tasks (needle-in-a-haystack and friends)")
     pr.add_argument("--model", default=DEFAULT_MODEL, help="catalogue name, local directory or hub id (default: %(default)s)")
     pr.add_argument("--method", action=OneSetting, default="anchor_attention", metavar="METHOD",
-                    hint="several settings side by side: attnpatch compare --eval ruler", help="one setting, METHOD or METHOD:OPT=VALUE,... ('dense' for a "
-                    "baseline-only run; several settings side by side: compare --eval ruler)")
+                    hint="several settings side by side: attnpatch compare --eval ruler",
+                    help="one setting, METHOD or METHOD:OPT=VALUE,... ('dense' for a baseline-only run; several settings "
+                    "side by side: compare --eval ruler)")
     pr.add_argument("-o", "--option", action="append", default=[], metavar="NAME=VALUE", help="method option, repeatable (e.g. -o theta=12)")
     pr.add_argument("--tasks", nargs="+", action=Repeatable, choices=list(ruler_tasks.TASKS) + ["all"], help="default: niah_single")
     pr.add_argument("--lengths", nargs="+", action=Repeatable, type=positive_int, default=[1024, 2048, 4096], help="context lengths in model tokens")
