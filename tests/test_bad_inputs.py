@@ -101,7 +101,7 @@ def test_broken_json_config_is_named(llm_dir, tmp_path, capsys):
     bad = tmp_path / "model"
     shutil.copytree(llm_dir, bad)
     (bad / "tokenizer_config.json").write_text('{"model_max_length": ')
-    assert main(["eval", "ruler", "--model", str(bad), "--samples", "1"]) == 2
+    assert main(["eval", "ruler", "--model", str(bad), "--lengths", "300", "--samples", "1"]) == 2
     line = error_line(capsys.readouterr().err)
     assert str(bad / "tokenizer_config.json") in line and "not valid JSON" in line
 
@@ -129,7 +129,7 @@ def test_causal_lm_with_an_empty_tokenizer_is_refused(tmp_path, capsys):
     d = tmp_path / "emptytok"
     tiny_causal_lm("llama").save_pretrained(d)
     PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE())).save_pretrained(d)  # tokenizer.json with no vocabulary
-    assert main(["eval", "ruler", "--model", str(d), "--samples", "1"]) == 2
+    assert main(["eval", "ruler", "--model", str(d), "--lengths", "300", "--samples", "1"]) == 2
     line = error_line(capsys.readouterr().err)
     assert f"{d}: the tokenizer" in line and "encodes text to no tokens" in line
 
@@ -356,7 +356,7 @@ def test_clip_resolution_is_fitted_to_the_patch(clip_dirs, capsys):
 
 def _argv(cmd: str, llm_dir, tiny_vit_dir, images, clip_dirs) -> list[str]:
     return {
-        "ruler": ["eval", "ruler", "--model", str(llm_dir), "--samples", "1"],
+        "ruler": ["eval", "ruler", "--model", str(llm_dir), "--lengths", "300", "--samples", "1"],  # within its 1024 positions
         "knn": ["eval", "knn", "--model", str(tiny_vit_dir), "--data", str(images)],
         "zeroshot": ["eval", "zeroshot", "--model", str(clip_dirs[1]), "--data", str(images)],
         "clip-retrieval": ["eval", "clip-retrieval", "--model", str(clip_dirs[1]), "--data", str(images)],

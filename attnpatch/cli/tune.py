@@ -191,10 +191,6 @@ def _cmd_tune(args) -> int:
         raise AttnpatchError(f"--calibration {args.calibration_given}: with --prompts every prompt file is a calibration "
                              "prompt; drop one of the two")
     prompt_files = _prompt_files(args.prompts) if args.prompts else None  # before loading the model
-    if not vision:
-        from ..checkpoints import check_lengths
-
-        check_lengths(args.model, [args.length], "--length")  # from the model's config.json: nothing loads before it
     for flag, v in (("--out", args.out), ("--json", args.json), ("--markdown", args.markdown), ("--plot", args.plot)):
         if v is not None and not v.strip():
             raise AttnpatchError(f"{flag} '': empty; give a file path")
@@ -206,8 +202,9 @@ def _cmd_tune(args) -> int:
     _check_not_inputs(args, prompt_files, outputs)
     machine = machine_info()
     if not vision:
-        from ..checkpoints import load_causal_lm
+        from ..checkpoints import check_lengths, load_causal_lm
 
+        check_lengths(args.model, [args.length], "--length")  # from the model's config.json: nothing loads before it
         model, tok = load_causal_lm(args.model)
         if args.holdout:  # the held-out prompts are built now, so that a length too short for a task fails before the search
             from ..evals.ruler import tasks as ruler_tasks
