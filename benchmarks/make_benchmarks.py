@@ -188,9 +188,8 @@ def render_folder(name: str, folder: Path, link=_same_page) -> str:
     writes (``fna``, ``anchor_smollm2``, ``anchor_qwen``, ``vit``, ``llm``, ``qwen``), in that order, whatever the
     device; other files in the folder are read by the hand-written sections.  Empty when the folder has none.
     ``link`` turns a repository path or a ``#heading`` into a link from the page the block is written into."""
-    from attnpatch.evals.run.report import (
-        BENCH_ATTENTION_COLUMNS, BENCH_LM_COLUMNS, BENCH_VISION_COLUMNS, rows_to_markdown,
-    )
+    from attnpatch.evals.bench.table import BENCH_ATTENTION_COLUMNS, BENCH_LM_COLUMNS, BENCH_VISION_COLUMNS
+    from attnpatch.evals.run.report import rows_to_markdown
     data = _load(folder)
     if name == "compile":
         if "triton_compile" not in data:

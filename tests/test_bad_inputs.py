@@ -101,7 +101,7 @@ def test_broken_json_config_is_named(llm_dir, tmp_path, capsys):
     bad = tmp_path / "model"
     shutil.copytree(llm_dir, bad)
     (bad / "tokenizer_config.json").write_text('{"model_max_length": ')
-    assert main(["eval", "ruler", "--model", str(bad), "--samples", "1"]) == 2
+    assert main(["eval", "ruler", "--model", str(bad), "--lengths", "300", "--samples", "1"]) == 2
     line = error_line(capsys.readouterr().err)
     assert str(bad / "tokenizer_config.json") in line and "not valid JSON" in line
 
@@ -129,7 +129,7 @@ def test_causal_lm_with_an_empty_tokenizer_is_refused(tmp_path, capsys):
     d = tmp_path / "emptytok"
     tiny_causal_lm("llama").save_pretrained(d)
     PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE())).save_pretrained(d)  # tokenizer.json with no vocabulary
-    assert main(["eval", "ruler", "--model", str(d), "--samples", "1"]) == 2
+    assert main(["eval", "ruler", "--model", str(d), "--lengths", "300", "--samples", "1"]) == 2
     line = error_line(capsys.readouterr().err)
     assert f"{d}: the tokenizer" in line and "encodes text to no tokens" in line
 
@@ -162,6 +162,83 @@ def test_ruler_checks_every_cell_before_the_first_generation(llm_dir, tmp_path, 
     line = error_line(capsys.readouterr().err)
     assert "length=20 tokens is too small" in line
     assert not out.exists()
+
+
+@pytest.fixture()
+def no_loading(monkeypatch):
+    import attnpatch.checkpoints as ck
+
+    def fail(*a, **k):
+        raise AssertionError("the model was loaded before the input was checked")
+
+    monkeypatch.setattr(ck, "load_causal_lm", fail)
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["eval", "ruler", "--lengths", "512", "10000000"], "--lengths 10000000"),
+    (["compare", "--eval", "ruler", "--method", "a_shape", "--lengths", "10000000"], "--lengths 10000000"),
+    (["tune", "--kind", "causal_lm", "--length", "10000000"], "--length 10000000"),
+])
+def test_a_length_beyond_the_models_context_is_refused_before_loading(argv, flag, llm_dir, tmp_path, capsys, no_loading):
+    """The tiny Llama's max_position_embeddings is 1024: ten million tokens ran RULER's haystack generation for more
+    than 10 minutes with no word."""
+    outs = ["--out", str(tmp_path / "t.json")] if argv[0] == "tune" else []
+    assert main([*argv, "--model", str(llm_dir), "--json", str(tmp_path / "r.json"), *outs]) == 2
+    assert error_line(capsys.readouterr().err) == (
+        f"attnpatch: error: {flag}: beyond the model's context of 1024 tokens (max_position_embeddings in "
+        f"{llm_dir / 'config.json'}); give lengths up to 1024")
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_rope_scaling_stretches_the_context(tmp_path, capsys, monkeypatch):
+    """A YaRN-scaled config (factor 4 x original 1024) takes 4096 tokens, and names its rope parameters past that."""
+    from transformers import LlamaConfig
+
+    import attnpatch.checkpoints as ck
+
+    folder = tmp_path / "yarn"
+    LlamaConfig(max_position_embeddings=1024, rope_parameters={"rope_type": "yarn", "factor": 4.0,
+                                                                "original_max_position_embeddings": 1024}).save_pretrained(folder)
+    assert ck.model_context(folder) == ck.ModelContext(
+        4096, f"rope_parameters yarn: factor 4.0 x original_max_position_embeddings 1024, in {folder / 'config.json'}")
+
+    class Loaded(Exception):
+        pass
+
+    def loaded(*a, **k):
+        raise Loaded
+
+    monkeypatch.setattr(ck, "load_causal_lm", loaded)
+    with pytest.raises(Loaded):  # 4096 passes the check: the model loads next
+        main(["eval", "ruler", "--model", str(folder), "--lengths", "4096", "--json", str(tmp_path / "r.json")])
+    assert main(["eval", "ruler", "--model", str(folder), "--lengths", "4097", "--json", str(tmp_path / "r.json")]) == 2
+    assert "--lengths 4097: beyond the model's context of 4096 tokens (rope_parameters yarn: factor 4.0" in error_line(capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("config,tokens,source", [
+    ({"max_position_embeddings": 8192, "rope_parameters": {"rope_type": "default", "rope_theta": 1e5}}, 8192,
+     "max_position_embeddings in c.json"),
+    ({"n_positions": 1024}, 1024, "n_positions in c.json"),
+    # Qwen2.5's long-context recipe: a hub config.json of transformers 4 names it rope_scaling, with "type"
+    ({"max_position_embeddings": 32768, "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}},
+     131072, "rope_scaling yarn: factor 4.0 x original_max_position_embeddings 32768, in c.json"),
+    # Llama 3.1: max_position_embeddings already holds the scaled length
+    ({"max_position_embeddings": 131072, "rope_parameters": {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 8192}},
+     131072, "max_position_embeddings in c.json"),
+    # linear scaling without an original length stretches max_position_embeddings; one dict per layer type
+    ({"max_position_embeddings": 4096, "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0},
+                                                           "sliding_attention": {"rope_type": "default"}}},
+     32768, "rope_parameters['full_attention'] linear: factor 8.0 x original_max_position_embeddings 4096, in c.json"),
+    # Phi-3's longrope keeps the pre-training length beside the rope dict
+    ({"max_position_embeddings": 131072, "original_max_position_embeddings": 4096,
+      "rope_scaling": {"type": "longrope", "long_factor": [1.0], "short_factor": [1.0]}}, 131072, "max_position_embeddings in c.json"),
+    ({"text_config": {"max_position_embeddings": 2048}}, 2048, "max_position_embeddings in c.json (text_config)"),
+])
+def test_the_context_a_config_declares(config, tokens, source):
+    from attnpatch.checkpoints import ModelContext, config_context
+
+    assert config_context(config, "c.json") == ModelContext(tokens, source)
+    assert config_context({"model_type": "x"}, "c.json") is None
 
 
 # --------------------------------------------------------------------------- images
@@ -279,7 +356,7 @@ def test_clip_resolution_is_fitted_to_the_patch(clip_dirs, capsys):
 
 def _argv(cmd: str, llm_dir, tiny_vit_dir, images, clip_dirs) -> list[str]:
     return {
-        "ruler": ["eval", "ruler", "--model", str(llm_dir), "--samples", "1"],
+        "ruler": ["eval", "ruler", "--model", str(llm_dir), "--lengths", "300", "--samples", "1"],  # within its 1024 positions
         "knn": ["eval", "knn", "--model", str(tiny_vit_dir), "--data", str(images)],
         "zeroshot": ["eval", "zeroshot", "--model", str(clip_dirs[1]), "--data", str(images)],
         "clip-retrieval": ["eval", "clip-retrieval", "--model", str(clip_dirs[1]), "--data", str(images)],

@@ -113,6 +113,26 @@ def test_an_option_given_twice_is_refused(capsys):
     assert "option s given twice (s=8 and s=9)" in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("argv,says", [
+    (["eval", "ruler", "--method", "fna", "a_shape"], "unrecognized arguments: a_shape"),
+    (["eval", "ruler", "--method", "a_shape", "--method", "dense"],
+     "argument --method: takes one setting, got a_shape and dense; several settings side by side: attnpatch compare --eval ruler"),
+    (["tune", "--method", "fna", "--method", "tome"], "argument --method: takes one setting, got fna and tome; tune one method per run"),
+    (["eval", "knn", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+])
+def test_a_subcommand_refuses_extra_arguments_with_its_own_usage(argv, says, capsys):
+    """The subcommand's usage and one error line of its own (argparse alone printed the top-level ``attnpatch`` usage
+    for a leftover value, and kept the last of two ``--method`` silently)."""
+    with pytest.raises(SystemExit) as stop:
+        main([*argv, "--model", "/nonexistent/dir"])  # nothing loads even where the arguments are taken
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    command = "attnpatch " + " ".join(argv[: 2 if argv[0] == "eval" else 1])
+    assert err.startswith(f"usage: {command} [-h]")
+    errors = [line for line in err.splitlines() if ": error: " in line]
+    assert errors == [f"{command}: error: {says}"], err
+
+
 @pytest.mark.parametrize("module", ["attnpatch", "attnpatch.cli"])
 def test_python_dash_m_runs_the_command(module):
     import subprocess

@@ -7,6 +7,8 @@
   ``attention/`` one method family is one folder), and no module runs past 450 lines unless its docstring says why
   (a paragraph starting "Kept whole:").
 * One ``Log`` type.
+* ``evals/run/`` (what every eval shares) imports no eval package, and each eval's table columns live in its own
+  package, not in ``evals/run/report.py``.
 """
 
 from __future__ import annotations
@@ -152,3 +154,31 @@ def test_one_log_type():
             if any(isinstance(t, ast.Name) and t.id == "Log" for t in targets):
                 defined.append(str(p.relative_to(PKG.parent)))
     assert len(defined) == 1, defined
+
+
+def test_the_shared_eval_layer_points_down():
+    """``evals/<task>`` may import ``evals/run``, never the reverse; ``report.py`` keeps the table plumbing only (each
+    eval's ``*_COLUMNS`` and rows live in its package)."""
+    run = PKG / "evals" / "run"
+    up = []
+    for path in sorted(run.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([_absolute(path, node)] if isinstance(node, ast.ImportFrom) else
+                     [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            for name in names:
+                parts = name.split(".")
+                if parts[:2] == ["attnpatch", "evals"] and len(parts) > 2 and parts[2] != "run":
+                    up.append(f"{path.name}:{node.lineno}: {name}")
+    assert up == []
+    report = ast.parse((run / "report.py").read_text())
+    own = [t.id for node in report.body if isinstance(node, ast.Assign) for t in node.targets if isinstance(t, ast.Name)]
+    own += [node.name for node in report.body if isinstance(node, ast.FunctionDef)]
+    assert [n for n in own if n.endswith("_COLUMNS") or n.endswith("_rows")] == []
+    from attnpatch.evals.bench.table import BENCH_ATTENTION_COLUMNS, BENCH_LM_COLUMNS, BENCH_VISION_COLUMNS
+    from attnpatch.evals.clip.table import CLIP_RETRIEVAL_COLUMNS, ZEROSHOT_COLUMNS, clip_rows
+    from attnpatch.evals.ruler.table import RULER_COLUMNS
+    from attnpatch.evals.vision.table import VISION_COLUMNS, vision_rows
+
+    assert [c.key for c in RULER_COLUMNS][:3] == ["task", "length", "n"] and callable(vision_rows) and callable(clip_rows)
+    assert all(len(cols) > 5 for cols in (BENCH_ATTENTION_COLUMNS, BENCH_LM_COLUMNS, BENCH_VISION_COLUMNS, CLIP_RETRIEVAL_COLUMNS,
+                                          ZEROSHOT_COLUMNS, VISION_COLUMNS))

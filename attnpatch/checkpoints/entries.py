@@ -52,6 +52,7 @@ class CatalogueEntry:
     params: int  # parameter count of the converted model
     notes: str
     kind: str = "causal_lm"  # one of KINDS
+    context: int | None = None  # causal LMs: the converted config's max_position_embeddings (tokens)
 
     @property
     def source_file(self) -> str:
@@ -75,6 +76,7 @@ CATALOGUE: dict[str, CatalogueEntry] = {
                 "(30 layers, hidden 576, 9 heads / 3 kv heads, tied embeddings, ChatML chat template). "
                 "~540 MB once converted."
             ),
+            context=8192,  # max_position_embeddings of the converted config.json
         ),
         CatalogueEntry(
             name="qwen2.5-coder-0.5b-instruct",
@@ -94,6 +96,7 @@ CATALOGUE: dict[str, CatalogueEntry] = {
                 "embeddings are untied: 630M stored parameters (494M in the tied original). ~2.5 GB once "
                 "converted; the first prepare needs ~3.5 GB of free disk and ~4 GB of RAM."
             ),
+            context=32768,  # the GGUF's qwen2.context_length, max_position_embeddings of Qwen's own config.json
         ),
         CatalogueEntry(
             name="dinov2-small",

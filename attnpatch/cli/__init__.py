@@ -20,7 +20,7 @@ from . import bench, clip, compare, harness, methods, ruler, sinks, tune, vision
 
 # The handlers and shared helpers stay importable (and patchable) as ``attnpatch.cli.<name>``; a patch
 # here does not reach the command modules, which import them directly.
-from .args import DEFAULT_CLIP_MODEL, DEFAULT_MODEL, DEFAULT_VISION_MODEL, method_spec, parse_options, Repeatable  # noqa: F401
+from .args import DEFAULT_CLIP_MODEL, DEFAULT_MODEL, DEFAULT_VISION_MODEL, Parser, method_spec, parse_options, Repeatable  # noqa: F401
 from .bench import cmd_bench_attention, cmd_bench_capture, cmd_bench_model  # noqa: F401
 from .clip import cmd_eval_clip  # noqa: F401
 from .methods import cmd_methods, cmd_models  # noqa: F401
@@ -35,7 +35,7 @@ __all__ = ["main", "build_parser"]
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``attnpatch`` command."""
-    p = argparse.ArgumentParser(prog="attnpatch", description="Training-free attention patching and its evals.")
+    p = Parser(prog="attnpatch", description="Training-free attention patching and its evals.")
     sub = p.add_subparsers(dest="command", required=True)
     methods.add_parser(sub)  # methods, models
     pe = sub.add_parser("eval", help="run an eval, dense vs patched")

@@ -10,7 +10,7 @@ from ..errors import AttnpatchError
 
 __all__ = [
     "DEFAULT_MODEL", "DEFAULT_VISION_MODEL", "DEFAULT_CLIP_MODEL", "parse_options", "method_spec", "unique_settings",
-    "check_fits",
+    "check_fits", "Parser", "OneSetting",
     "Repeatable", "positive_int", "nonnegative_int", "fraction", "positive_seconds",
 ]
 
@@ -76,6 +76,40 @@ def _int_at_least(text: str, lo: int, what: str) -> int:
     if value < lo:
         raise argparse.ArgumentTypeError(f"{value} is not {what}")
     return value
+
+
+class Parser(argparse.ArgumentParser):
+    """The ``attnpatch`` parser and every subcommand's (``add_subparsers`` makes subparsers of the parser's own class):
+    an argument no parser of the command line takes is that subcommand's error, printed with its own usage
+    (``attnpatch eval ruler: error: unrecognized arguments: ...``).  argparse alone hands a subcommand's leftovers up
+    to the top-level parser, which prints the usage of ``attnpatch`` itself.
+
+    ``parse_known_args`` therefore returns no leftovers: it exits with status 2 on them, as ``parse_args`` does.
+    """
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return namespace, extras
+
+
+class OneSetting(argparse.Action):
+    """An option that takes one value, once: a second ``--method`` is the subcommand's argparse error, naming both
+    values and ``hint`` (where several settings run), where argparse alone keeps the last one silently.  (A second
+    value after one ``--method``, ``--method a b``, is an unrecognized argument: :class:`Parser`.)"""
+
+    def __init__(self, option_strings, dest, hint: str = "", **kwargs):
+        super().__init__(option_strings, dest, **kwargs)
+        self.hint = hint
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        seen = f"_{self.dest}_given"
+        if hasattr(namespace, seen):
+            raise argparse.ArgumentError(self, f"takes one setting, got {getattr(namespace, seen)} and {values}"
+                                         + (f"; {self.hint}" if self.hint else ""))
+        setattr(namespace, seen, values)
+        setattr(namespace, self.dest, values)
 
 
 class Repeatable(argparse.Action):

@@ -59,7 +59,8 @@ def cmd_bench_attention(args) -> int:
     import torch
 
     from ..evals.bench import DEFAULT_LENGTHS, background_load, bench_attention, load_qkv, plot_attention
-    from ..evals.run.report import BENCH_ATTENTION_COLUMNS, machine_info
+    from ..evals.bench.table import BENCH_ATTENTION_COLUMNS
+    from ..evals.run.report import machine_info
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -142,7 +143,8 @@ def cmd_bench_model(args) -> int:
 
     from ..checkpoints import catalogue_entry, load_causal_lm, load_vision_model
     from ..evals.bench import background_load, bench_causal_lm, bench_vision_model
-    from ..evals.run.report import BENCH_LM_COLUMNS, BENCH_VISION_COLUMNS, machine_info
+    from ..evals.bench.table import BENCH_LM_COLUMNS, BENCH_VISION_COLUMNS
+    from ..evals.run.report import machine_info
     from ..patchers.registry import get_method, validate_options
 
     if args.threads:

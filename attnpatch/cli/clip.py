@@ -14,8 +14,9 @@ def cmd_eval_clip(args) -> int:
     import torch
 
     from ..evals import clip as clip_eval
+    from ..evals.clip.table import CLIP_RETRIEVAL_COLUMNS, ZEROSHOT_COLUMNS, clip_rows
     from ..evals.run.distributed import ranks as current_ranks
-    from ..evals.run.report import CLIP_RETRIEVAL_COLUMNS, ZEROSHOT_COLUMNS, EvalInterrupted, clip_rows, machine_info
+    from ..evals.run.report import EvalInterrupted, machine_info
     from ..patchers.registry import get_method, validate_options
 
     t0 = time.perf_counter()

@@ -116,6 +116,10 @@ def _cmd_compare(args) -> int:
         from ..errors import OptionError
 
         raise OptionError("compare --eval clip-retrieval needs --data (an imagefolder with captions or a hub dataset id)")
+    if family == "ruler":
+        from ..checkpoints import check_lengths
+
+        check_lengths(args.model, args.lengths, "--lengths")  # from the model's config.json: nothing loads before it
     args.json = args.json or f"compare_{slug(args.eval)}_{slug(args.model)}.json"
     if family == "clip" and (args.device_map or args.dtype != "float32"):
         raise AttnpatchError("compare: --device-map and --dtype apply to the transformers models (ruler and the ViT evals); "

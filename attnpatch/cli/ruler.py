@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from .args import DEFAULT_MODEL, check_fits, fraction, method_spec, positive_int, Repeatable
+from .args import DEFAULT_MODEL, OneSetting, Repeatable, check_fits, fraction, method_spec, positive_int
 from .output import check_outputs, fmt_opts, report_interrupted, slug, world_note
 from .runtime import load_kwargs, scale_out_args
 
@@ -18,13 +18,14 @@ def cmd_eval_ruler(args) -> int:
     from rich.markup import escape
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from ..checkpoints import load_causal_lm
+    from ..checkpoints import check_lengths, load_causal_lm
     from ..evals.run.distributed import ranks as current_ranks
     from ..evals.run.plots import plot_path
-    from ..evals.run.report import RULER_COLUMNS, EvalInterrupted, machine_info, print_table, rows_to_markdown, write_json, write_text
+    from ..evals.run.report import EvalInterrupted, machine_info, print_table, rows_to_markdown, write_json, write_text
     from ..evals.run.resume import resume_cells
     from ..evals.ruler.plots import plot_niah_heatmap
     from ..evals.ruler.runner import run_ruler
+    from ..evals.ruler.table import RULER_COLUMNS
     from ..log import log_stderr
     from ..patchers.registry import get_method, validate_options
 
@@ -38,6 +39,7 @@ def cmd_eval_ruler(args) -> int:
     check_fits(args.method, "causal_lm")
     options = validate_options(get_method(args.method), spec_options)
     tasks = ruler_task_names(args)
+    check_lengths(args.model, args.lengths, "--lengths")  # from the model's config.json: nothing loads before it
     path = args.json or f"ruler_{slug(args.model)}_{slug(args.method)}.json"
     png = str(plot_path(path, args.plot))  # a --plot that is not a .png fails here, on every process
     kwargs = load_kwargs(args, ranks)
@@ -160,8 +162,10 @@ def add_parser(esub) -> None:
 
     pr = esub.add_parser("ruler", help="RULER-style long-context tasks (needle-in-a-haystack and friends)")
     pr.add_argument("--model", default=DEFAULT_MODEL, help="catalogue name, local directory or hub id (default: %(default)s)")
-    pr.add_argument("--method", default="anchor_attention", help="one setting, METHOD or METHOD:OPT=VALUE,... ('dense' for a "
-                    "baseline-only run; several settings side by side: compare --eval ruler)")
+    pr.add_argument("--method", action=OneSetting, default="anchor_attention", metavar="METHOD",
+                    hint="several settings side by side: attnpatch compare --eval ruler",
+                    help="one setting, METHOD or METHOD:OPT=VALUE,... ('dense' for a baseline-only run; several settings "
+                    "side by side: compare --eval ruler)")
     pr.add_argument("-o", "--option", action="append", default=[], metavar="NAME=VALUE", help="method option, repeatable (e.g. -o theta=12)")
     pr.add_argument("--tasks", nargs="+", action=Repeatable, choices=list(ruler_tasks.TASKS) + ["all"], help="default: niah_single")
     pr.add_argument("--lengths", nargs="+", action=Repeatable, type=positive_int, default=[1024, 2048, 4096], help="context lengths in model tokens")

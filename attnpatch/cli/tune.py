@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import AttnpatchError
-from .args import check_fits, fraction, nonnegative_int, parse_options, positive_int
+from .args import OneSetting, check_fits, fraction, nonnegative_int, parse_options, positive_int
 from .output import check_outputs, progress_line, slug
 
 #: Calibration prompts come from these seeds on; the held-out check uses ``eval ruler``'s seed 0 on, so the two
@@ -202,8 +202,9 @@ def _cmd_tune(args) -> int:
     _check_not_inputs(args, prompt_files, outputs)
     machine = machine_info()
     if not vision:
-        from ..checkpoints import load_causal_lm
+        from ..checkpoints import check_lengths, load_causal_lm
 
+        check_lengths(args.model, [args.length], "--length")  # from the model's config.json: nothing loads before it
         model, tok = load_causal_lm(args.model)
         if args.holdout:  # the held-out prompts are built now, so that a length too short for a task fails before the search
             from ..evals.ruler import tasks as ruler_tasks
@@ -318,7 +319,8 @@ def add_parser(sub) -> None:
     p.add_argument("--model", default="smollm2-135m-instruct", help="catalogue name or local directory (default: %(default)s)")
     p.add_argument("--kind", choices=["auto", "vision", "causal_lm"], default="auto", help="auto: from the catalogue")
     p.add_argument("--backend", choices=["hf", "timm"], default="hf", help="ViT implementation (default: %(default)s)")
-    p.add_argument("--method", help="method to tune (default: anchor_attention for an LLM, fna for a ViT)")
+    p.add_argument("--method", action=OneSetting, metavar="METHOD", hint="tune one method per run",
+                   help="method to tune (default: anchor_attention for an LLM, fna for a ViT)")
     p.add_argument("--candidate", action="append", metavar="NAME=VALUE,...",
                    help="a setting to try instead of the method's tuning space, repeatable (e.g. theta=6,pool_stride=8)")
     p.add_argument("--length", type=positive_int, default=None,

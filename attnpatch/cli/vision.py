@@ -36,8 +36,9 @@ def cmd_eval_vision(args) -> int:
     import torch
 
     from ..evals.run.distributed import ranks as current_ranks
-    from ..evals.run.report import VISION_COLUMNS, EvalInterrupted, machine_info, vision_rows
+    from ..evals.run.report import EvalInterrupted, machine_info
     from ..evals.vision.runner import run_feature_eval
+    from ..evals.vision.table import VISION_COLUMNS, vision_rows
     from ..patchers.registry import get_method, validate_options
 
     t0 = time.perf_counter()

@@ -245,7 +245,8 @@ def run_layer(
     causal: bool = False,
     dropout: float = 0.0,
     decline: str | None = None,
-) -> torch.Tensor:
+    own_forward: bool = False,
+) -> torch.Tensor | None:
     """Run the patch's method for one attention call; what every adapter calls.
 
     Args:
@@ -259,10 +260,17 @@ def run_layer(
         decline: a reason to run ``exact()`` for this call without asking the method (the adapter
             found something the method cannot represent, e.g. an attention mask that is not causal
             + padding); recorded as the layer's mode ``"dense:<reason>"``.
+        own_forward: the adapter runs the attention module's own forward (projections included) for a call the
+            method hands back (``None``) or that is declined, because ``exact()`` followed by the adapter's output
+            projection is not that forward bit for bit (``torch.nn.MultiheadAttention`` runs a fused kernel in
+            inference).  Such a call then returns ``None`` instead of ``exact()``, unless the forward asks for the
+            attention tensors (:func:`needs_attention_tensors`: capture, teacher forcing, a probe, timing).  What
+            ``dense`` gets from :func:`run_module`, for the other methods' hand-backs.
 
     Returns:
         ``[B, H, Lq, D]``: the method's output, or ``exact()`` where the method declines (and
-        always ``exact()`` in a teacher-forced run, after recording the method's error).
+        always ``exact()`` in a teacher-forced run, after recording the method's error); ``None`` where the
+        method declines and ``own_forward`` leaves the call to the module's own forward.
 
     Raises:
         InferenceOnlyError: an approximate method called with autograd recording on inputs that
@@ -300,7 +308,7 @@ def run_layer(
         elif rec is not None:
             rec.rel_error = torch.zeros(q.shape[0])
         out = ref
-    elif out is None:
+    elif out is None and not (own_forward and not needs_attention_tensors(handle)):
         out = exact()
     if timing:
         sync(q.device)

@@ -28,7 +28,7 @@ import os
 
 import torch
 
-__all__ = ["triton", "tl", "TRITON_AVAILABLE", "TRITON_DTYPES", "interpreted", "compiling", "on_gpu", "launchable", "sm_count",
+__all__ = ["TRITON_AVAILABLE", "TRITON_DTYPES", "interpreted", "compiling", "on_gpu", "launchable", "sm_count",
            "CompileTarget", "set_compile_target"]
 
 TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None

@@ -45,9 +45,10 @@ def cmd_eval_lm_eval(args) -> int:
         check_fits(method, "causal_lm")  # lm-eval loads a causal LM: a vision method fails before loading
         validate_options(get_method(method), opts)  # a bad method or option fails before loading
     user_meta = lmeval.parse_metadata(args.metadata)
-    manager = lmeval.task_manager(user_meta)
-    lmeval.check_tasks(manager, args.tasks)
-    lmeval.check_metadata(manager, args.tasks, user_meta)
+    if "max_seq_lengths" in user_meta:  # RULER's context lengths, against the model's config.json: nothing loads before it
+        from ...checkpoints import check_lengths
+
+        check_lengths(args.model, user_meta["max_seq_lengths"], "--metadata max_seq_lengths")
     path = args.json or f"lm-eval_{slug(args.model)}_{slug('+'.join(args.method))}.json"
     kwargs = load_kwargs(args, ranks)
     from ...evals.run.plots import plot_path
@@ -55,6 +56,11 @@ def cmd_eval_lm_eval(args) -> int:
     png = plot_path(path, args.plot)
     if ranks.main:
         check_outputs(("--json", path), ("--markdown", args.markdown), ("--plot", str(png)))
+    # the checks that need lm-eval's task index come last (the index is read from its copy on disk, or built once)
+    rank_log(ranks)(f"checking task names ({', '.join(args.tasks)}) against lm-eval's task index ...")
+    manager = lmeval.task_manager(user_meta)
+    lmeval.check_tasks(manager, args.tasks)
+    lmeval.check_metadata(manager, args.tasks, user_meta)
     from ...checkpoints import load_causal_lm
 
     with ranks.main_first():  # a catalogue model is prepared once

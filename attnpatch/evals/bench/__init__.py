@@ -2,7 +2,8 @@
 
 Modules: :mod:`.timing` (peak memory, scaling exponents, a competing process),
 :mod:`.capture` (captured ``q, k, v``), :mod:`.layer` (one attention layer, any registered method
-through its bench hook), :mod:`.models` (whole ViTs and causal LMs), :mod:`.plots`.  Every name is
+through its bench hook), :mod:`.models` (whole ViTs and causal LMs), :mod:`.plots`, :mod:`.table` (the tables'
+columns).  Every name is
 importable from this package, as ``from attnpatch.evals.bench import bench_attention``.
 """
 

@@ -12,6 +12,7 @@ The package splits by concern; its public names are importable from here:
 * :mod:`.runner` -- :func:`run_zeroshot_eval` and :func:`run_retrieval_eval`, both on the image pass
   shared with the vision evals (:func:`attnpatch.evals.vision.image_pass.run_image_pass`).
 * :mod:`.plots` -- each eval's PNG: top-1 or recall against speed-up per setting, chance as a line.
+* :mod:`.table` -- each eval's table columns and rows (:data:`~.table.ZEROSHOT_COLUMNS`, :func:`~.table.clip_rows`).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 
 lm-eval (the optional extra ``attnpatch[lm-eval]``) is imported only when a run starts: :func:`run_lm_eval`
 (:mod:`.run`), lm-eval's ``HFLM`` measuring each request (:mod:`.model`), the task and ``--metadata`` checks
-(:mod:`.tasks`) and the table (:mod:`.table`).
+(:mod:`.tasks`), lm-eval's task index kept on disk (:mod:`.index`) and the table (:mod:`.table`).
 """
 
 from __future__ import annotations

@@ -111,15 +111,16 @@ def check_metadata_value(key: str, value: Any) -> None:
 
 @functools.lru_cache(maxsize=1)
 def _index_manager():
-    from lm_eval.tasks import TaskManager
+    from .index import cached_task_manager
 
-    return TaskManager()
+    return cached_task_manager()
 
 
 def task_manager(metadata: dict[str, Any]):
     """lm-eval's ``TaskManager`` handing ``metadata`` to every task it loads.
 
-    lm-eval's task index (built by reading every task file lm-eval ships) is built once per process and shared:
+    lm-eval's task index (built by reading every task file lm-eval ships) is read once per process from its copy on
+    disk (:mod:`.index`; built and written there the first time) and shared:
     the manager for ``metadata`` is the indexed one with its own task factory (``TaskFactory(meta=metadata)``, what
     ``TaskManager(metadata=...)`` makes); a fresh ``TaskManager(metadata=metadata)`` where this lm-eval lays it out
     otherwise.

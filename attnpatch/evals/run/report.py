@@ -1,4 +1,10 @@
-"""Shared reporting: JSON files, Markdown tables and terminal tables of eval results."""
+"""Shared reporting: JSON files, Markdown tables and terminal tables of eval results.
+
+The table plumbing lives here (:class:`Column`, :func:`rows_to_markdown`, :func:`print_table`); each eval's own
+columns and rows live in its package (``evals/ruler/table.py``, ``evals/vision/table.py``, ``evals/clip/table.py``,
+``evals/bench/table.py``, ``evals/lmeval/table.py``, ``evals/compare/table.py``), which import this module, never
+the reverse.
+"""
 
 from __future__ import annotations
 
@@ -14,8 +20,7 @@ import torch
 from ...patchers.break_even import resolved_break_evens
 
 __all__ = [
-    "Column", "RULER_COLUMNS", "BENCH_ATTENTION_COLUMNS", "BENCH_VISION_COLUMNS", "BENCH_LM_COLUMNS", "VISION_COLUMNS", "ZEROSHOT_COLUMNS", "CLIP_RETRIEVAL_COLUMNS", "vision_rows", "clip_rows",
-    "rows_to_markdown", "print_table", "write_json", "write_text", "machine_info", "EvalInterrupted", "handback_note",
+    "Column", "rows_to_markdown", "print_table", "write_json", "write_text", "machine_info", "EvalInterrupted", "handback_note",
     "UNPATCHED", "setting_label", "exact_modes",
 ]
 
@@ -65,131 +70,6 @@ class Column:
         if self.fmt == "mib":
             return f"{value / 2**20:.1f}MiB"
         return str(value)
-
-
-RULER_COLUMNS = [
-    Column("task", "task"),
-    Column("length", "length", "int"),
-    Column("n", "n", "int"),
-    Column("dense_acc", "dense acc", "pct"),
-    Column("patched_acc", "patched acc", "pct"),
-    Column("sparsity", "sparsity", "pct"),
-    Column("recall_mean", "recall mean", "f3"),
-    Column("recall_worst5", "recall worst5%", "f3"),
-    Column("prefill_dense_s", "prefill dense", "s"),
-    Column("prefill_patched_s", "prefill patched", "s"),
-    Column("prefill_speedup", "speed-up", "x"),
-]
-
-
-VISION_COLUMNS = [
-    Column("setting", "setting"),
-    Column("resolution", "res", "int"),
-    Column("tokens", "N", "int"),
-    Column("knn_top1", "k-NN top-1", "pct"),
-    Column("linear_probe", "lin. probe", "pct"),
-    Column("map_at_r", "mAP@R", "f3"),
-    Column("recall_at_1", "R@1", "pct"),
-    Column("cls_cosine", "CLS cos", "f3"),
-    Column("patch_cosine", "patch cos", "f3"),
-    Column("knn_agreement", "k-NN agree", "pct"),
-    Column("mean_layer_error_teacher", "layer err (teacher)", "f3"),
-    Column("mean_layer_error_free", "layer err (free)", "f3"),
-    Column("images_per_s", "img/s", "f2"),
-    Column("speedup", "speed-up", "x"),
-]
-
-
-def vision_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
-    """Table rows of :func:`attnpatch.evals.vision.run_feature_eval`'s result: dense first, then each setting."""
-    base = {"resolution": result.get("resolution"), "tokens": result.get("tokens")}
-    rows = [{"setting": "dense", **base, **result["dense"]}]
-    for r in result["runs"]:
-        opts = ", ".join(f"{k}={v}" for k, v in r.get("shown_options", r["options"]).items())
-        label = f"{r['method']}" + (f" ({opts})" if opts else "") + (f" [{r['note']}]" if r.get("note") else "")
-        rows.append({**base, **r, "setting": label})
-    return rows
-
-
-BENCH_ATTENTION_COLUMNS = [
-    Column("N", "N", "int"),
-    Column("method", "method"),
-    Column("seconds", "time", "ms"),
-    Column("speedup", "vs SDPA", "x"),
-    Column("fps_seconds", "FPS", "ms"),
-    Column("nystrom_seconds", "Nyström", "ms"),
-    Column("speedup_incl", "vs SDPA (1 FPS/layer)", "x"),
-    Column("speedup_nystrom", "vs SDPA (Nyström only)", "x"),
-    Column("select_seconds", "selection", "ms"),
-    Column("sparsity", "sparsity", "pct"),
-    Column("recall", "recall mean", "f3"),
-    Column("peak_bytes", "peak extra mem", "mib"),
-    Column("nxn_bytes", "N×N scores", "mib"),
-    Column("note", "note"),
-]
-
-BENCH_VISION_COLUMNS = [
-    Column("resolution", "res", "int"),
-    Column("tokens", "N", "int"),
-    Column("setting", "setting"),
-    Column("seconds", "s/forward", "s"),
-    Column("images_per_s", "img/s", "f2"),
-    Column("speedup", "vs unpatched", "x"),
-    Column("attention_share", "attention share", "pct"),
-    Column("note", "note"),
-]
-
-BENCH_LM_COLUMNS = [
-    Column("length", "tokens", "int"),
-    Column("setting", "setting"),
-    Column("seconds", "prefill", "s"),
-    Column("tokens_per_s", "tok/s", "f2"),
-    Column("speedup", "vs unpatched", "x"),
-    Column("attention_share", "attention share", "pct"),
-    Column("sparsity", "sparsity", "pct"),
-]
-
-ZEROSHOT_COLUMNS = [
-    Column("setting", "setting"),
-    Column("resolution", "res", "int"),
-    Column("tokens", "N", "int"),
-    Column("top1", "top-1", "pct"),
-    Column("top5", "top-5", "pct"),
-    Column("agreement", "top-1 agree", "pct"),
-    Column("embed_cosine", "emb cos", "f3"),
-    Column("embed_cosine_min", "emb cos min", "f3"),
-    Column("images_per_s", "img/s", "f2"),
-    Column("speedup", "speed-up", "x"),
-]
-
-
-CLIP_RETRIEVAL_COLUMNS = [
-    Column("setting", "setting"),
-    Column("resolution", "res", "int"),
-    Column("tokens", "N", "int"),
-    Column("t2i_recall@1", "T→I R@1", "pct"),
-    Column("t2i_recall@5", "T→I R@5", "pct"),
-    Column("t2i_recall@10", "T→I R@10", "pct"),
-    Column("i2t_recall@1", "I→T R@1", "pct"),
-    Column("i2t_recall@5", "I→T R@5", "pct"),
-    Column("i2t_recall@10", "I→T R@10", "pct"),
-    Column("embed_cosine", "emb cos", "f3"),
-    Column("images_per_s", "img/s", "f2"),
-    Column("speedup", "speed-up", "x"),
-]
-
-
-def clip_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
-    """Table rows of :func:`attnpatch.evals.clip.run_zeroshot_eval` / ``run_retrieval_eval``: dense,
-    each setting, and a ``chance`` row (the expected score of a random ranking)."""
-    rows = vision_rows(result)
-    for row, run in zip(rows[1:], result["runs"]):
-        towers = run.get("towers")
-        if towers and list(towers) != ["vision"]:
-            row["setting"] += f" [towers: {', '.join(towers)}]"
-    if result.get("chance"):
-        rows.append({"setting": "chance", **result["chance"]})
-    return rows
 
 
 def _present(columns: Sequence[Column], rows: Sequence[dict[str, Any]]) -> list[Column]:
@@ -310,6 +190,7 @@ _DENSE_WHY = {
     "dense:theta=inf": "theta = inf keeps every key",
     "dense:layer": "dense_layers",
     "dense:s>=N": "every token is a landmark (s >= N)",
+    "dense:no-sinks": "no sink token was found, so sink_mask masked nothing",
 }
 
 

@@ -445,7 +445,7 @@ inline float squared_distance(const float* a, const float* b, int64_t d) {
 // Farthest-point sampling (Gonzalez 1985; FNA's landmarks, arXiv 2507.16018, Sec. 3).
 // x: [B, N, D] float32, contiguous.  Returns int64 [B, s]: tokens 0 .. first - 1, then s - first times the
 // token whose squared distance to the nearest taken token is largest, ties to the lowest index.
-// Distances are exact squared differences in float32 (as attnpatch/attention/landmarks_triton.py computes
+// Distances are exact squared differences in float32 (as attnpatch/attention/landmarks/fps_triton.py computes
 // them): a copy of a taken token is at distance exactly 0.  Per item, one parallel region; per step one pass
 // over the tokens that updates each token's running minimum and finds the farthest, then a reduction over
 // the threads' candidates (largest distance, then lowest index).

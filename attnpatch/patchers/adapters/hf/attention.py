@@ -166,17 +166,18 @@ def _original_attention(module, original: str | None):
     return sdpa_attention_forward, "bool"
 
 
-def _attentions_requested() -> bool:
-    """Whether the current ``transformers`` forward collects attention weights (``output_attentions=True``)."""
+def _attention_collector() -> list | None:
+    """The list the current ``transformers`` forward collects attention weights in (``output_attentions=True``), one
+    entry per layer, or ``None`` when it collects none."""
     try:
         from transformers.utils.output_capturing import _active_collector
     except ImportError:  # pragma: no cover - older transformers
-        return False
+        return None
     try:
         collected = _active_collector.get()
     except LookupError:
-        return False
-    return isinstance(collected, dict) and "attentions" in collected
+        return None
+    return collected.get("attentions") if isinstance(collected, dict) else None
 
 
 def attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None, **kwargs):
@@ -189,7 +190,9 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
         dropout: attention dropout probability; scaling: the logit scale (``None``: ``D ** -0.5``).
 
     Returns:
-        ``(out [B, Lq, H, D] contiguous, attention weights or None)``, as ``transformers`` expects.
+        ``(out [B, Lq, H, D] contiguous, attention weights or None)``, as ``transformers`` expects.  With
+        ``output_attentions=True`` on a model whose own implementation is eager, a layer the method approximates
+        (no weights) adds ``None`` to the attentions transformers collects, so the tuple keeps one entry per layer.
 
     Raises:
         UnsupportedModelError: an approximate method called with a sliding window, soft-capping,
@@ -242,9 +245,14 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
         handle, module._attnpatch_layer, query, key, value, scale=scale, exact=exact, q_offset=q_offset,
         key_valid=key_valid, causal=causal, dropout=float(dropout or 0.0), decline=decline,
     )
-    if weights[0] is None and not handle.method.exact and _attentions_requested():
+    collected = _attention_collector() if weights[0] is None and not handle.method.exact else None
+    if collected is not None:
         handle.say(
             f"output_attentions=True: method {handle.method.name!r} forms no attention matrix, so the patched layers "
             "return None for their attention weights (method 'dense' on a model loaded with attn_implementation='eager' returns them)"
         )
+        if mask_kind == "eager":
+            # transformers' collecting hook skips a None: this layer's place is kept by hand (the hook of this module
+            # runs after this function returns), so that outputs.attentions[i] stays layer i's weights, as unpatched
+            collected.append(None)
     return out.transpose(1, 2).contiguous(), weights[0]

@@ -8,8 +8,11 @@ used when qk-norm, scaled-cosine attention, head scaling or inner norms are conf
 attention module of every block of a routed tower gets its class swapped for a subclass whose
 ``forward`` computes ``q, k, v`` exactly as the original does (the packed ``in_proj`` projection,
 open_clip's ``ln_q`` / ``ln_k``, scaled-cosine logits folded into ``q``) and routes the attention
-itself through :func:`attnpatch.patchers.runtime.run_layer`; exact scaled-dot-product attention on
-the same ``q, k, v`` (with the call's mask) is the fallback. Unpatching swaps the original class
+itself through :func:`attnpatch.patchers.runtime.run_layer`. A call the method hands back (``dense``, ``fna`` below
+``min_tokens`` or with ``s >= N``, ``sink_mask`` outside its masked layers or with no sink found) runs the module's
+own forward, bit for bit the unpatched one (``nn.MultiheadAttention``'s fused inference kernel included); where the
+forward asks for the attention tensors (capture, teacher forcing, a probe, timing) it runs exact scaled-dot-product
+attention on the same ``q, k, v`` (with the call's mask) instead, equal up to rounding. Unpatching swaps the original class
 back, so the module computes bit for bit what it did before.
 
 Towers: ``"vision"`` (kind ``"vision"``: bidirectional, one class token first, so

@@ -74,7 +74,10 @@ def _mha_forward(
         )
 
     dropout = self.dropout if self.training else 0.0
-    out = run_layer(handle, self._attnpatch_layer, q, k, v, scale=(e // h) ** -0.5, exact=exact, causal=causal, dropout=dropout)
+    out = run_layer(handle, self._attnpatch_layer, q, k, v, scale=(e // h) ** -0.5, exact=exact, causal=causal, dropout=dropout,
+                    own_forward=True)
+    if out is None:  # handed back: the module's own forward, bit for bit (its fused kernel is not exact())
+        return own()
     out = self.out_proj(out.transpose(1, 2).reshape(b, n, e))
     if not self.batch_first:
         out = out.transpose(0, 1)
@@ -86,8 +89,8 @@ def _attention_forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = N
     handle: PatchHandle = self._attnpatch
     b, n, c = x.shape
     h = self.num_heads
+    own = lambda: self._attnpatch_original_class.forward(self, x, attn_mask=attn_mask)  # noqa: E731
     if handle.method.exact and not needs_attention_tensors(handle):  # the module's own forward, bit for bit
-        own = lambda: self._attnpatch_original_class.forward(self, x, attn_mask=attn_mask)  # noqa: E731
         return run_module(handle, self._attnpatch_layer, own, batch=b, heads=h, queries=n, keys=n, causal=attn_mask is not None)
     q, k, v = F.linear(x, self.in_proj_weight, self.in_proj_bias).chunk(3, dim=-1)
     q, k, v = (t.reshape(b, n, h, -1).transpose(1, 2) for t in (q, k, v))
@@ -108,7 +111,10 @@ def _attention_forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = N
         )
 
     dropout = self.attn_drop.p if self.training else 0.0
-    out = run_layer(handle, self._attnpatch_layer, q, k, v, scale=scale, exact=exact, causal=mask is not None, dropout=dropout)
+    out = run_layer(handle, self._attnpatch_layer, q, k, v, scale=scale, exact=exact, causal=mask is not None, dropout=dropout,
+                    own_forward=True)
+    if out is None:  # handed back: the module's own forward, bit for bit
+        return own()
     if self.head_scale is not None:
         out = out * self.head_scale
     out = out.transpose(1, 2).reshape(b, n, c)
