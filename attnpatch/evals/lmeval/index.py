@@ -90,8 +90,13 @@ def cached_task_manager(log: Log = log_stderr):
     """lm-eval's ``TaskManager()`` (its default task folder, no metadata), its index read from :func:`index_file`,
     or built and written there when absent (``log`` says so first: it takes seconds to minutes)."""
     from lm_eval.tasks import TaskManager
-    from lm_eval.tasks._index import TaskIndex
 
+    try:  # lm-eval's own index class (lm-eval 0.4.13 and later in the pinned range); another layout: no cache
+        from lm_eval.tasks._index import TaskIndex
+
+        real = vars(TaskIndex)["build"]  # the staticmethod itself, put back as it was
+    except (ImportError, KeyError):
+        return TaskManager()
     path = index_file()
     index = _read(path)
     if index is None:
@@ -99,7 +104,6 @@ def cached_task_manager(log: Log = log_stderr):
         manager = TaskManager()
         _write(path, manager.task_index)
         return manager
-    real = vars(TaskIndex)["build"]  # the staticmethod itself, put back as it was
     TaskIndex.build = staticmethod(lambda paths, **kwargs: index)
     try:
         return TaskManager()
