@@ -434,3 +434,23 @@ def test_fps_runs_once_per_forward_not_per_layer(monkeypatch):
             _run(model, X)
             _run(model, X)
         assert len(calls) == 2  # one per forward, not one per FNA layer (3 per forward here)
+
+
+def test_patch_warms_the_kernels_on_small_inputs_whatever_s(monkeypatch):
+    """patch() runs FPS and the pseudo-inverse once where their kernels have a one-time cost (the compiled CPU
+    kernel's build, a Triton JIT compile), on at most ``WARM_UP_LANDMARKS`` landmarks: ``s >= N`` (s=10000, every
+    layer exact) must not make it factorise 10000 x 10000 matrices."""
+    from attnpatch.patchers.methods.fna import hooks
+
+    seen = []
+    real_fps, real_pinv = hooks.farthest_point_sampling, hooks.landmark_pinv
+    monkeypatch.setattr(hooks, "needs_warm_up", lambda *a: True)  # as where a kernel has a one-time cost
+    monkeypatch.setattr(hooks, "farthest_point_sampling", lambda x, s, p: seen.append(("fps", x.shape[1], s)) or real_fps(x, s, p))
+    monkeypatch.setattr(hooks, "landmark_pinv", lambda a, *r, **k: seen.append(("pinv", a.shape[-1])) or real_pinv(a, *r, **k))
+    model = _hf_dinov2(0)
+    with patched(model, "fna", s=10000, min_tokens=0):
+        pass
+    with patched(model, "fna", s=8, min_tokens=0):
+        pass
+    assert seen == [("fps", 2 * hooks.WARM_UP_LANDMARKS + 1, hooks.WARM_UP_LANDMARKS), ("pinv", hooks.WARM_UP_LANDMARKS),
+                    ("fps", 17, 8), ("pinv", 8)]

@@ -69,13 +69,17 @@ def min_tokens_for(cfg: FNAConfig, q: torch.Tensor, k: torch.Tensor) -> int:
     return sys.maxsize if found.tokens is None else found.tokens
 
 
+#: Landmarks of :func:`prepare_fna`'s warm-up calls, at most (the largest side the pseudo-inverse's Triton kernel takes).
+WARM_UP_LANDMARKS = 64
+
+
 def prepare_fna(cfg: FNAConfig, geo: ModelGeometry, device: torch.device, dtype: torch.dtype) -> None:
     """At patch time: resolve ``min_tokens="auto"`` for the model's heads, device and dtype (a calibration then runs
     here, not inside the first, timed, forward); where the kernels
     :func:`~attnpatch.attention.backends.dispatch.choose` picks for farthest-point sampling or the pseudo-inverse need
     a build or a JIT compile (:func:`~attnpatch.attention.backends.dispatch.needs_warm_up`: the compiled CPU kernel,
     a C++ build the first time on a machine, then a load; the Triton kernels), one call of each on inputs of the
-    model's width, so that no timed forward pays it."""
+    model's width and ``min(s, WARM_UP_LANDMARKS)`` landmarks, so that no timed forward pays it."""
     probe = probe_inputs(geo, device, dtype) if cfg.min_tokens == "auto" else None
     if probe is not None:
         min_tokens_for(cfg, *probe)
@@ -85,9 +89,10 @@ def prepare_fna(cfg: FNAConfig, geo: ModelGeometry, device: torch.device, dtype:
     if not (needs_warm_up("fps", "auto", Call(device, dtype)) or needs_warm_up("pinv", "auto", Call(device, dtype))):
         return
     g = torch.Generator().manual_seed(0)
-    feats = torch.randn(1, 2 * cfg.s + 1, geo.heads * geo.head_dim, generator=g).to(device, dtype)
-    farthest_point_sampling(feats, cfg.s, 1)
-    landmark_pinv(torch.softmax(torch.randn(1, geo.heads, cfg.s, cfg.s, generator=g), -1).to(device, dtype),
+    s = min(cfg.s, WARM_UP_LANDMARKS)  # the kernels' one-time cost, not the work of an s >= N setting
+    feats = torch.randn(1, 2 * s + 1, geo.heads * geo.head_dim, generator=g).to(device, dtype)
+    farthest_point_sampling(feats, s, 1)
+    landmark_pinv(torch.softmax(torch.randn(1, geo.heads, s, s, generator=g), -1).to(device, dtype),
                   cfg.pinv, rtol=cfg.rtol, iters=cfg.newton_iters)
 
 
