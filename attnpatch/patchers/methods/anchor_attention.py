@@ -164,19 +164,20 @@ def warm_up(cfg: AnchorConfig, geo: ModelGeometry, device: torch.device, dtype: 
     where the kernels :func:`attnpatch.attention.backends.dispatch.choose` picks for the model's device and dtype need
     a build or a JIT compile (:func:`~attnpatch.attention.backends.dispatch.needs_warm_up`: the compiled CPU kernel,
     a C++ build the first time on a machine, then a load; the Triton kernels), one call of the method on a small
-    :func:`synthetic_prefill` of the model's head geometry (``3 * block_size + dense_last`` tokens: a sparse block,
-    the guard's probes, the dense tail).  Raises nothing of its own: a failed C++ build warns once and leaves the
+    :func:`synthetic_prefill` of the model's head geometry (``3 * block_size + min(dense_last, block_size)`` tokens:
+    a sparse block, the guard's probes, a dense tail).  Raises nothing of its own: a failed C++ build warns once and leaves the
     PyTorch path (:func:`~attnpatch.attention.backends.cpu_kernel.stripe_kernel`)."""
     if cfg.theta == math.inf or not (geo.heads and geo.head_dim):
         return  # every layer hands back to the model's own attention, or nothing to build the input from
     call = Call(device, dtype, head_dim=geo.head_dim, select_dtype=cfg.select_dtype_on(device))
     if not (needs_warm_up("anchor_attend", cfg.kernel, call) or needs_warm_up("anchor_select", cfg.kernel, call)):
         return
-    n = 3 * cfg.block_size + cfg.dense_last
+    # the kernels' variants depend on the block size and on whether there are dense rows, not on how many
+    small = dataclasses.replace(cfg, min_len=0, dense_last=min(cfg.dense_last, cfg.block_size))
+    n = 3 * small.block_size + small.dense_last
     q, k, v = synthetic_prefill(n, geo.heads, geo.kv_heads or geo.heads, geo.head_dim, dtype=dtype, device=device)
     with torch.no_grad():
-        anchor_attention(q, k, v, _with_min_len(cfg, 0), scale=geo.head_dim ** -0.5, return_stats=True,
-                         compute_recall=True)
+        anchor_attention(q, k, v, small, scale=geo.head_dim ** -0.5, return_stats=True, compute_recall=True)
 
 
 def anchor_forward(
