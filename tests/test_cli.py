@@ -113,6 +113,7 @@ def test_an_option_given_twice_is_refused(capsys):
     assert "option s given twice (s=8 and s=9)" in err and "Traceback" not in err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("module", ["attnpatch", "attnpatch.cli"])
 def test_python_dash_m_runs_the_command(module):
     import subprocess

@@ -104,6 +104,7 @@ def test_the_dense_row_is_lm_evals_own_hf_model(one_process, tiny_lm_dir):
         assert ours == theirs
 
 
+@pytest.mark.slow
 def test_two_processes_answer_as_one(one_process, tiny_lm_dir, tmp_path):
     _, one = one_process
     _launch([*ARGS, "--model", str(tiny_lm_dir), "--json", str(tmp_path / "two.json")], cwd=tmp_path)
