@@ -2,7 +2,7 @@
 
 Read from the test files' syntax trees: a test is *slow* when its body, a fixture it takes or a module-level function
 it calls (followed through this folder's modules and conftest.py) starts a process (names ``subprocess``,
-``sys.executable``, ``torchrun`` or ``accelerate``) or passes a catalogue name (``smollm2-135m-instruct``,
+``sys.executable``, ``torchrun``, ``accelerate`` or the bench's ``background_load``) or passes a catalogue name (``smollm2-135m-instruct``,
 ``dinov2-small``, ...) to a checkpoint loader (``prepare``, ``load_causal_lm``, ``load_vision_model``, lm-eval's ``HFLM``)
 outside ``pytest.raises``.  Such a test must carry ``pytest.mark.slow`` (on itself, its class or the module's
 ``pytestmark``).
@@ -17,8 +17,10 @@ TESTS = Path(__file__).resolve().parent
 
 #: Calls that load a checkpoint when given a catalogue name.
 LOADERS = {"prepare", "load_causal_lm", "load_vision_model", "HFLM"}
-#: String constants that start a process (``accelerate launch``, ``torchrun``).
-LAUNCHERS = {"accelerate", "torchrun"}
+#: String constants that start a process (``accelerate launch``, ``torchrun``, the bench's competing process).
+LAUNCHERS = {"accelerate", "torchrun", "--background-load"}
+#: attnpatch functions that start a process: the bench's competing load (a ``python -c`` child).
+STARTERS = {"background_load"}
 
 
 def _catalogue() -> tuple[str, ...]:
@@ -46,13 +48,22 @@ class Module:
         self.slow = _is_slow_mark(self.assigned["pytestmark"]) if "pytestmark" in self.assigned else False
 
 
-def _raises_blocks(fn: ast.AST) -> set[int]:
-    """ids of the nodes inside ``with pytest.raises(...)`` blocks of ``fn``."""
-    inside = set()
-    for node in ast.walk(fn):
-        if isinstance(node, ast.With) and any("raises" in ast.unparse(i.context_expr) for i in node.items):
-            inside.update(id(x) for stmt in node.body for x in ast.walk(stmt))
-    return inside
+def _is_raises(expr: ast.AST) -> bool:
+    """``pytest.raises(...)`` (any ``*.raises(...)`` or ``raises(...)`` call)."""
+    f = expr.func if isinstance(expr, ast.Call) else None
+    return isinstance(f, ast.Attribute) and f.attr == "raises" or isinstance(f, ast.Name) and f.id == "raises"
+
+
+def _nodes(fn: ast.AST):
+    """Every node under ``fn`` with whether it lies in the body of a ``with pytest.raises(...)`` block (one walk)."""
+    stack = [(fn, False)]
+    while stack:
+        node, refused = stack.pop()
+        yield node, refused
+        inner = refused or isinstance(node, ast.With) and any(_is_raises(i.context_expr) for i in node.items)
+        for name, value in ast.iter_fields(node):
+            children = value if isinstance(value, list) else [value]
+            stack.extend((c, inner if name == "body" else refused) for c in children if isinstance(c, ast.AST))
 
 
 class Scan:
@@ -84,23 +95,30 @@ class Scan:
                     return True
         return False
 
-    def _direct(self, mod: Module, fn: ast.AST) -> list[str]:
-        why, refusals = [], _raises_blocks(fn)
-        for x in ast.walk(fn):
-            if isinstance(x, ast.Name) and x.id == "subprocess":
-                why.append(f"line {x.lineno}: subprocess")
+    def _direct(self, mod: Module, fn: ast.AST) -> tuple[list[str], set[str]]:
+        """The reasons in ``fn``'s own body, and the names it uses."""
+        why, used = [], set()
+        for x, refused in _nodes(fn):
+            if isinstance(x, ast.Name):
+                used.add(x.id)
+                if x.id == "subprocess":
+                    why.append(f"line {x.lineno}: subprocess")
+                elif x.id in STARTERS:
+                    why.append(f"line {x.lineno}: {x.id} starts a process")
             elif isinstance(x, (ast.Import, ast.ImportFrom)) and any(a.name == "subprocess" for a in x.names):
                 why.append(f"line {x.lineno}: import subprocess")
-            elif isinstance(x, ast.Attribute) and x.attr == "executable" and ast.unparse(x.value) == "sys":
+            elif isinstance(x, ast.Attribute) and x.attr == "executable" and isinstance(x.value, ast.Name) and x.value.id == "sys":
                 why.append(f"line {x.lineno}: sys.executable")
+            elif isinstance(x, ast.Attribute) and x.attr in STARTERS:
+                why.append(f"line {x.lineno}: {x.attr} starts a process")
             elif isinstance(x, ast.Constant) and x.value in LAUNCHERS:
                 why.append(f"line {x.lineno}: {x.value}")
-            elif isinstance(x, ast.Call) and id(x) not in refusals:
+            elif isinstance(x, ast.Call) and not refused:
                 f = x.func
                 name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else None
                 if name in LOADERS and any(self._names_catalogue(mod, a) for a in [*x.args, *(k.value for k in x.keywords)]):
                     why.append(f"line {x.lineno}: {ast.unparse(x)[:80]}")
-        return why
+        return why, used
 
     def why(self, modname: str, fn: ast.AST, _stack: tuple = ()) -> list[str]:
         """Reasons ``fn`` (in ``modname``) is slow: its own, then those of the fixtures and functions it uses."""
@@ -110,8 +128,9 @@ class Scan:
         if key in _stack:
             return []
         mod = self.modules[modname]
-        why = [f"{modname}.{fn.name} {w}" for w in self._direct(mod, fn)]
-        used = {a.arg for a in fn.args.args} | {x.id for x in ast.walk(fn) if isinstance(x, ast.Name)}
+        direct, used = self._direct(mod, fn)
+        why = [f"{modname}.{fn.name} {w}" for w in direct]
+        used |= {a.arg for a in fn.args.args}
         for name in sorted(used - {fn.name}):
             target = self._resolve(mod, name)
             if target is not None:
@@ -167,6 +186,10 @@ def test_the_check_finds_each_kind_unmarked(tmp_path):
         "    load_causal_lm(NAME)\n"
         "def test_through_a_helper():\n"
         "    launch(['eval'])\n"
+        "def test_a_competing_load():\n"
+        "    from attnpatch.evals.bench import background_load\n"
+        "    with background_load(5):\n"
+        "        pass\n"
         "def test_through_a_fixture(dino):\n"
         "    pass\n"
         "@pytest.mark.slow\n"
@@ -191,7 +214,7 @@ def test_the_check_finds_each_kind_unmarked(tmp_path):
         "    subprocess.run(['true'])\n")
     found = Scan(tmp_path).unmarked()
     assert sorted(found) == [f"test_x.py::test_{n}" for n in
-                             ("a_torchrun_run", "in_a_class", "loads", "runs_python", "through_a_fixture", "through_a_helper")]
+                             ("a_competing_load", "a_torchrun_run", "in_a_class", "loads", "runs_python", "through_a_fixture", "through_a_helper")]
     assert any("sys.executable" in w for w in found["test_x.py::test_runs_python"])
     assert any("launch" in w and "subprocess" in w for w in found["test_x.py::test_through_a_helper"])
     assert any("conftest.dino" in w for w in found["test_x.py::test_through_a_fixture"])
