@@ -14,9 +14,39 @@ if not torch.cuda.is_available():
 # itself set their own value
 os.environ["ATTNPATCH_FNA_BREAK_EVEN"] = "0"
 
-torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+# Threads: one for the tiny-model tests (their ops are too small to gain from a second thread, and two OpenMP threads
+# wait on each other whenever another process holds a core: a battery case took 2.4 s with two threads beside another
+# PyTorch process, 0.09 s with one), up to two for the `slow` tests' real checkpoints.  Set per test and put back
+# after it, so a CLI run's --threads does not carry over into the tests after it.
+THREADS = max(1, min(2, torch.get_num_threads()))
+torch.set_num_threads(1)
 
 from tiny_models import tiny_causal_lm, tiny_dinov2  # noqa: E402  (tests import tiny_causal_lm from here too)
+
+
+@pytest.fixture(autouse=True)
+def _torch_threads(request):
+    torch.set_num_threads(THREADS if request.node.get_closest_marker("slow") else 1)
+    yield
+    torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The real SmolLM2-135M-Instruct of the offline catalogue, ``(model, tokenizer)``, loaded once per session (prepared
+    on first use); every test that takes it leaves it unpatched and in float32."""
+    from attnpatch.checkpoints import load_causal_lm
+
+    return load_causal_lm("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="session")
+def dinov2_small():
+    """The real DINOv2-S of the offline catalogue, ``(model, image processor)``, loaded once per session (prepared on
+    first use); every test that takes it leaves it unpatched and in float32."""
+    from attnpatch.checkpoints import load_vision_model
+
+    return load_vision_model("dinov2-small")
 
 
 @pytest.fixture(params=["llama", "qwen2", "qwen3"])

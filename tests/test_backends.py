@@ -108,6 +108,7 @@ def test_the_circle_check_sees_imports_inside_functions(tmp_path):
 # --------------------------------------------------------------------------- what importing the package loads
 
 
+@pytest.mark.slow
 def test_import_attnpatch_loads_no_triton_and_no_flex_attention():
     """``import attnpatch`` (and every method and attention package) adds no ``triton*`` module and no FlexAttention
     module to what ``import torch`` loads: both are imported by the first call that runs one of their kernels."""

@@ -310,6 +310,7 @@ def _gone(pid: int) -> bool:
     return False
 
 
+@pytest.mark.slow
 def test_background_load_starts_a_competitor_and_kills_it_on_exit_and_on_error():
     import os
 
@@ -333,6 +334,7 @@ def test_background_load_starts_a_competitor_and_kills_it_on_exit_and_on_error()
             pass
 
 
+@pytest.mark.slow
 def test_background_load_stops_itself_at_its_time_limit():
     import time
 
@@ -354,6 +356,7 @@ def _gone_or_zombie(pid: int) -> bool:
         return True
 
 
+@pytest.mark.slow
 def test_bench_cli_attention_under_background_load_records_it(tmp_path, capsys):
     out = tmp_path / "a.json"
     assert main(["bench", "attention", "--lengths", "64", "--heads", "2", "--head-dim", "16", "--repeats", "1", "--no-memory",

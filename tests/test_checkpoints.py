@@ -192,17 +192,18 @@ def test_local_dir_without_config(tmp_path):
 # --------------------------------------------------------------------------- real checkpoint
 
 
-@pytest.fixture(scope="session")
-def smollm2():
+@pytest.fixture(scope="module")
+def smollm2_prepared(request):
+    """Prepared, then loaded: the session's model (conftest's ``smollm2``)."""
     lines: list[str] = []
     folder = checkpoints.prepare("smollm2-135m-instruct", log=lines.append)
-    model, tok = load_causal_lm("smollm2-135m-instruct", log=lines.append)
+    model, tok = request.getfixturevalue("smollm2")
     return folder, model, tok, lines
 
 
 @pytest.mark.slow
-def test_smollm2_prepared_and_loaded(smollm2):
-    folder, model, tok, _ = smollm2
+def test_smollm2_prepared_and_loaded(smollm2_prepared):
+    folder, model, tok, _ = smollm2_prepared
     assert type(model).__name__ == "LlamaForCausalLM"
     assert model.config.num_hidden_layers == 30 and len(model.model.layers) == 30
     assert not model.training
@@ -220,10 +221,10 @@ def test_smollm2_prepared_and_loaded(smollm2):
 
 
 @pytest.mark.slow
-def test_smollm2_answers_paris(smollm2):
+def test_smollm2_answers_paris(smollm2_prepared):
     import torch
 
-    _, model, tok, _ = smollm2
+    _, model, tok, _ = smollm2_prepared
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     inputs = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     with torch.no_grad():
@@ -233,8 +234,8 @@ def test_smollm2_answers_paris(smollm2):
 
 
 @pytest.mark.slow
-def test_smollm2_loads_from_its_directory(smollm2):
-    folder, model, _, _ = smollm2
+def test_smollm2_loads_from_its_directory(smollm2_prepared):
+    folder, model, _, _ = smollm2_prepared
     again, _ = load_causal_lm(folder, log=_quiet)
     assert type(again).__name__ == "LlamaForCausalLM" and not again.training
     import torch

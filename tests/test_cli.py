@@ -133,6 +133,7 @@ def test_a_subcommand_refuses_extra_arguments_with_its_own_usage(argv, says, cap
     assert errors == [f"{command}: error: {says}"], err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("module", ["attnpatch", "attnpatch.cli"])
 def test_python_dash_m_runs_the_command(module):
     import subprocess

@@ -486,6 +486,7 @@ def _band(p: float, n: int, z: float = 5.0) -> tuple[float, float]:
     return max(0.0, p - z * sd - 1e-9), min(1.0, p + z * sd + 1.0 / n)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not TUXPAINT.is_dir(), reason="shared/data/tuxpaint-captions is absent")
 def test_retrieval_eval_tuxpaint_end_to_end_near_chance(tiny_dirs, tmp_path, capsys):
     _, oc_dir = tiny_dirs
@@ -511,6 +512,7 @@ def test_retrieval_eval_tuxpaint_end_to_end_near_chance(tiny_dirs, tmp_path, cap
     assert "T→I R@1" in printed and "chance" in printed and "fna (s=16)" in printed
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not IMAGENET.is_dir(), reason="shared/data/imagenet-1k-samples is absent")
 def test_zeroshot_eval_imagenet_samples_end_to_end(tiny_dirs, tmp_path):
     hf_dir, _ = tiny_dirs

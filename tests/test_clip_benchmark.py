@@ -1,7 +1,7 @@
 """``attnpatch eval clip-benchmark``: CLIP_benchmark's own evaluate functions on a patched CLIP, against our
 ``eval zeroshot`` / ``eval clip-retrieval`` on the same inputs; CLIP_benchmark's keys in our JSON; the numpy shim.
 
-The model is open_clip's ViT-B-32 with random weights at its own 224 px (50 image tokens); its scores are
+The model is open_clip's ViT-B-32 with random weights built at 128 px (17 image tokens); its scores are
 near-tied, so the two paths are compared per sample (top-1 class per image, rank of each query's match).
 """
 
@@ -27,7 +27,7 @@ from attnpatch.evals import clipbench as cb  # noqa: E402
 QUIET = dict(log=lambda m: None)
 NAMES = ["cat", "dog", "frog", "car", "tree", "boat", "house", "bird", "fish", "lamp"]
 TEMPLATES = ["a photo of a {}.", "a drawing of the {}."]
-FNA = ("fna", {"s": 8, "sample_layer": 0, "min_tokens": 0})  # 8 landmarks of 50 tokens, every layer from 0 approximated
+FNA = ("fna", {"s": 8, "sample_layer": 0, "min_tokens": 0})  # 8 landmarks of 17 tokens, every layer from 0 approximated
 
 
 def _pattern(i: int, rng) -> np.ndarray:
@@ -64,7 +64,7 @@ def _folder(root: Path, n: int, captions: bool) -> Path:
 
 @pytest.fixture(scope="module")
 def vitb32():
-    return load_clip("ViT-B-32:random", **QUIET)
+    return load_clip("ViT-B-32:random", resolution=128, **QUIET)
 
 
 @pytest.fixture(scope="module")

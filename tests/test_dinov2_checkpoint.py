@@ -206,10 +206,10 @@ def test_hf_to_timm_rejects_swiglu_and_foreign_dicts():
 
 
 @pytest.fixture(scope="module")
-def dinov2():
+def dinov2(request):
     lines: list[str] = []
     folder = checkpoints.prepare(NAME, log=lines.append)
-    hf, proc = load_vision_model(NAME, log=lines.append)
+    hf, proc = request.getfixturevalue("dinov2_small")  # prepared, then loaded once per session (conftest)
     vit, proc_timm = load_vision_model(NAME, backend="timm", log=lines.append)
     return {"folder": folder, "hf": hf, "timm": vit, "proc": proc, "proc_timm": proc_timm,
             "onnx": onnx_path(NAME, log=lines.append), "lines": lines}

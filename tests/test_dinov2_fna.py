@@ -10,12 +10,11 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def dino():
-    from attnpatch.checkpoints import load_vision_model
+def dino(dinov2_small):
     from attnpatch.evals.vision.images import load_image_set
     from attnpatch.evals.vision.preprocess import make_preprocess
 
-    model, proc = load_vision_model("dinov2-small")
+    model, proc = dinov2_small
     images = load_image_set(None)  # the embedded default set (registry packages; no ../shared needed)
     return model, images, make_preprocess(proc, 224)
 

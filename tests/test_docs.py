@@ -291,6 +291,7 @@ def test_benchmarks_is_a_front_page():
         assert "](../../BENCHMARKS.md)" in page.read_text(), f"{page.name} does not link back to the front page"
 
 
+@pytest.mark.slow
 def test_render_reproduces_the_committed_benchmarks(tmp_path):
     """``render --output DIR`` writes every page under DIR, each byte-equal to the committed one, and touches none."""
     before = _bench_files()
@@ -386,6 +387,7 @@ def test_render_keeps_hand_written_text_and_renders_each_results_folder(tmp_path
     assert fresh.startswith("# Benchmarks\n\n<!-- generated:toc -->\n**Contents**") and "## Device: cuda" in fresh
 
 
+@pytest.mark.slow
 def test_render_check_option_reports_a_stale_file(tmp_path):
     """``render --check`` exits 0 on the committed pages; the test writes none of them."""
     before = _bench_files()

@@ -173,6 +173,7 @@ sys.exit(1 if failed else 0)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs os.fork")
 def test_every_module_imports_alone():
     """Each module imported first, in a fresh interpreter state (a forked child that has imported no attnpatch module)."""

@@ -26,6 +26,29 @@ ARGS = ["eval", "lm-eval", "--tasks", *TASKS, "--metadata", f"max_seq_lengths=[{
         "--gen-kwargs", "max_gen_toks=8", "--method", SETTING]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_task_index():
+    """Every lm-eval ``TaskManager`` reads the ~14k task files lm-eval ships into an index (about 10 s on 2 cores):
+    ours and ``simple_evaluate``'s own read the same folder, so the module builds that index once and hands each
+    manager its own deep copy (nothing one manager does to its entries reaches another)."""
+    import copy
+
+    from lm_eval.tasks import _index
+
+    real, built = _index.TaskIndex.build, {}
+
+    def build(paths, **kwargs):
+        paths = list(paths)
+        key = (tuple(map(str, paths)), tuple(sorted(kwargs.items())))
+        if key not in built:
+            built[key] = real(paths, **kwargs)
+        return copy.deepcopy(built[key])
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_index.TaskIndex, "build", staticmethod(build))
+        yield
+
+
 def _answers(samples):
     return [(s["task"], s["doc_id"], s["prompt_hash"], s["answer"], s["metrics"]) for s in samples]
 
@@ -104,6 +127,7 @@ def test_the_dense_row_is_lm_evals_own_hf_model(one_process, tiny_lm_dir):
         assert ours == theirs
 
 
+@pytest.mark.slow
 def test_two_processes_answer_as_one(one_process, tiny_lm_dir, tmp_path):
     _, one = one_process
     _launch([*ARGS, "--model", str(tiny_lm_dir), "--json", str(tmp_path / "two.json")], cwd=tmp_path)
@@ -213,15 +237,14 @@ SMOLLM2 = Path("~/.cache/attnpatch/models/smollm2-135m-instruct").expanduser()
 
 @pytest.mark.slow
 @pytest.mark.skipif(not (SMOLLM2 / "config.json").is_file(), reason="smollm2-135m-instruct is not prepared")
-def test_smollm2_unpatched_answers_are_lm_evals_own_at_4k():
+def test_smollm2_unpatched_answers_are_lm_evals_own_at_4k(smollm2):
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
 
-    from attnpatch.checkpoints import load_causal_lm
     from attnpatch.evals.lmeval import run_lm_eval
 
     meta = {"max_seq_lengths": [4096]}
-    model, tok = load_causal_lm(str(SMOLLM2))
+    model, tok = smollm2  # the catalogue's folder, SMOLLM2, loaded once per session
     ours = run_lm_eval(model, tok, tasks=["niah_single_1"], settings=[], metadata=meta, limit=2)
     own = simple_evaluate(model=HFLM(pretrained=str(SMOLLM2), dtype="float32", batch_size=1, device="cpu"), tasks=["niah_single_1"],
                           limit=2, metadata={"tokenizer": str(SMOLLM2), **meta}, log_samples=True)

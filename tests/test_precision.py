@@ -332,17 +332,16 @@ def test_renormalized_sink_masking_never_divides_by_a_mass_near_zero():
 
 
 @pytest.mark.slow
-def test_dinov2_small_half_precision_stays_within_float32_error():
+def test_dinov2_small_half_precision_stays_within_float32_error(dinov2_small):
     """dinov2-small, 6 images of the embedded set at 224 px: final-CLS cosine to dense float32.
 
     Measured (21 images, 2026-11-30): fna 0.99698 (float32) / 0.99695 (float16) / 0.99690
     (bfloat16; 0.99670 before); ``pinv=exact`` 0.294 in float32, 0.311 in float16 (raised
     LinAlgError before), 0.361 in bfloat16."""
-    from attnpatch.checkpoints import load_vision_model
     from attnpatch.evals.vision.images import load_image_set
     from attnpatch.evals.vision.preprocess import make_preprocess
 
-    model, proc = load_vision_model("dinov2-small")
+    model, proc = dinov2_small
     images = load_image_set(None)
     x = make_preprocess(proc, 224)([images[i][0] for i in range(6)])
 
@@ -371,18 +370,17 @@ def test_dinov2_small_half_precision_stays_within_float32_error():
 
 
 @pytest.mark.slow
-def test_dinov2_small_renormalized_sink_mask_where_the_mass_estimate_goes_negative():
+def test_dinov2_small_renormalized_sink_mask_where_the_mass_estimate_goes_negative(dinov2_small):
     """Image 3 of the embedded set at 448 px (1025 tokens), ``fna+sink_mask`` with ``renormalize=True,
     mask_layers=5``: in layer 7 the Nyström estimate of a row's kept mass is -0.41 (the exact kept
     mass of every row is >= 0.03).  The old ``/ clamp(mass, 1e-6)`` put 1e5-1e6 x max|V| into that
     row; now every row stays of V's size and the final CLS token stays close to dense."""
     from attnpatch.attention import landmarks as ny
-    from attnpatch.checkpoints import load_vision_model
     from attnpatch.evals.vision.images import load_image_set
     from attnpatch.evals.vision.preprocess import make_preprocess
     from attnpatch.patchers.methods.fna import config as vm  # the layer's approximation calls nystrom_attention there
 
-    model, proc = load_vision_model("dinov2-small")
+    model, proc = dinov2_small
     images = load_image_set(None)
     x = make_preprocess(proc, 448)([images[3][0]])
     seen = []

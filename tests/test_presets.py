@@ -152,6 +152,7 @@ def test_min_len_auto_runs_the_models_own_attention_below_the_break_even_length(
     torch.testing.assert_close(got.double(), want.double(), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_cli_lists_presets_and_refuses_a_bad_one():
     exe = [sys.executable, "-m", "attnpatch"]
     out = subprocess.run(exe + ["methods", "--json"], capture_output=True, text=True, check=True).stdout

@@ -91,6 +91,7 @@ def test_shards_are_contiguous_cover_everything_and_differ_by_at_most_one():
             assert max(map(len, parts)) - min(map(len, parts)) <= 1
 
 
+@pytest.mark.slow
 def test_two_processes_give_the_one_process_json_of_an_image_eval(tiny_vit_dir, images_dir, tmp_path):
     args = [*FIDELITY, "--model", str(tiny_vit_dir), "--data", str(images_dir)]
     assert main([*args, "--json", str(tmp_path / "one.json"), "--threads", "1"]) == 0
@@ -107,6 +108,7 @@ def test_two_processes_give_the_one_process_json_of_an_image_eval(tiny_vit_dir, 
     assert "2 processes" in out.stdout and not (tmp_path / "two.json.parts").exists()
 
 
+@pytest.mark.slow
 def test_two_processes_give_the_one_process_json_of_ruler(tiny_lm_dir, tmp_path):
     args = [*RULER, "--model", str(tiny_lm_dir)]
     assert main([*args, "--json", str(tmp_path / "one.json"), "--threads", "1"]) == 0
@@ -136,6 +138,7 @@ def test_resume_an_image_eval_after_ctrl_c_gives_the_uninterrupted_json(tiny_vit
     assert _what(res) == _what(full) and not parts.exists()
 
 
+@pytest.mark.slow
 def test_resume_under_two_processes_of_a_one_process_run(tiny_vit_dir, images_dir, tmp_path, monkeypatch):
     import attnpatch.evals.vision.image_pass as ip
 

@@ -6,13 +6,6 @@ import torch
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def smollm2():
-    from attnpatch.checkpoints import load_causal_lm
-
-    return load_causal_lm("smollm2-135m-instruct")
-
-
 def test_niah_single_2k_patched_not_below_dense(smollm2):
     from attnpatch.evals.ruler.runner import run_ruler
 

@@ -68,6 +68,7 @@ def compiled(tmp_path_factory):
     return results
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", sorted(SHARED_LIMIT))
 def test_every_kernel_compiles_within_its_budgets(compiled, arch):
     rc, res, log = compiled[arch]
@@ -96,6 +97,7 @@ def test_every_kernel_compiles_within_its_budgets(compiled, arch):
         assert v["spill_stores"] <= spill_budget(arch, v), v
 
 
+@pytest.mark.slow
 def test_compile_only_nests_and_refuses_an_unknown_target(tmp_path):
     """Leaving an inner block restores the outer one's target (its launches still compile, for its own target), the
     process's Triton state is as before after both, and an unsupported compute capability is one ValueError."""
