@@ -232,12 +232,14 @@ def _bash_blocks(text: str) -> str:
 
 
 def test_readme_keeps_the_two_commands():
-    """CI runs the test command written in the README (``.ci/run``), and the main job's command is the README's."""
+    """CI runs the test command written in the README (``.ci/run``), the README shows the fast subset's command beside
+    it, and the main job's command is the README's."""
     readme = (REPO / "README.md").read_text()
     ci = [ln.strip() for ln in (REPO / ".ci" / "run").read_text().splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
     assert ci[-1] == "python -m pytest -q"
     commands = _bash_blocks(readme).splitlines()
     assert ci[-1] in commands
+    assert 'python -m pytest -q -m "not slow"' in commands  # the fast subset, beside the full suite
     assert ("attnpatch eval ruler --model smollm2-135m-instruct --method anchor_attention -o preset=accurate "
             "--lengths 1024 2048 4096 --samples 3 --depths 0 0.5 1") in commands
     assert len(readme.splitlines()) <= 320, "README.md is the front door: details go to docs/, measurements to BENCHMARKS.md"

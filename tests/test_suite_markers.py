@@ -218,3 +218,20 @@ def test_the_check_finds_each_kind_unmarked(tmp_path):
     assert any("sys.executable" in w for w in found["test_x.py::test_runs_python"])
     assert any("launch" in w and "subprocess" in w for w in found["test_x.py::test_through_a_helper"])
     assert any("conftest.dino" in w for w in found["test_x.py::test_through_a_fixture"])
+
+
+
+def test_the_fast_subset_runs_every_methods_contract_battery():
+    """``-m "not slow"`` keeps the contract battery: nothing in its two files is marked slow, and its exact-limit cases
+    cover every registered method."""
+    import importlib
+
+    from attnpatch.patchers.registry import METHODS
+
+    for name in ("test_contract_battery.py", "test_method_contract.py"):
+        tree = ast.parse((TESTS / name).read_text())
+        marks = [ast.unparse(n) for n in ast.walk(tree) if _is_slow_mark(n)]
+        assert not marks and "pytestmark" not in Module(TESTS / name, tree).assigned, f"{name} marks tests slow: {marks}"
+    battery = importlib.import_module("test_contract_battery")
+    covered = {p.values[0] if hasattr(p, "values") else p[0] for p in battery._params("exact_limit", settings=True)}
+    assert set(METHODS) <= covered, f"methods without a fast contract case: {sorted(set(METHODS) - covered)}"
