@@ -17,14 +17,14 @@ from .errors import (
 )
 from .evals.vision.sinks import sink_diagnostic
 from .patchers import (
-    is_patched, list_methods, model_geometry, patch, patch_info, patched, record_stats, time_attention, token_sizes, unpatch,
+    is_patched, list_methods, model_geometry, patch, patch_info, patched, record_stats, time_attention, token_sizes, token_source, unpatch,
     write_config,
 )
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "patch", "unpatch", "patched", "is_patched", "patch_info", "token_sizes", "list_methods", "record_stats", "time_attention", "sink_diagnostic",
+    "patch", "unpatch", "patched", "is_patched", "patch_info", "token_sizes", "token_source", "list_methods", "record_stats", "time_attention", "sink_diagnostic",
     "model_geometry", "write_config",
     "AttnpatchError", "OptionError", "UnknownMethodError", "UnsupportedModelError", "PatchStateError",
     "ModelNotFoundError", "DataError", "InferenceOnlyError",

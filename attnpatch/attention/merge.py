@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["bipartite_merge", "merge_plan", "apply_merge", "proportional_attention"]
+__all__ = ["bipartite_merge", "merge_plan", "apply_merge", "merge_destinations", "unmerge", "proportional_attention"]
 
 
 def merge_plan(metric: torch.Tensor, r: int, prefix: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -84,6 +84,54 @@ def apply_merge(
     rest = torch.cat([keep, xb], dim=1) / torch.cat([keep_w, wb], dim=1)[..., None]
     out = torch.cat([x[:, :prefix], rest.to(x.dtype)], dim=1)
     return out, torch.cat([size[:, :prefix].float(), keep_w, wb], dim=1)
+
+
+def merge_destinations(plan: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, n: int, prefix: int = 0) -> torch.Tensor | None:
+    """Where each of ``n`` tokens goes in :func:`apply_merge`'s output: the source map of one merge step.
+
+    ToMe's ``trace_source`` keeps a ``[B, N', N0]`` one-hot matrix of which input tokens each output
+    token holds; since every token joins exactly one output token, an index per token says the same.
+
+    Args:
+        plan: :func:`merge_plan`'s output on the same ``n`` tokens (``None``: nothing merged).
+        n: tokens before the merge; prefix: protected leading tokens (as given to :func:`merge_plan`).
+
+    Returns:
+        ``[B, n]`` int64, the output position of each token (a merged ``A`` token: its ``B`` partner's),
+        or ``None`` when ``plan`` is ``None``.  Composed over blocks (``dest.gather(1, source)``) it maps every
+        input token to the output token it was merged into.
+    """
+    if plan is None:
+        return None
+    unmerged, src, dst = plan
+    b, device = unmerged.shape[0], unmerged.device
+    off = prefix % 2
+    rest = n - prefix
+    n_a, n_b = (rest - off + 1) // 2, (rest - (1 - off) + 1) // 2
+    keep = unmerged.shape[1]
+    a_dest = torch.empty(b, n_a, dtype=torch.long, device=device)
+    a_dest.scatter_(1, unmerged, prefix + torch.arange(keep, device=device).expand(b, keep))
+    a_dest.scatter_(1, src, prefix + keep + dst)
+    b_dest = (prefix + keep + torch.arange(n_b, device=device)).expand(b, n_b)
+    out = torch.empty(b, n, dtype=torch.long, device=device)
+    out[:, :prefix] = torch.arange(prefix, device=device)
+    out[:, prefix + off::2] = a_dest
+    out[:, prefix + 1 - off::2] = b_dest
+    return out
+
+
+def unmerge(tokens: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+    """Read merged tokens back out at every input position (tomesd's unmerge as a gather).
+
+    Args:
+        tokens: ``[B, N', C]`` outputs of merged tokens.
+        source: ``[B, N0]`` int64, the position in ``tokens`` of the token each input token was merged into
+            (composed :func:`merge_destinations`).
+
+    Returns:
+        ``[B, N0, C]``: input token ``i`` reads ``tokens[source[i]]``.
+    """
+    return tokens.gather(1, source[..., None].expand(-1, -1, tokens.shape[-1]))
 
 
 def bipartite_merge(

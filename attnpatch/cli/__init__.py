@@ -1,5 +1,5 @@
 """Command line: ``attnpatch methods``, ``models``, ``eval ruler``, ``eval {fidelity,knn,linear-probe,retrieval}``,
-``eval {zeroshot,clip-retrieval}`` (CLIP),
+``eval {zeroshot,clip-retrieval}`` (CLIP), ``eval segmentation``,
 ``eval {lm-eval,clip-benchmark}`` (the harnesses), ``sinks``, ``bench {attention,capture,model}``, ``compare``, ``tune``.
 
 Thin by design: it parses, calls the library, prints. One module per command group, each command's
@@ -41,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     pe = sub.add_parser("eval", help="run an eval, dense vs patched")
     esub = pe.add_subparsers(dest="eval", required=True)
     ruler.add_parser(esub)
-    vision.add_parser(esub)  # fidelity, knn, linear-probe, retrieval
+    vision.add_parser(esub)  # fidelity, knn, linear-probe, retrieval, segmentation
     clip.add_parser(esub)  # zeroshot, clip-retrieval
     harness.add_parser(esub)  # lm-eval, clip-benchmark
     bench.add_parser(sub)  # bench attention, capture, model

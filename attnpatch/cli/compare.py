@@ -13,7 +13,7 @@ from .runtime import load_kwargs, open_store, other_process_exit, rank_log, scal
 from .ruler import ruler_settings, ruler_task_names
 from ..errors import AttnpatchError
 
-EVAL_NAMES = ["fidelity", "knn", "linear-probe", "retrieval", "zeroshot", "clip-retrieval", "ruler"]
+EVAL_NAMES = ["fidelity", "knn", "linear-probe", "retrieval", "zeroshot", "clip-retrieval", "segmentation", "ruler"]
 
 
 def log_stderr(line: str) -> None:
@@ -57,7 +57,32 @@ def _run(args, family: str, settings, match, save, ranks, earlier):
         title = f"compare {args.eval} — {args.model} ({args.backend}) — {images.name}, {len(images)} images"
         with image_progress(f"compare {args.eval}", len(images), quiet=quiet) as progress:
             return cmp.compare_vision(model, images, preprocess, eval=args.eval, batch_size=args.batch_size or 16,
-                                      layer_error_images=lei, knn_k=args.k, progress=progress, store=store, **common), title, store
+                                      layer_error_images=lei, knn_k=args.k or 20, progress=progress, store=store, **common), title, store
+    if family == "segmentation":
+        from ..checkpoints import load_vision_model
+        from ..evals.segmentation import load_segmentation_set, square_preprocess
+        from ..evals.vision.preprocess import fit_resolution
+        from ..patchers.adapters import adapter_for
+
+        data = load_segmentation_set(args.data, train_split=args.train_split, val_split=args.val_split, limit=args.limit)
+        model, processor = load_vision_model(args.model, backend=args.backend, log=rank_log(ranks), **load_kwargs(args, ranks))
+        adapter = adapter_for(model)
+        resolution = fit_resolution(args.resolution or 448, adapter.patch_size(model), what="--resolution")
+        pc = adapter.preprocess_config(model, processor)
+        total = len(data.train) + len(data.val)
+        title = (f"compare segmentation — {args.model} ({args.backend}) — {data.name}, {len(data.val)} val / {len(data.train)} train "
+                 f"images, {resolution} px, {args.readout[0]} read-out, fit {args.fit}")
+        with image_progress("compare segmentation (fit, then score)", total, quiet=quiet) as bar:
+            def progress(phase, done, n):
+                if bar is not None:
+                    bar(done if phase == "fit" else len(data.train) + done, total)
+
+            result = cmp.compare_segmentation(
+                model, data, square_preprocess(pc.mean, pc.std, resolution), readout=args.readout[0], readouts=args.readout,
+                fit=args.fit, last=args.layers, max_patches=args.max_patches, k=args.k or 30, batch_size=args.batch_size or 8,
+                progress=progress, **common)
+        result["result"].pop("examples", None)
+        return result, title, None
     if family == "clip":
         from .clip import load_clip_inputs
 
@@ -111,7 +136,11 @@ def _cmd_compare(args) -> int:
     cmp.check_settings(settings, args.eval)
     family = cmp.EVALS[args.eval][0]
     if args.model is None:
-        args.model = {"vision": DEFAULT_VISION_MODEL, "clip": DEFAULT_CLIP_MODEL, "ruler": DEFAULT_MODEL}[family]
+        args.model = {"vision": DEFAULT_VISION_MODEL, "segmentation": DEFAULT_VISION_MODEL, "clip": DEFAULT_CLIP_MODEL, "ruler": DEFAULT_MODEL}[family]
+    if family == "segmentation" and not args.data:
+        from ..errors import OptionError
+
+        raise OptionError("compare --eval segmentation needs --data (a VOC or ADE20k folder)")
     if args.eval == "clip-retrieval" and not args.data:
         from ..errors import OptionError
 
@@ -178,7 +207,7 @@ def add_parser(sub) -> None:
         description="Run dense and every --method setting on the same inputs in one process (interleaved), optionally with "
         "each method's knob matched to one budget (--match), and print one table.",
     )
-    p.add_argument("--eval", required=True, choices=EVAL_NAMES, help="the eval (vision: fidelity, knn, linear-probe, retrieval; CLIP: zeroshot, clip-retrieval; causal LM: ruler)")
+    p.add_argument("--eval", required=True, choices=EVAL_NAMES, help="the eval (vision: fidelity, knn, linear-probe, retrieval, segmentation; CLIP: zeroshot, clip-retrieval; causal LM: ruler)")
     p.add_argument("--model", help=f"catalogue name, local directory or hub id (default: {DEFAULT_VISION_MODEL} for vision evals, {DEFAULT_CLIP_MODEL} for CLIP, {DEFAULT_MODEL} for ruler)")
     p.add_argument(
         "--method", nargs="+", action=Repeatable, required=True, metavar="METHOD[:NAME=VALUE,...]",
@@ -205,7 +234,7 @@ def add_parser(sub) -> None:
     g.add_argument("--limit", type=positive_int, help="use at most this many images")
     g.add_argument("--batch-size", type=positive_int, help="images per forward call (default: 16 vision, 32 CLIP)")
     g.add_argument("--backend", choices=["hf", "timm"], default="hf", help="ViT implementation (default: %(default)s)")
-    g.add_argument("--k", type=positive_int, default=20, help="k-NN neighbours (default: %(default)s)")
+    g.add_argument("--k", type=positive_int, help="k-NN neighbours (default: 20; segmentation's dense k-NN: 30)")
     g.add_argument("--layer-error-images", type=int, help="per-layer errors on the first N images (default: 32 for fidelity, else 0)")
     g.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: auto = cuda if available; under a multi-process "
                    "launch cuda:<local rank>)")
@@ -213,6 +242,15 @@ def add_parser(sub) -> None:
     g.add_argument("--classnames", default="auto", help="zeroshot: auto, imagenet1k, dataset or a file (default: %(default)s)")
     g.add_argument("--templates", default="auto", help="zeroshot: openai, openai-7, photo or a file (default: %(default)s)")
     g.add_argument("--caption-column", help="clip-retrieval: caption column")
+    s = p.add_argument_group("segmentation")
+    s.add_argument("--readout", nargs="+", choices=["linear", "knn"], default=["linear"],
+                   help="read-outs; the first gives the compare's metric (mIoU) and fidelity (agreement with dense) (default: linear)")
+    s.add_argument("--fit", choices=["unpatched", "per-setting"], default="unpatched", help="read-outs fitted on the unpatched model's train features (default) "
+                   "or on each setting's own")
+    s.add_argument("--layers", type=positive_int, default=1, help="last blocks whose patch tokens are concatenated (default: 1)")
+    s.add_argument("--max-patches", type=positive_int, default=100_000, help="train patches for the probe and the k-NN bank")
+    s.add_argument("--train-split", help="train split name")
+    s.add_argument("--val-split", help="val split name")
     r = p.add_argument_group("ruler")
     r.add_argument("--tasks", nargs="+", action=Repeatable, choices=list(ruler_tasks.TASKS) + ["all"], help="default: niah_single")
     r.add_argument("--lengths", nargs="+", action=Repeatable, type=positive_int, default=[1024], help="context lengths in model tokens (default: 1024)")

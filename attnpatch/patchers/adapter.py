@@ -138,6 +138,11 @@ class Adapter(Protocol):
         """Frozen features of a ViT encoder: ``(cls [B, C], patch_mean [B, C])`` float32 on CPU (and with
         ``layers`` ``{layer: cls_l [B, C]}``); raises ``UnsupportedModelError`` for a model that is not one."""
 
+    def patch_tokens(self, model: torch.nn.Module, pixel_values: torch.Tensor, last: int = 1) -> torch.Tensor:
+        """Per-patch features of the vision tower for dense tasks: the last ``last`` blocks' outputs through its final norm,
+        ``[B, rows, columns, last * C]`` float32 on CPU, one per input patch also after a token-merging patch;
+        raises ``UnsupportedModelError`` for a model that has none."""
+
     def embed_image(self, model: torch.nn.Module, pixel_values: torch.Tensor) -> torch.Tensor:
         """Projected image embeddings ``[B, D]`` of a dual encoder (not normalised); raises ``UnsupportedModelError`` otherwise."""
 

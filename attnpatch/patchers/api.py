@@ -35,6 +35,7 @@ __all__ = [
     "handle_of",
     "patch_info",
     "token_sizes",
+    "token_source",
     "record_stats",
     "time_attention",
     "find_adapter",
@@ -315,6 +316,22 @@ def token_sizes(model: torch.nn.Module) -> torch.Tensor | None:
         PatchStateError: ``model`` is not patched.
     """
     return handle_of(model).last_token_sizes
+
+
+def token_source(model: torch.nn.Module) -> torch.Tensor | None:
+    """The source map of the last forward call through the routed towers of a model patched with a method that
+    merges tokens (``tome``): ``[B, N0]`` int64, for each input token (prefix tokens included) the position of the
+    output token it was merged into; ``None`` when that forward merged nothing or none has run.
+
+    ToMe (arXiv 2210.09461) traces sources as a ``[B, N', N0]`` one-hot matrix (``trace_source``); every input
+    token joins exactly one output token, so this index says the same.  One output per input patch, as a dense
+    task needs (tomesd's unmerge), is ``out.gather(1, source[..., None].expand(-1, -1, out.shape[-1]))``
+    (:func:`attnpatch.attention.merge.unmerge`); the model's own output keeps its merged tokens.
+
+    Raises:
+        PatchStateError: ``model`` is not patched.
+    """
+    return handle_of(model).last_token_source
 
 
 @contextlib.contextmanager

@@ -186,6 +186,9 @@ class Method:
             that block's attention layer), and it returns ``[B, N', C]``; ``None`` for a method that
             only replaces attention.  ``patch()`` refuses such a method on a model whose adapter
             cannot split its blocks that way.
+        token_map: a ``block_hook`` method keeps, per forward, the output token each input token went to
+            (:attr:`~attnpatch.patchers.state.ForwardState.token_source`), so a dense read-out can give one
+            output per input patch; see :attr:`per_patch_output`.
         presets: named option sets (:class:`Preset`), chosen with the pseudo-option ``preset``;
             empty for a method without presets.
         tune_space: ``tune_space(geometry) -> [options, ...]``: the candidate settings ``attnpatch tune``
@@ -215,6 +218,7 @@ class Method:
     small_settings: dict[str, dict[str, Any]] = field(default_factory=dict)
     knob: Knob | None = None
     block_hook: Callable[..., torch.Tensor] | None = None
+    token_map: bool = False
     presets: dict[str, Preset] = field(default_factory=dict)
     tune_space: Callable[[ModelGeometry], list[dict[str, Any]]] | None = None
 
@@ -228,6 +232,12 @@ class Method:
         """The config object of a complete option dict (:func:`~attnpatch.patchers.registry.validate_options`'s result; its ``config`` path,
         if any, is not an option of the method and is left out)."""
         return self.make_config({k: v for k, v in options.items() if k != "config"})
+
+    @property
+    def per_patch_output(self) -> bool:
+        """Whether a patched model gives one output per input patch (dense tasks): every method that keeps the
+        token count, and a token-merging method that keeps its source map (:attr:`token_map`)."""
+        return self.block_hook is None or self.token_map
 
     def fits(self, kind: str) -> bool:
         """Whether the method fits a tower of model kind ``kind`` (an exact method fits every kind)."""
@@ -294,6 +304,7 @@ class Method:
             "supports": sorted(MODEL_FEATURES) if self.exact else sorted(self.supports),
             "calls": {"causal": self.causal_calls, "noncausal": self.noncausal_calls, "key_padding": self.key_padding},
             "token_roles": sorted(self.token_roles),
+            "per_patch_output": self.per_patch_output,
             "options": {o.name: o.describe() for o in self.options.values()},
             "presets": {n: {"text": p.text, "options": dict(p.options)} for n, p in self.presets.items()},
         }

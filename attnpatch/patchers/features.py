@@ -14,7 +14,7 @@ import torch
 from ..errors import OptionError, UnsupportedModelError
 from .runtime import handle_on
 
-__all__ = ["input_device", "vit_features", "patch_side", "square_grid", "check_pixels", "float_dtype"]
+__all__ = ["input_device", "vit_features", "vit_patch_tokens", "last_layers", "patch_side", "square_grid", "check_pixels", "float_dtype"]
 
 
 def input_device(model: torch.nn.Module) -> torch.device:
@@ -79,6 +79,88 @@ def vit_features(
         pm = h[:, prefix:].float().mean(1).cpu()
     cls = h[:, 0].float().cpu()
     return (cls, pm, got) if layers else (cls, pm)
+
+
+def last_layers(last: int, depth: int, model: torch.nn.Module) -> list[int]:
+    """Indices of the last ``last`` of ``depth`` blocks, in order.
+
+    Raises:
+        OptionError: ``last`` not an int in ``[1, depth]``.
+    """
+    if isinstance(last, bool) or not isinstance(last, int) or not 1 <= last <= depth:
+        raise OptionError(f"last={last!r}: must be an int from 1 to {depth} (blocks of the {type(model).__name__})")
+    return list(range(depth - last, depth))
+
+
+def vit_patch_tokens(
+    model: torch.nn.Module,
+    forward: Callable[[], Any],
+    *,
+    prefix: int,
+    blocks: list[torch.nn.Module],
+    norm: torch.nn.Module | None,
+    last: int,
+    grid: tuple[int, int],
+    seq_first: bool = False,
+) -> torch.Tensor:
+    """Per-patch features of one ViT forward, the library-neutral part of an adapter's ``patch_tokens``.
+
+    The outputs of the last ``last`` blocks, each through the model's final norm (as DINOv2's
+    ``get_intermediate_layers(n, norm=True)`` reads them for its linear segmentation protocol), without the
+    prefix tokens, concatenated on the channel axis.  After a token-merging patch (ToMe), each block's
+    output is read back at every input patch through the forward's source map
+    (:attr:`~attnpatch.patchers.state.ForwardState.token_source`, as tomesd unmerges), so every setting
+    gives one feature per input patch.
+
+    Args:
+        model: the ViT (patched or not).
+        forward: runs the model once on its input (its output is not read).
+        prefix: leading tokens (CLS + registers) dropped.
+        blocks: the transformer blocks, in order; norm: the final norm (``None``: none).
+        last: how many of the last blocks to read (1: the last block's output only).
+        grid: ``(rows, columns)`` of patches of the input.
+        seq_first: the blocks' outputs are ``[N, B, C]`` (open_clip's older layout) rather than ``[B, N, C]``.
+
+    Returns:
+        ``[B, rows, columns, last * C]`` float32 on CPU, patches in row-major order.
+
+    Raises:
+        OptionError: ``last`` out of range; UnsupportedModelError: no blocks found, or a block's output has
+        another token count than the input without a source map to read it back (a token-reducing patch that
+        keeps none), or the token count does not match ``grid``.
+    """
+    if not blocks:
+        raise UnsupportedModelError(f"cannot find the transformer blocks of a {type(model).__name__} to read patch tokens from")
+    layers = last_layers(last, len(blocks), model)
+    handle = handle_on(model)
+    rows, cols = grid
+    got: dict[int, torch.Tensor] = {}
+
+    def hook(module, args, out, li):
+        h = out[0] if isinstance(out, tuple) else out
+        if seq_first:
+            h = h.transpose(0, 1)
+        h = norm(h) if norm is not None else h
+        state = handle.state if handle is not None else None
+        source = state.token_source if state is not None else None
+        if source is not None and source.shape[1] != h.shape[1]:
+            from ..attention.merge import unmerge
+
+            h = unmerge(h, source.to(h.device))
+        if h.shape[1] != prefix + rows * cols:
+            raise UnsupportedModelError(
+                f"{type(model).__name__}: block {li} gave {h.shape[1]} tokens, expected {prefix} prefix + {rows}x{cols} patches; "
+                "a patch that drops tokens without a source map has no per-patch output"
+            )
+        got[li] = h[:, prefix:].float().reshape(h.shape[0], rows, cols, -1).cpu()
+
+    hooks = [blocks[li].register_forward_hook(lambda m, a, o, li=li: hook(m, a, o, li)) for li in layers]
+    try:
+        forward()
+    finally:
+        for hk in hooks:
+            hk.remove()
+    return torch.cat([got[li] for li in layers], dim=-1)
 
 
 def patch_side(p: Any) -> int:

@@ -97,6 +97,7 @@ class PatchHandle:
         self._depth = 0
         self._said: set[str] = set()
         self.last_token_sizes: torch.Tensor | None = None  # [B, N'] of the last forward, for methods that merge tokens
+        self.last_token_source: torch.Tensor | None = None  # [B, N0] of the last forward: the output token of each input token
 
     def say(self, message: str) -> None:
         """Warn once per patch (``UserWarning``, prefixed ``attnpatch:``) about what the patch did instead."""
@@ -136,6 +137,7 @@ class PatchHandle:
         state, self.state = self.state, None
         if state is not None:
             self.last_token_sizes = state.token_sizes
+            self.last_token_source = state.token_source
             for r in self.recorders:
                 if r.stats and state.record:
                     r.forwards.append(state.layers)

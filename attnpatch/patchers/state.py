@@ -73,6 +73,8 @@ class ForwardState:
             indices sampled once, detected sink tokens, the current layer's input hidden states).
         token_sizes: ``[B, N']`` float, the input tokens each output token stands for, set by a
             method that merges tokens (ToMe); ``None`` when the token count does not change.
+        token_source: ``[B, N0]`` int64, for each input token the position of the output token it was merged
+            into (ToMe's source map), set with ``token_sizes``; ``None`` when the token count does not change.
     """
 
     record: bool = False
@@ -86,6 +88,7 @@ class ForwardState:
     outputs: dict[int, torch.Tensor] = field(default_factory=dict)
     shared: dict[str, Any] = field(default_factory=dict)
     token_sizes: torch.Tensor | None = None
+    token_source: torch.Tensor | None = None
 
 
 @dataclass

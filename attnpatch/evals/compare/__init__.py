@@ -1,7 +1,8 @@
 """Compare dense and several patched settings on one model and one eval, at matched budgets.
 
 :func:`compare_vision` (frozen ViT features: ``fidelity``, ``knn``, ``linear-probe``, ``retrieval``),
-:func:`compare_clip` (``zeroshot``, ``clip-retrieval``) and :func:`compare_ruler` (causal LMs) run
+:func:`compare_clip` (``zeroshot``, ``clip-retrieval``), :func:`compare_segmentation` (``segmentation``: mIoU, agreement
+with dense) and :func:`compare_ruler` (causal LMs) run
 dense and every setting on the same inputs in one process, interleaved, through the existing
 runners (:func:`attnpatch.evals.vision.run_feature_eval`, the CLIP runners,
 :func:`attnpatch.evals.ruler.run_ruler_settings`), and return one row per setting plus dense:
@@ -29,10 +30,10 @@ runs) and :mod:`.table` (the table rows and columns, and the Pareto plot).
 from __future__ import annotations
 
 from .matching import EVALS, MATCH_KEYS, Match, check_settings, eval_kind, match_settings, parse_match, parse_matches
-from .runs import compare_clip, compare_ruler, compare_vision
+from .runs import compare_clip, compare_ruler, compare_segmentation, compare_vision
 from .table import compare_columns, compare_rows, pareto_front, plot_pareto
 
 __all__ = [
     "EVALS", "MATCH_KEYS", "Match", "parse_match", "parse_matches", "eval_kind", "check_settings", "match_settings", "compare_vision",
-    "compare_clip", "compare_ruler", "compare_rows", "compare_columns", "pareto_front", "plot_pareto",
+    "compare_clip", "compare_ruler", "compare_segmentation", "compare_rows", "compare_columns", "pareto_front", "plot_pareto",
 ]

@@ -35,6 +35,7 @@ EVALS: dict[str, tuple[str, str, str, str, str, str]] = {
     "zeroshot": ("clip", "vision", "top1", "top-1", "embed_cosine", "emb cos"),
     "clip-retrieval": ("clip", "vision", "t2i_recall@1", "T→I R@1", "embed_cosine", "emb cos"),
     "ruler": ("ruler", "causal_lm", "acc", "accuracy", "recall_mean", "recall mean"),
+    "segmentation": ("segmentation", "vision", "miou", "mIoU", "agreement", "agree w/ dense"),
 }
 
 #: ``--match`` keys and what their value is.
@@ -150,6 +151,10 @@ def check_settings(settings: Settings, eval: str) -> list[tuple[str, dict[str, A
                 f"method {m!r} does not fit the {eval} eval: {m!r} fits model kinds {fits}, and {eval} patches a {kind!r} model"
             )
         out.append((m, full))
+    if EVALS[eval][0] == "segmentation":
+        from ..segmentation import check_dense_methods
+
+        check_dense_methods([m for m, _ in settings])
     return out
 
 

@@ -16,7 +16,7 @@ from ..run.distributed import Ranks
 from ..run.report import EvalInterrupted
 from .matching import EVALS, Match, Settings, as_matches, check_settings, match_settings
 
-__all__ = ["compare_vision", "compare_clip", "compare_ruler"]
+__all__ = ["compare_vision", "compare_clip", "compare_ruler", "compare_segmentation"]
 
 
 def _interrupt_guard(fn, done: str):
@@ -322,3 +322,64 @@ def compare_ruler(
         ),
         "ruler", match, given, infos, _ruler_rows,
     )
+
+
+def compare_segmentation(
+    model: torch.nn.Module,
+    data,
+    preprocess: Callable[[list], torch.Tensor],
+    *,
+    settings: Settings,
+    match: Match | None = None,
+    readout: str = "linear",
+    steps: int = 10,
+    log: Log | None = None,
+    **run_options: Any,
+) -> dict[str, Any]:
+    """Dense vs several settings on semantic segmentation (:func:`attnpatch.evals.segmentation.run_segmentation`),
+    at a matched budget (on the first val batch), in one run.
+
+    Args:
+        model, data, preprocess: as for :func:`~attnpatch.evals.segmentation.run_segmentation`.
+        settings, match, steps, log: as for :func:`compare_vision`.
+        readout: the read-out whose mIoU is the compare's metric and whose agreement with dense its fidelity
+            (``"linear"`` or ``"knn"``); both are in ``"result"`` when ``run_options`` asks for both.
+        run_options: the runner's other keywords (``readouts``, ``fit``, ``last``, ``max_patches``, ``batch_size``, ...).
+
+    Returns:
+        As :func:`compare_vision`, with ``"readout"``; ``"result"`` is the segmentation runner's result.
+
+    Raises:
+        OptionError: ``readout`` not among the run's read-outs; the errors of the runner.
+        EvalInterrupted: Ctrl-C; ``partial`` is the compare result over the finished batches, or ``None``.
+    """
+    from ...patchers.adapters import adapter_for
+    from ..segmentation import run_segmentation
+
+    readouts = list(run_options.pop("readouts", [readout]))
+    if readout not in readouts:
+        raise OptionError(f"readout={readout!r}: not among the run's read-outs {readouts}")
+    given = [(m, dict(o)) for m, o in settings]
+    check_settings(given, "segmentation")
+    adapter = adapter_for(model)
+    last = run_options.get("last", 1)
+    x = preprocess([data.val.image(i) for i in range(min(len(data.val), run_options.get("batch_size", 8)))])
+    final, infos = _calibrated(
+        run_options.get("ranks"), run_options.get("store"),
+        lambda: match_settings(model, given, lambda: adapter.patch_tokens(model, x, last), match, steps=steps, log=log),
+        "matching (first batch)",
+    )
+
+    def rows_of(res):
+        d = res["dense"]
+        dense = {"metric": d[readout]["miou"], "fidelity": 1.0, "speedup": 1.0, "seconds": d.get("seconds"),
+                 "images_per_s": d.get("images_per_s"), "sparsity": 0.0}
+        runs = [{"metric": r[readout]["miou"], "fidelity": r[readout]["agreement"], "miou_delta": r[readout]["miou_delta"],
+                 "speedup": r.get("speedup"), "seconds": r.get("seconds"), "images_per_s": r.get("images_per_s"),
+                 **({"note": r["note"]} if r.get("note") else {})} for r in res["runs"]]
+        return dense, runs
+
+    out = _runner(lambda: run_segmentation(model, data, preprocess, settings=final, readouts=readouts, **run_options),
+                  "segmentation", match, given, infos, rows_of)
+    out["readout"] = readout
+    return out

@@ -117,7 +117,7 @@ def _image_of(item):
     return item[0] if isinstance(item, tuple) else item  # labelled sets give (image, label)
 
 
-def _batch(model, images, preprocess, encode, settings, start, stop, *, towers, warmup, after_dense, after_setting) -> dict[str, Any]:
+def _batch(model, images, preprocess, encode, settings, start, stop, *, towers, warmup, after_dense, after_setting, reduce=None) -> dict[str, Any]:
     """One batch, dense then each setting (see :func:`run_image_pass`), as a picklable record: ``dense``,
     ``dense_seconds``, ``resolution``, ``tokens``, and per setting ``towers``, ``output``, ``seconds``,
     ``extra``, ``sampled_at``, ``modes``."""
@@ -130,6 +130,8 @@ def _batch(model, images, preprocess, encode, settings, start, stop, *, towers, 
     with Stopwatch() as sw:
         dense_b = encode(x)
     dt = sw.seconds
+    if reduce is not None:
+        dense_b = reduce(None, dense_b, x, start)
     dense_extra = after_dense(x, start) if after_dense is not None else None
     runs, tokens = [], None
     for m, o in settings:
@@ -138,6 +140,8 @@ def _batch(model, images, preprocess, encode, settings, start, stop, *, towers, 
             with Stopwatch() as sw:
                 out = encode(x)
             t_run = sw.seconds
+        if reduce is not None:
+            out = reduce(len(runs), out, x, start)
         extra = after_setting(m, o, x, start, dense_extra) if after_setting is not None else None
         lay = rec.forwards[0] if rec.forwards else {}
         tokens = next((lr.queries for lr in lay.values()), tokens)
@@ -161,6 +165,7 @@ def run_image_pass(
     progress: Callable[[int, int], None] | None = None,
     after_dense: Callable[[torch.Tensor, int], Any] | None = None,
     after_setting: Callable[[str, dict[str, Any], torch.Tensor, int, Any], Any] | None = None,
+    reduce: Callable[[int | None, Any, torch.Tensor, int], Any] | None = None,
     ranks: Ranks | None = None,
     store: BatchStore | None = None,
 ) -> ImagePass:
@@ -192,6 +197,9 @@ def run_image_pass(
         progress: ``progress(images_done, images_total)`` after each batch, counting this process's
             images (and those read back from ``store``).
         after_dense, after_setting: extra untimed work per batch (e.g. per-layer errors).
+        reduce: ``reduce(setting_index, output, x, start)`` (``None`` for dense), untimed, right after each timed
+            ``encode``: what is kept of the output instead of the output itself (a dense eval keeps per-image
+            counts, not features); dense's reduce runs before the settings' of the same batch.
         ranks: this process's place in a data-parallel run (default: one process).
         store: where finished batches are kept for ``--resume`` (:class:`BatchStore`).
 
@@ -226,7 +234,7 @@ def run_image_pass(
         for k, start in enumerate(mine):
             b = _batch(
                 model, images, preprocess, encode, settings, start, min(n, start + batch_size), towers=towers,
-                warmup=warmup and k == 0, after_dense=after_dense, after_setting=after_setting,
+                warmup=warmup and k == 0, after_dense=after_dense, after_setting=after_setting, reduce=reduce,
             )
             # the batch is complete: keep it (a Ctrl-C leaves the results of whole batches)
             local[start] = b

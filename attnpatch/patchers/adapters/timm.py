@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from ...errors import OptionError, UnsupportedModelError
 from ..adapter import PreprocessConfig
 from ..contract import ModelGeometry
-from ..features import input_device, patch_side, square_grid, vit_features
+from ..features import check_pixels, input_device, patch_side, square_grid, vit_features, vit_patch_tokens
 from ..class_swap import block_refusal, refuse_calls, undo_class_swap, wrap_blocks
 from ..runtime import PatchHandle, input_hook, run_layer
 from .hf.images import image_processor_config
@@ -355,6 +355,32 @@ class TimmAdapter:
         norm = getattr(model, "norm", None) if layers else None
         return vit_features(model, lambda: model.forward_features(x), prefix=TimmAdapter.feature_prefix_tokens(model),
                             blocks=blocks, norm=norm, layers=tuple(layers))
+
+    @staticmethod
+    @torch.no_grad()
+    def patch_tokens(model: torch.nn.Module, pixel_values: torch.Tensor, last: int = 1) -> torch.Tensor:
+        """Per-patch features of a timm ViT: the outputs of its last ``last`` ``blocks`` through ``norm`` (as
+        ``forward_features`` ends), prefix tokens (``num_prefix_tokens``) dropped, read back at every input patch
+        after a token-merging patch (:func:`~attnpatch.patchers.features.vit_patch_tokens`).
+
+        Args:
+            model: a timm ``VisionTransformer`` (a model built with ``dynamic_img_size=True`` takes other sizes).
+            pixel_values: ``[B, 3, H, W]``; last: how many of the last blocks to read.
+
+        Returns:
+            ``[B, H / patch, W / patch, last * C]`` float32 on CPU.
+
+        Raises:
+            UnsupportedModelError: a model without ``forward_features`` / ``blocks``; OptionError: ``last`` out of range.
+        """
+        if not hasattr(model, "forward_features"):
+            raise UnsupportedModelError(f"cannot read patch tokens of a {type(model).__name__}: expected a timm ViT (forward_features)")
+        check_pixels(pixel_values)
+        x = pixel_values.to(input_device(model), next(model.parameters()).dtype)
+        p = TimmAdapter.patch_size(model)
+        return vit_patch_tokens(model, lambda: model.forward_features(x), prefix=TimmAdapter.feature_prefix_tokens(model),
+                                blocks=list(getattr(model, "blocks", None) or []), norm=getattr(model, "norm", None),
+                                last=last, grid=(x.shape[-2] // p, x.shape[-1] // p))
 
     @staticmethod
     def embed_image(model: torch.nn.Module, pixel_values: torch.Tensor) -> torch.Tensor:

@@ -7,10 +7,12 @@ runs on the fewer tokens (ToMe, arXiv 2210.09461, Sec. 3).  The adapters provide
 block between its two branches (:func:`attnpatch.patchers.runtime.wrap_blocks`) and refuse models
 whose blocks or read-out they cannot handle.
 
-Per forward, the state holds the current token sizes (``[B, N]``, input tokens per token) and the
-keys of the current block (the merge metric); the sizes after the last block are
-:attr:`~attnpatch.patchers.state.ForwardState.token_sizes` (read them with
-:func:`attnpatch.token_sizes` after a forward, e.g. to weight a mean over the output tokens).
+Per forward, the state holds the current token sizes (``[B, N]``, input tokens per token), the source
+map (``[B, N0]``, the current token each input token was merged into: ToMe's ``trace_source``, kept as
+an index) and the keys of the current block (the merge metric); after the last block they are
+:attr:`~attnpatch.patchers.state.ForwardState.token_sizes` and ``token_source`` (read them with
+:func:`attnpatch.token_sizes` / :func:`attnpatch.token_source` after a forward: the sizes weight a mean
+over the output tokens, the source map reads one output per input patch, as tomesd's unmerge does).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import Any
 import torch
 
 from ...attention.exact import repeat_kv
-from ...attention.merge import apply_merge, bipartite_merge, merge_plan, proportional_attention
+from ...attention.merge import apply_merge, merge_destinations, merge_plan, proportional_attention
 from ...options import check_fields, opt, options_of
 from ..bench_hook import BenchCase, BenchInputs
 from ..contract import ExactLimit, Knob, Method
@@ -75,18 +77,31 @@ def tome_forward(cfg: ToMeConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
 
 def tome_block(cfg: ToMeConfig, x: torch.Tensor, ctx: LayerContext) -> torch.Tensor:
     """The block hook: merge ``r`` tokens of the residual stream ``x`` ``[B, N, C]`` (after the
-    attention branch) by bipartite soft matching on this block's keys; returns ``[B, N - r', C]``."""
+    attention branch) by bipartite soft matching on this block's keys; returns ``[B, N - r', C]``.
+
+    It also keeps the source map (ToMe's ``trace_source`` as an index): ``[B, N0]``, the output token each
+    input token of the forward was merged into, in the forward state's
+    :attr:`~attnpatch.patchers.state.ForwardState.token_source`."""
     st = ctx.shared("tome")
     metric = st.pop("metric", None)
     if cfg.r <= 0 or metric is None or metric.shape[1] != x.shape[1]:
         return x
+    n = x.shape[1]
     size = st.get("size")
-    if size is None or size.shape[1] != x.shape[1]:
+    if size is None or size.shape[1] != n:
         size = torch.ones(x.shape[:2], dtype=torch.float32, device=x.device)
-    x, size = bipartite_merge(x, size, metric, cfg.r, ctx.prefix_tokens)
-    st["size"] = size
+    plan = merge_plan(metric, cfg.r, ctx.prefix_tokens)
+    if plan is None:
+        return x
+    x, size = apply_merge(x, size, plan, ctx.prefix_tokens)
+    dest = merge_destinations(plan, n, ctx.prefix_tokens)
+    source = st.get("source")
+    # composed with the earlier merges of this forward; a block called on its own starts from its own tokens
+    source = dest.gather(1, source) if source is not None and st.get("source_points_into") == n else dest
+    st["size"], st["source"], st["source_points_into"] = size, source, x.shape[1]
     if ctx.state is not None:
         ctx.state.token_sizes = size
+        ctx.state.token_source = source
     return x
 
 
@@ -142,6 +157,7 @@ TOME = register_method(
         key_padding=False,
         token_roles=frozenset({"prefix"}),
         exact_limit_decl=ExactLimit(_no_merge, text="r = 0"),
+        token_map=True,
         bench_hook=tome_bench,
         knob=Knob("r, N/8 down to 0 tokens per block", _knob),
         small_settings={"vision": dict(r=4)},
@@ -150,7 +166,8 @@ TOME = register_method(
             "bipartite split (cosine similarity of the block's keys averaged over heads) are merged by a size-weighted "
             "mean; attention adds `log(size)` to each key's logit. CLS and register tokens are never merged. The model's "
             "output has fewer tokens: the class token reads out as before, and `attnpatch.token_sizes(model)` gives each "
-            "output token's size for a weighted mean. Needs blocks the patch can split (timm `Block`, open_clip "
+            "output token's size for a weighted mean, and `attnpatch.token_source(model)` the output token each input patch "
+            "was merged into (dense read-outs take every patch's value through it). Needs blocks the patch can split (timm `Block`, open_clip "
             "residual blocks, HF DINOv2 / ViT / CLIP vision layers) and a class-token read-out."
         ),
     )

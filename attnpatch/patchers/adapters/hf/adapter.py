@@ -17,7 +17,7 @@ from ...features import check_pixels, float_dtype, input_device, patch_side, squ
 from ...runtime import PatchHandle, input_hook
 from .attention import ATTN_NAME, forget_eager_config, register_attention, remember_eager_config
 from .blocks import HF_TOKEN_READOUT_MODELS, hf_block_forwards
-from .images import hf_image_pipeline, image_processor_config, interpolate_kwargs, pooled
+from .images import hf_image_pipeline, image_processor_config, interpolate_kwargs, pooled, vision_patch_tokens
 from .modules import (
     attention_modules, block_of, prefix_tokens, routed_in, routed_modules, stack_of, sub_config_key, tower_kind, towers_of, vision_config,
 )
@@ -411,6 +411,8 @@ class HFAdapter:
             model, hidden,
             prefix=HFAdapter.feature_prefix_tokens(model), blocks=blocks, norm=norm, layers=tuple(layers),
         )
+
+    patch_tokens = staticmethod(vision_patch_tokens)
 
     @staticmethod
     @torch.no_grad()

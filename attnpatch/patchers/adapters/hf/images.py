@@ -1,5 +1,6 @@
 """What the evals need from a Hugging Face model besides the patch: its image processor described, the keyword that
-lets a ViT take another input size, and the projected embedding of a dual encoder's output.
+lets a ViT take another input size, the projected embedding of a dual encoder's output, and the per-patch features
+of a vision tower.
 """
 
 from __future__ import annotations
@@ -12,8 +13,10 @@ import torch
 
 from ....errors import OptionError, UnsupportedModelError
 from ...adapter import PreprocessConfig
+from ...features import check_pixels, float_dtype, input_device, patch_side, vit_patch_tokens
+from .modules import block_of, prefix_tokens, routed_in, vision_config
 
-__all__ = ["image_processor_config", "hf_image_pipeline", "interpolate_kwargs", "pooled"]
+__all__ = ["image_processor_config", "hf_image_pipeline", "interpolate_kwargs", "pooled", "vision_patch_tokens"]
 
 
 def _field(size: Any, key: str) -> Any:
@@ -147,3 +150,43 @@ def hf_image_pipeline(proc: Any, resolution: int | None) -> tuple[str, Any, dict
         return proc(images=images, return_tensors="pt", **kwargs)["pixel_values"]
 
     return "hf", fn, resize, mean, std
+
+
+@torch.no_grad()
+def vision_patch_tokens(model: torch.nn.Module, pixel_values: torch.Tensor, last: int = 1) -> torch.Tensor:
+    """Per-patch features of a model's vision tower: the outputs of its last ``last`` blocks through its final norm
+    (``layernorm`` of DINOv2 / ViT, ``post_layernorm`` of CLIP / SigLIP vision), prefix tokens dropped, read back at
+    every input patch after a token-merging patch (:func:`~attnpatch.patchers.features.vit_patch_tokens`).
+
+    Runs the vision tower (``model.vision_model`` of a dual encoder such as ``CLIPModel``, else the model) with
+    ``interpolate_pos_encoding=True`` on another size than ``config.image_size`` where it takes it.
+
+    Args:
+        model: a vision encoder (``Dinov2Model``, ``Dinov2WithRegistersModel``, ``ViTModel``, ``CLIPVisionModel``,
+            ``SiglipVisionModel``) or a dual encoder (``CLIPModel``, ``SiglipModel``).
+        pixel_values: ``[B, 3, H, W]`` (moved to the model's input device and weight dtype).
+        last: how many of the last blocks to read (DINOv2's linear protocol: 1, or 4 concatenated).
+
+    Returns:
+        ``[B, H / patch, W / patch, last * C]`` float32 on CPU.
+
+    Raises:
+        UnsupportedModelError: no vision tower, or its blocks are not found; OptionError: ``last`` out of range,
+        ``pixel_values`` not ``[B, 3, H, W]``.
+    """
+    towers = {t for _, _, t in routed_in(model, ())}
+    if "vision" not in towers:
+        raise UnsupportedModelError(f"{type(model).__name__}: per-patch features needs a vision tower; its towers: "
+                                    f"{', '.join(sorted(towers)) or 'none'}")
+    check_pixels(pixel_values)
+    patch = patch_side(getattr(vision_config(model), "patch_size", None) or 0)
+    if not patch:
+        raise UnsupportedModelError(f"{type(model).__name__}: its vision config has no patch_size")
+    tower = getattr(model, "vision_model", None) if "text" in towers else None
+    tower = tower if isinstance(tower, torch.nn.Module) else model
+    blocks = [b for b in (block_of(model, n) for n, _, _ in routed_in(model, ("vision",))) if b is not None]
+    inner = getattr(tower, "vision_model", tower)
+    norm = getattr(inner, "layernorm", None) or getattr(inner, "post_layernorm", None)
+    x = pixel_values.to(input_device(model), float_dtype(model))
+    return vit_patch_tokens(model, lambda: tower(pixel_values=x, **interpolate_kwargs(tower, x)), prefix=prefix_tokens(model, "vision"),
+                            blocks=blocks, norm=norm, last=last, grid=(x.shape[-2] // patch, x.shape[-1] // patch))

@@ -13,7 +13,7 @@ from ....errors import UnsupportedModelError
 from ...adapter import PreprocessConfig
 from ...class_swap import block_refusal, refuse_calls, undo_class_swap, wrap_blocks
 from ...contract import ModelGeometry
-from ...features import check_pixels, float_dtype, patch_side, square_grid
+from ...features import check_pixels, float_dtype, input_device, patch_side, square_grid, vit_patch_tokens
 from ...runtime import PatchHandle, input_hook
 from ..timm import TimmAdapter
 from .forwards import open_clip_block_forwards, patched_class
@@ -289,6 +289,42 @@ class OpenClipAdapter:
             f"open_clip {type(model).__name__}: frozen token features (CLS, patch mean) are not read from open_clip towers; "
             "use embed_image for the projected image embedding"
         )
+
+    @staticmethod
+    @torch.no_grad()
+    def patch_tokens(model: torch.nn.Module, pixel_values: torch.Tensor, last: int = 1) -> torch.Tensor:
+        """Per-patch features of the image tower: the outputs of its last ``last`` residual blocks through ``ln_post``
+        (the tokens open_clip returns with ``output_tokens=True``), the class token dropped, read back at every input
+        patch after a token-merging patch (:func:`~attnpatch.patchers.features.vit_patch_tokens`).
+
+        Args:
+            model: an open_clip CLIP or its ``VisionTransformer``; pixel_values: ``[B, 3, R, R]`` at the tower's
+                ``image_size`` (its positional embedding is not interpolated); last: how many of the last blocks to read.
+
+        Returns:
+            ``[B, R / patch, R / patch, last * C]`` float32 on CPU.
+
+        Raises:
+            UnsupportedModelError: the image tower is not a ``VisionTransformer``, pools with attention (``attn_pool``:
+            its tokens are not per patch), or the input is not of its ``image_size``; OptionError: ``last`` out of range.
+        """
+        visual = _need_vit(model, "vision", "per-patch features")
+        check_pixels(pixel_values)
+        if getattr(visual, "attn_pool", None) is not None:
+            raise UnsupportedModelError(f"open_clip {type(model).__name__}: its image tower pools with attention (attn_pool), "
+                                        "so its output tokens are not one per patch")
+        size = getattr(visual, "image_size", None)
+        side = tuple(size) if isinstance(size, (tuple, list)) else (size, size)
+        if size is not None and tuple(pixel_values.shape[-2:]) != tuple(side):
+            raise UnsupportedModelError(
+                f"open_clip {type(model).__name__}: images of {tuple(pixel_values.shape[-2:])} px, but its positional embedding is "
+                f"for {side} px and open_clip does not interpolate it; use --resolution {side[0]}")
+        x = pixel_values.to(input_device(visual), float_dtype(visual))
+        p = OpenClipAdapter.patch_size(model)
+        blocks = [b for b, _ in tower_modules(model, "vision")]
+        return vit_patch_tokens(model, lambda: visual(x), prefix=OpenClipAdapter.feature_prefix_tokens(model), blocks=blocks,
+                                norm=getattr(visual, "ln_post", None), last=last, grid=(x.shape[-2] // p, x.shape[-1] // p),
+                                seq_first=not getattr(visual.transformer, "batch_first", True))
 
     @staticmethod
     @torch.no_grad()

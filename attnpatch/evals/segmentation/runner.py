@@ -1,0 +1,258 @@
+"""Semantic segmentation of a patched ViT against the same model unpatched, in one run.
+
+1. **Fit**: the train images go through the model (unpatched; with ``fit="per-setting"`` also under each
+   setting), and a bounded random sample of their patches (``max_patches``, :class:`~.heads.PatchSample`) is
+   kept with its label shares.  On it the read-outs are fitted: the linear probe (or a released head,
+   ``head``) and the dense k-NN memory bank (:mod:`.heads`).
+2. **Score**: the val images go through the shared image pass (:func:`~attnpatch.evals.vision.image_pass.run_image_pass`):
+   batch by batch, dense then each setting, each forward timed with the one synchronised stopwatch.  Right
+   after each forward, untimed, each read-out predicts a class map at the label size and only per-image
+   pixel counts are kept (:mod:`.metrics`), so features stream through.
+
+With ``fit="unpatched"`` (the default) every setting is scored with the read-outs fitted on the unpatched
+model's features, as a deployed head would see a patched backbone; ``fit="per-setting"`` fits each setting
+on its own features.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from ...errors import OptionError, UnsupportedModelError
+from ...patchers.adapters import adapter_for
+from ...patchers.api import patched
+from ...patchers.registry import get_method
+from ..run.distributed import Ranks
+from ..run.resume import BatchStore
+from ..vision.image_pass import finish, resolve_settings, run_image_pass, run_labels, throughput
+from .data import SegmentationSet
+from .heads import KnnBank, PatchSample, load_head, predict, train_linear_head
+from .metrics import bootstrap_delta, image_counts, scores
+
+__all__ = ["READOUTS", "FITS", "check_dense_methods", "square_preprocess", "run_segmentation"]
+
+READOUTS = ("linear", "knn")
+FITS = ("unpatched", "per-setting")
+
+
+def check_dense_methods(methods: Sequence[str]) -> None:
+    """Refuse, in one line, a method that cannot give one output per input patch (before any model loads).
+
+    Raises:
+        UnsupportedModelError: such a method (named, with the methods that can).
+    """
+    from ...patchers.registry import METHODS
+
+    for m in methods:
+        if not get_method(m).per_patch_output:
+            able = ", ".join(n for n, meth in METHODS.items() if meth.per_patch_output and not meth.exact)
+            raise UnsupportedModelError(f"{m}: changes the token count without a source map, so it has no output per input patch "
+                                        f"for a dense task; methods that have one: {able}")
+
+
+def square_preprocess(mean: Sequence[float], std: Sequence[float], resolution: int) -> Callable[[list], torch.Tensor]:
+    """``list[PIL.Image] -> [B, 3, R, R]``: each image resized (bicubic, aspect not kept, so the label map lays
+    over the whole input) to ``resolution`` and normalised ``(x / 255 - mean) / std``."""
+    from PIL import Image
+
+    m = torch.tensor(mean, dtype=torch.float32)[:, None, None]
+    s = torch.tensor(std, dtype=torch.float32)[:, None, None]
+
+    def fn(images: list) -> torch.Tensor:
+        out = []
+        for im in images:
+            arr = np.asarray(im.convert("RGB").resize((resolution, resolution), Image.BICUBIC), dtype=np.float32) / 255.0
+            out.append((torch.from_numpy(arr).permute(2, 0, 1) - m) / s)
+        return torch.stack(out)
+
+    return fn
+
+
+def _check(readouts, fit, last, max_patches, batch_size, k, temperature, examples) -> None:
+    bad = [r for r in readouts if r not in READOUTS]
+    if bad or not readouts:
+        raise OptionError(f"readouts={list(readouts)!r}: choose from {', '.join(READOUTS)}")
+    if fit not in FITS:
+        raise OptionError(f"fit={fit!r}: choose from {', '.join(FITS)}")
+    for name, v in (("last", last), ("max_patches", max_patches), ("batch_size", batch_size), ("k", k)):
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
+            raise OptionError(f"{name}={v!r}: must be a positive int")
+    if isinstance(examples, bool) or not isinstance(examples, numbers.Integral) or examples < 0:
+        raise OptionError(f"examples={examples!r}: must be an int >= 0 (val images drawn side by side)")
+    if not (isinstance(temperature, numbers.Real) and temperature > 0 and math.isfinite(temperature)):
+        raise OptionError(f"temperature={temperature!r}: must be a positive number (softmax temperature of the k-NN vote)")
+
+
+def _fit(model, adapter, data: SegmentationSet, preprocess, settings, *, fit, last, max_patches, batch_size, seed, progress):
+    """Patch samples of the train split: ``{None: dense}`` plus, per setting with ``fit="per-setting"``, ``{j: ...}``."""
+    k = len(data.classes)
+    n = len(data.train)
+    samples = {None: PatchSample(max_patches, n, k, seed)}
+    if fit == "per-setting":
+        samples.update({j: PatchSample(max_patches, n, k, seed) for j in range(len(settings))})
+    for start in range(0, n, batch_size):
+        idx = list(range(start, min(n, start + batch_size)))
+        x = preprocess([data.train.image(i) for i in idx])
+        labels = [data.train.labels(i) for i in idx]
+        runs = [(None, None)] + ([(j, s) for j, s in enumerate(settings)] if fit == "per-setting" else [])
+        for j, s in runs:
+            if s is None:
+                feats = adapter.patch_tokens(model, x, last)
+            else:
+                with patched(model, s[0], **s[1]):
+                    feats = adapter.patch_tokens(model, x, last)
+            for b, i in enumerate(idx):
+                samples[j].add(i, feats[b], labels[b])
+        if progress:
+            progress("fit", idx[-1] + 1, n)
+    return samples
+
+
+def run_segmentation(
+    model: torch.nn.Module,
+    data: SegmentationSet,
+    preprocess: Callable[[list], torch.Tensor],
+    *,
+    settings: Sequence[tuple[str, dict[str, Any]]],
+    readouts: Sequence[str] = READOUTS,
+    fit: str = "unpatched",
+    last: int = 1,
+    max_patches: int = 100_000,
+    k: int = 30,
+    temperature: float = 0.02,
+    head: str | None = None,
+    batch_size: int = 8,
+    epochs: int = 20,
+    seed: int = 0,
+    resamples: int = 1000,
+    examples: int = 4,
+    warmup: bool = True,
+    progress: Callable[[str, int, int], None] | None = None,
+    ranks: Ranks | None = None,
+    store: BatchStore | None = None,
+) -> dict[str, Any]:
+    """Dense vs patched semantic segmentation: mIoU, per-class IoU, pixel accuracy, agreement with dense, speed.
+
+    Args:
+        model: an unpatched ViT any adapter reads patch tokens of (HF DINOv2 / ViT / CLIP / SigLIP vision, timm
+            ViT, open_clip ViT); left unpatched.
+        data: a :class:`~.data.SegmentationSet` (:func:`~.data.load_segmentation_set`).
+        preprocess: list of PIL images -> ``[B, 3, R, R]`` (:func:`square_preprocess`).
+        settings: ``[(method, options), ...]`` compared with dense; each must give one output per input patch.
+        readouts: ``"linear"`` (linear probe, or ``head``) and/or ``"knn"`` (dense k-NN).
+        fit: ``"unpatched"`` (read-outs fitted on the unpatched model's train features, applied to every setting) or
+            ``"per-setting"`` (each setting fitted on its own).
+        last: how many of the last blocks' outputs are concatenated (DINOv2's protocol: 1 or 4).
+        max_patches: train patches kept for the probe's sample and the k-NN bank (per fit; memory
+            ``max_patches * C * last * 2`` bytes each).
+        k, temperature: the k-NN's neighbours and softmax temperature.
+        head: a released DINOv2 linear head file used as the linear read-out instead of training one (``fit="unpatched"``).
+        batch_size: images per forward call; epochs: the probe's passes over its sample; seed: sampling and training seed.
+        resamples: bootstrap resamples of the val images for the mIoU differences' 95 % intervals.
+        examples: val images whose predictions are kept for the side-by-side figure.
+        warmup: one untimed forward per setting before timing.
+        progress: ``progress(phase, done, total)`` with phase ``"fit"`` (train images) or ``"score"`` (val images).
+        ranks, store: a data-parallel run's place and a ``--resume`` store (the val pass).
+
+    Returns:
+        ``{"n_images", "n_train", "resolution" (px), "tokens", "fit", "readouts", "last", "classes", "max_patches",
+        "patches" {fit: count}, "dense": {readout: scores, "seconds", "images_per_s"}, "runs": [{"method", "options",
+        readout: {scores, "miou_delta" {delta, low, high}}, "seconds", "images_per_s", "speedup", ...}],
+        "examples": {"ids", "labels", "dense" {readout: [maps]}, "runs": [{readout: [maps]}]}}``; scores as
+        :func:`~.metrics.scores` (mIoU and IoU in 0..1), times in seconds of feature extraction.
+
+    Raises:
+        OptionError: a bad option; UnsupportedModelError: a model without patch tokens, a method without per-patch
+        output; DataError: a bad ``head`` file; EvalInterrupted: Ctrl-C (see :func:`~attnpatch.evals.vision.image_pass.finish`).
+    """
+    _check(readouts, fit, last, max_patches, batch_size, k, temperature, examples)
+    if head is not None and (fit != "unpatched" or "linear" not in readouts):
+        raise OptionError("head: a released linear head is the linear read-out of every setting; it needs fit='unpatched' and the 'linear' read-out")
+    check_dense_methods([m for m, _ in settings])
+    adapter = adapter_for(model)
+    settings, given = resolve_settings(settings, model)
+    kcls = len(data.classes)
+    probe_x = preprocess([data.val.image(0)])
+    channels = adapter.patch_tokens(model, probe_x, last).shape[-1]  # refuses a model without patch tokens, at once
+    fixed_head = load_head(head, channels, kcls) if head is not None else None
+
+    samples = _fit(model, adapter, data, preprocess, settings, fit=fit, last=last, max_patches=max_patches,
+                   batch_size=batch_size, seed=seed, progress=progress)
+    heads: dict[Any, dict[str, Any]] = {}
+    for j, sample in samples.items():
+        xs, ys, ws = sample.arrays()
+        heads[j] = {}
+        if "linear" in readouts:
+            heads[j]["linear"] = fixed_head if fixed_head is not None else train_linear_head(xs, ys, ws, epochs=epochs, seed=seed)
+        if "knn" in readouts:
+            heads[j]["knn"] = KnnBank(xs, ys, k=k, temperature=temperature)
+        del xs, ys, ws
+
+    val = data.val
+    dense_preds: dict[int, dict[str, np.ndarray]] = {}
+
+    def reduce(j, feats, x, start):
+        fitted = heads[None] if j is None or fit == "unpatched" else heads[j]
+        rows = []
+        for b in range(feats.shape[0]):
+            i = start + b
+            lab = val.labels(i)
+            row = {}
+            for r in readouts:
+                with torch.no_grad():
+                    pred = predict(fitted[r](feats[b:b + 1])[0], lab.shape)
+                if j is None:
+                    dense_preds.setdefault(i, {})[r] = pred
+                row[r] = image_counts(pred, lab, kcls, None if j is None else dense_preds[i][r])
+                if i < examples:
+                    row[r]["map"] = pred
+            if j is not None and j == len(settings) - 1:
+                dense_preds.pop(i, None)
+            rows.append(row)
+        if j is None and not settings:
+            dense_preds.clear()
+        return rows
+
+    ip = run_image_pass(
+        model, val, preprocess, lambda x: adapter.patch_tokens(model, x, last), settings, batch_size=batch_size, warmup=warmup,
+        progress=(lambda d, t: progress("score", d, t)) if progress else None, reduce=reduce, ranks=ranks, store=store,
+    )
+    dense_rows = [row for batch in ip.dense for row in batch]
+    result: dict[str, Any] = {
+        "n_images": ip.n, "n_train": len(data.train), "resolution": ip.resolution, "tokens": ip.tokens, "batch_size": batch_size,
+        "fit": fit, "readouts": list(readouts), "last": last, "classes": list(data.classes), "max_patches": max_patches,
+        "patches": {("dense" if j is None else str(j)): s.count for j, s in samples.items()},
+        "knn": {"k": k, "temperature": temperature} if "knn" in readouts else None,
+        "linear": ({"head": str(head)} if head is not None else {"epochs": epochs, "trained_on": "patch sample"}) if "linear" in readouts else None,
+        "data": data.describe(),
+        "dense": {**{r: scores([row[r] for row in dense_rows], data.classes) for r in readouts},
+                  **throughput(ip.dense_seconds, ip.n)},
+        "runs": [],
+    }
+    for (m, o), g, run in zip(settings, given, ip.runs):
+        rows = [row for batch in run.outputs for row in batch]
+        entry: dict[str, Any] = {"method": m, "options": o, "given_options": g, "shown_options": g}
+        for r in readouts:
+            entry[r] = {**scores([row[r] for row in rows], data.classes),
+                        "miou_delta": bootstrap_delta([row[r] for row in rows], [row[r] for row in dense_rows],
+                                                      resamples=resamples, seed=seed)}
+        entry.update(throughput(run.seconds, ip.n, ip.dense_seconds))
+        entry.update(run_labels(run))
+        result["runs"].append(entry)
+    shown = list(range(min(examples, ip.n)))
+    result["examples"] = {
+        "ids": [val.ids[i] for i in shown],
+        "dense": {r: [dense_rows[i][r]["map"] for i in shown] for r in readouts},
+        "runs": [{r: [row[r]["map"] for row in [x for b in run.outputs for x in b][: len(shown)]] for r in readouts} for run in ip.runs],
+    }
+    for rows in [dense_rows] + [[x for b in run.outputs for x in b] for run in ip.runs]:
+        for row in rows:
+            for r in readouts:
+                row[r].pop("map", None)
+    return finish(result, ip)
