@@ -141,6 +141,16 @@ def fraction(text: str) -> float:
     return value
 
 
+def positive_float(text: str) -> float:
+    try:
+        val = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < val < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text}: must be a positive finite number")
+    return val
+
+
 def positive_seconds(text: str) -> float:
     try:
         val = float(text)

@@ -64,7 +64,9 @@ def _run(args, family: str, settings, match, save, ranks, earlier):
         from ..evals.vision.preprocess import fit_resolution
         from ..patchers.adapters import adapter_for
 
-        data = load_segmentation_set(args.data, train_split=args.train_split, val_split=args.val_split, limit=args.limit)
+        names = None if args.classnames in (None, "auto") else [c.strip() for c in args.classnames.split(",")]
+        data = load_segmentation_set(args.data, train_split=args.train_split, val_split=args.val_split, limit=args.limit,
+                                     image_column=args.image_column, mask_column=args.mask_column, classnames=names, void=args.void)
         model, processor = load_vision_model(args.model, backend=args.backend, log=rank_log(ranks), **load_kwargs(args, ranks))
         adapter = adapter_for(model)
         resolution = fit_resolution(args.resolution or 448, adapter.patch_size(model), what="--resolution")
@@ -239,7 +241,8 @@ def add_parser(sub) -> None:
     g.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: auto = cuda if available; under a multi-process "
                    "launch cuda:<local rank>)")
     g.add_argument("--split", help="CLIP: dataset split")
-    g.add_argument("--classnames", default="auto", help="zeroshot: auto, imagenet1k, dataset or a file (default: %(default)s)")
+    g.add_argument("--classnames", default="auto", help="zeroshot: auto, imagenet1k, dataset or a file (default: %(default)s); "
+                   "segmentation of a datasets dataset: the class names, comma-separated")
     g.add_argument("--templates", default="auto", help="zeroshot: openai, openai-7, photo or a file (default: %(default)s)")
     g.add_argument("--caption-column", help="clip-retrieval: caption column")
     s = p.add_argument_group("segmentation")
@@ -251,6 +254,9 @@ def add_parser(sub) -> None:
     s.add_argument("--max-patches", type=positive_int, default=100_000, help="train patches for the probe and the k-NN bank")
     s.add_argument("--train-split", help="train split name")
     s.add_argument("--val-split", help="val split name")
+    s.add_argument("--image-column", default="image", help="datasets layout: the image column (default: %(default)s)")
+    s.add_argument("--mask-column", default="annotation", help="datasets layout: the mask column (default: %(default)s)")
+    s.add_argument("--void", type=int, default=255, help="datasets layout: the ignored mask value (default: %(default)s)")
     r = p.add_argument_group("ruler")
     r.add_argument("--tasks", nargs="+", action=Repeatable, choices=list(ruler_tasks.TASKS) + ["all"], help="default: niah_single")
     r.add_argument("--lengths", nargs="+", action=Repeatable, type=positive_int, default=[1024], help="context lengths in model tokens (default: 1024)")

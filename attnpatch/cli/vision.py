@@ -3,7 +3,7 @@ segmentation``: semantic segmentation on frozen patch features."""
 
 from __future__ import annotations
 
-from .args import DEFAULT_VISION_MODEL, Repeatable, check_fits, method_spec, positive_int, unique_settings
+from .args import DEFAULT_VISION_MODEL, Repeatable, check_fits, method_spec, nonnegative_int, positive_float, positive_int, unique_settings
 from .output import check_outputs, image_progress, json_path, plot_file, report, report_interrupted, world_note
 from .runtime import load_kwargs, open_store, other_process_exit, rank_log, scale_out_args
 
@@ -156,6 +156,10 @@ def cmd_eval_segmentation(args) -> int:
         check_fits(m, "vision")
         validate_options(get_method(m), o)  # fail before loading anything
     check_dense_methods([m for m, _ in settings])
+    if args.head:
+        from ..evals.segmentation.heads import read_head
+
+        read_head(args.head)  # a missing, unreadable or malformed head file is refused before the model loads
     if args.head and args.fit != "unpatched":
         raise OptionError(f"--head {args.head}: a released head is the linear read-out of every setting; it needs --fit unpatched, not --fit {args.fit}")
     if args.head and "linear" not in args.readout:
@@ -180,7 +184,7 @@ def cmd_eval_segmentation(args) -> int:
             result = run_segmentation(
                 model, data, preprocess, settings=settings, readouts=args.readout, fit=args.fit, last=args.layers,
                 max_patches=args.max_patches, k=args.k, temperature=args.temperature, head=args.head, batch_size=args.batch_size,
-                epochs=args.epochs, seed=args.seed, examples=args.examples, progress=progress,
+                probe_steps=args.probe_steps, seed=args.seed, examples=args.examples, progress=progress,
             )
         except EvalInterrupted as exc:
             stop, result = exc, exc.partial
@@ -229,10 +233,11 @@ def add_segmentation_parser(esub) -> None:
     p.add_argument("--max-patches", type=positive_int, default=100_000,
                    help="train patches kept for the probe and the k-NN memory bank (default: %(default)s)")
     p.add_argument("--k", type=positive_int, default=30, help="k-NN neighbours (default: %(default)s)")
-    p.add_argument("--temperature", type=float, default=0.02, help="softmax temperature of the k-NN vote (default: %(default)s)")
+    p.add_argument("--temperature", type=positive_float, default=0.02, help="softmax temperature of the k-NN vote (default: %(default)s)")
     p.add_argument("--head", metavar="FILE", help="a released DINOv2 linear head (decode_head.bn.*, decode_head.conv_seg.*) used "
                    "instead of training the probe")
-    p.add_argument("--epochs", type=positive_int, default=20, help="the probe's passes over its patch sample (default: %(default)s)")
+    p.add_argument("--probe-steps", type=positive_int, default=2000,
+                   help="AdamW steps of the linear probe, batches of 1024 sampled patches (default: %(default)s)")
     p.add_argument("--resolution", type=positive_int, default=448, help="square input side in pixels (default: %(default)s)")
     p.add_argument("--limit", type=positive_int, help="use at most this many images per split")
     p.add_argument("--train-split", help="train split name (default: train / training)")
@@ -243,7 +248,7 @@ def add_segmentation_parser(esub) -> None:
     p.add_argument("--void", type=int, default=255, help="datasets layout: the ignored mask value (default: %(default)s)")
     p.add_argument("--batch-size", type=positive_int, default=8)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--examples", type=int, default=4, help="val images drawn side by side in the examples PNG (default: %(default)s)")
+    p.add_argument("--examples", type=nonnegative_int, default=4, help="val images drawn side by side in the examples PNG (default: %(default)s)")
     p.add_argument("--threads", type=positive_int, help="torch CPU threads")
     p.add_argument("--json", help="result JSON path (default: segmentation_<model>_<method>.json)")
     p.add_argument("--markdown", help="also write the table as Markdown to this path")

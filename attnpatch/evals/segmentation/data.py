@@ -153,25 +153,32 @@ def _map_labels(raw: np.ndarray, k: int, void: int, offset: int, where: str) -> 
     return out
 
 
-def _check_files(pairs: Sequence[tuple[Path, Path]], k: int, void: int, offset: int) -> list[tuple[int, int]]:
-    """Each image and mask exist and have the same size; every label value is a class or void. Returns the sizes."""
-    sizes = []
+def _check_files(name: str, pairs: Sequence[tuple[Path, Path]], k: int, void: int, offset: int) -> list[tuple[int, int]]:
+    """Each image opens whole (a truncated file is refused, :func:`~attnpatch.evals.vision.image_io.check_image_files`),
+    each mask exists and has its image's size, every label value is a class or void, and some pixel of the split is
+    labelled.  Returns the sizes."""
+    from ..vision.image_io import check_image_files
+
+    check_image_files([str(img) for img, _ in pairs], name)
+    sizes, labelled = [], False
     for img, mask in pairs:
-        for p in (img, mask):
-            if not p.is_file():
-                raise DataError(f"{p}: missing")
+        if not mask.is_file():
+            raise DataError(f"{mask}: missing (the label map of {img.name})")
         si, sm = _size_of(img), _size_of(mask)
         if si != sm:
             raise DataError(f"{mask}: label map of {sm[0]}x{sm[1]} px for an image of {si[0]}x{si[1]} px ({img.name}); they must match")
-        _map_labels(_mask_array(mask), k, void, offset, str(mask))
+        lab = _map_labels(_mask_array(mask), k, void, offset, str(mask))  # every mask is checked
+        labelled = labelled or bool((lab != VOID).any())
         sizes.append(si)
+    if not labelled:
+        raise DataError(f"{name}: every label pixel is void; nothing to fit or score")
     return sizes
 
 
 def _file_split(name: str, pairs: list[tuple[Path, Path]], k: int, void: int, offset: int) -> SegmentationSplit:
     if not pairs:
         raise DataError(f"{name}: the split is empty")
-    sizes = _check_files(pairs, k, void, offset)
+    sizes = _check_files(name, pairs, k, void, offset)
     return SegmentationSplit(
         name=name, ids=[img.stem for img, _ in pairs], sizes=sizes,
         _image=lambda i: _rgb(pairs[i][0]),
@@ -270,7 +277,7 @@ def _datasets(data: str, train: str, val: str, limit: int | None, image_column: 
             ds = ds.select(range(min(limit, len(ds))))
         if len(ds) == 0:
             raise DataError(f"{data}/{split}: the split is empty")
-        sizes = []
+        sizes, labelled = [], False
         for i in range(len(ds)):
             row = ds[i]
             img, mask = row[image_column], np.asarray(row[mask_column])
@@ -279,8 +286,11 @@ def _datasets(data: str, train: str, val: str, limit: int | None, image_column: 
             if (mask.shape[1], mask.shape[0]) != img.size:
                 raise DataError(f"{data}/{split} row {i}: label map of {mask.shape[1]}x{mask.shape[0]} px for an image of "
                                 f"{img.size[0]}x{img.size[1]} px; they must match")
-            _map_labels(mask, k, void, 0, f"{data}/{split} row {i}")
+            lab = _map_labels(mask, k, void, 0, f"{data}/{split} row {i}")  # every mask is checked
+            labelled = labelled or bool((lab != VOID).any())
             sizes.append(img.size)
+        if not labelled:
+            raise DataError(f"{data}/{split}: every label pixel is void; nothing to fit or score")
 
         def image(i, ds=ds):
             return to_rgb(ds[i][image_column])
@@ -290,6 +300,14 @@ def _datasets(data: str, train: str, val: str, limit: int | None, image_column: 
 
         splits.append(SegmentationSplit(f"{data}/{split}", [f"row {i}" for i in range(len(ds))], sizes, image, labels))
     return SegmentationSet(Path(data).name or data, "datasets", splits[0], splits[1], list(classnames), void)
+
+
+def _looks_like_dataset(root: Path) -> bool:
+    """A folder ``datasets`` can read: ``save_to_disk``'s, or one holding data files (parquet, arrow, csv, json)."""
+    if (root / "dataset_dict.json").is_file() or (root / "dataset_info.json").is_file():
+        return True
+    return any(p.suffix in (".parquet", ".arrow", ".csv", ".json", ".jsonl") and p.name != "classes.json"
+               for p in root.rglob("*") if p.is_file())
 
 
 def load_segmentation_set(
@@ -317,8 +335,9 @@ def load_segmentation_set(
         A :class:`SegmentationSet`.
 
     Raises:
-        DataError: a missing split file or folder, an empty split, a missing image or mask, a mask whose size
-            differs from its image (the message names the file), label values that are neither classes nor void.
+        DataError: a missing split file or folder, an empty split, a missing, truncated or unreadable image or mask,
+            a mask whose size differs from its image (the message names the file), label values that are neither
+            classes nor void, a split whose every label pixel is void, a folder of no known layout.
         OptionError: a ``datasets`` set without ``classnames``, or ``limit`` not a positive int.
     """
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
@@ -329,7 +348,17 @@ def load_segmentation_set(
         return _voc(root, train_split or "train", val_split or "val", limit, classnames)
     if layout == "ade20k":
         return _ade(root, train_split or "training", val_split or "validation", limit, classnames)
+    expected = ("expected a Pascal VOC folder (JPEGImages/, SegmentationClass/, ImageSets/Segmentation/), an ADE20k folder "
+                "(ADEChallengeData2016/ or images/ and annotations/) or a datasets dataset (a hub id, or a folder save_to_disk wrote)")
     if root.exists() and not root.is_dir():
-        raise DataError(f"{data}: not a folder; expected a VOC folder (JPEGImages/, SegmentationClass/, ImageSets/Segmentation/), "
-                        "an ADE20k folder (ADEChallengeData2016/) or a datasets dataset")
+        raise DataError(f"{data}: not a folder; {expected}")
+    voc_parts = ("JPEGImages", "SegmentationClass", "ImageSets/Segmentation")
+    if root.is_dir() and any((root / d).is_dir() for d in voc_parts[:2]):
+        missing = [d + "/" for d in voc_parts if not (root / d).is_dir()]
+        raise DataError(f"{data}: a Pascal VOC folder without {', '.join(missing)}; {expected}")
+    if root.is_dir() and not _looks_like_dataset(root):
+        have = ", ".join(sorted(p.name + ("/" if p.is_dir() else "") for p in root.iterdir())[:8]) or "nothing"
+        raise DataError(f"{data}: not a segmentation set (it holds {have}); {expected}")
+    if not root.exists() and (data.startswith((".", "/", "~")) or data.count("/") > 1 or "\\" in data):
+        raise DataError(f"{data}: no such folder; {expected}")
     return _datasets(data, train_split or "train", val_split or "validation", limit, image_column, mask_column, classnames, void)

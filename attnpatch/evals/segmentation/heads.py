@@ -5,10 +5,11 @@
   logits upsampled bilinearly to the label size).  Adapted to a CPU: the head trains on a bounded random
   sample of train patches (:class:`PatchSample`), each with the share of its label pixels in every class;
   with nearest upsampling inside a patch, the pixel cross-entropy that ignores void is this soft-label
-  cross-entropy weighted by the patch's non-void pixels.  The BatchNorm statistics are the sample's.
+  cross-entropy weighted by the patch's non-void pixels.  The BatchNorm statistics are the sample's; the training is
+  a fixed number of AdamW steps, so it does not shrink with the sample.
   :func:`load_head` reads a released DINOv2 linear head instead (``decode_head.bn.*``, ``decode_head.conv_seg.*``).
 * **Dense k-NN** (Hummingbird, Balazevic et al., arXiv 2306.01667, Sec. 3): a memory bank of train patch
-  features and their labels (faiss, inner product of L2-normalised features); each val patch takes the
+  features and their labels (exact search by inner product of L2-normalised features); each val patch takes the
   softmax-weighted (temperature ``tau``) vote of its ``k`` nearest neighbours' labels.
 
 Both give per-patch class scores ``[B, K, rows, cols]``; :func:`predict` upsamples them bilinearly to the
@@ -27,7 +28,8 @@ import torch.nn.functional as F
 from ...errors import DataError, OptionError
 from .data import VOID
 
-__all__ = ["SUBSAMPLES", "patch_label_shares", "PatchSample", "LinearHead", "train_linear_head", "load_head", "KnnBank", "predict"]
+__all__ = ["SUBSAMPLES", "patch_label_shares", "PatchSample", "LinearHead", "train_linear_head", "check_head", "read_head", "load_head",
+           "KnnBank", "predict"]
 
 #: Label samples per patch side when a label map is read at patch resolution (``SUBSAMPLES**2`` per patch).
 SUBSAMPLES = 8
@@ -58,14 +60,15 @@ def patch_label_shares(labels: np.ndarray, grid: tuple[int, int], k: int) -> tup
 class PatchSample:
     """A bounded random sample of train patches: features, label shares and non-void weights.
 
-    Each image contributes at most ``per_image`` patches that are not all void, drawn with a generator seeded
-    by ``(seed, image index)``: a setting fitted on its own features samples the same patches as dense.
-    Features are kept in float16 (``max_patches * C * 2`` bytes).
+    The ``max_patches`` are spread evenly over the ``n_images`` train images (image ``i`` gives
+    ``floor((i + 1) q) - floor(i q)`` of them, ``q = max_patches / n_images``, fewer where it has fewer patches that are
+    not all void), drawn with a generator seeded by ``(seed, image index)``: a setting fitted on its own features samples
+    the same patches as dense.  Features are kept in float16 (``max_patches * C * 2`` bytes).
     """
 
     def __init__(self, max_patches: int, n_images: int, k: int, seed: int = 0):
         self.k, self.seed = k, seed
-        self.per_image = max(1, math.ceil(max_patches / max(n_images, 1)))
+        self.quota = max_patches / max(n_images, 1)
         self.max_patches = max_patches
         self.feats: list[np.ndarray] = []
         self.shares: list[np.ndarray] = []
@@ -77,8 +80,8 @@ class PatchSample:
         rows, cols, c = feats.shape
         shares, valid = patch_label_shares(labels, (rows, cols), self.k)
         cand = np.flatnonzero(valid > 0)
-        room = self.max_patches - self.count
-        take = min(len(cand), self.per_image, room)
+        share = math.floor((index + 1) * self.quota) - math.floor(index * self.quota)
+        take = min(len(cand), share, self.max_patches - self.count)
         if take <= 0:
             return
         rng = np.random.default_rng([self.seed, index])
@@ -131,21 +134,23 @@ class LinearHead(torch.nn.Module):
 
 
 def train_linear_head(
-    feats: np.ndarray, shares: np.ndarray, weights: np.ndarray, *, epochs: int = 20, batch_size: int = 4096,
+    feats: np.ndarray, shares: np.ndarray, weights: np.ndarray, *, steps: int = 2000, batch_size: int = 1024,
     lr: float = 1e-3, weight_decay: float = 1e-4, seed: int = 0,
-) -> LinearHead:
+) -> tuple[LinearHead, dict]:
     """Fit a :class:`LinearHead` on a patch sample (AdamW, soft-label cross-entropy weighted by non-void share).
 
     The BatchNorm's running statistics are the sample's mean and variance (fixed); its affine parameters and the
-    1x1 convolution are trained.
+    1x1 convolution are trained for a fixed number of ``steps`` (so the training does not shrink with the sample),
+    on batches drawn in shuffled passes over the sample, with the step size decayed to zero on a cosine.
 
     Args:
         feats: ``[M, C]``; shares: ``[M, K]`` label shares per patch; weights: ``[M]`` non-void share per patch.
-        epochs, batch_size, lr, weight_decay, seed: the optimisation (passes over the sample, patches per step,
-            AdamW's step size and decay, shuffling seed).
+        steps, batch_size, lr, weight_decay, seed: the optimisation (AdamW steps, patches per step, peak step size,
+            decay, shuffling seed).
 
     Returns:
-        The trained head, in eval mode.
+        ``(head in eval mode, {"steps", "batch_size", "loss_first", "loss_last"})``: the losses are the mean
+        weighted cross-entropy over the sample before and after training.
     """
     gen = torch.Generator().manual_seed(seed)
     x = torch.from_numpy(feats)
@@ -161,19 +166,80 @@ def train_linear_head(
         torch.manual_seed(seed)
         torch.nn.init.normal_(head.decode_head.conv_seg.weight, std=0.01)
         torch.nn.init.zeros_(head.decode_head.conv_seg.bias)
-    opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=lr, weight_decay=weight_decay)
+
+    def loss_of(idx):
+        logits = head(x[idx][:, None, None, :])[:, :, 0, 0]
+        loss = -(y[idx] * F.log_softmax(logits, dim=-1)).sum(-1)
+        return (loss * w[idx]).sum() / w[idx].sum().clamp_min(1e-12)
+
+    with torch.no_grad():
+        first = float(loss_of(torch.arange(m)))
+    params = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(steps, 1))
+    bs = min(batch_size, m)
+    order, at = torch.randperm(m, generator=gen), 0
     with torch.enable_grad():
-        for _ in range(epochs):
-            order = torch.randperm(m, generator=gen)
-            for i in range(0, m, batch_size):
-                idx = order[i:i + batch_size]
-                logits = head(x[idx][:, None, None, :])[:, :, 0, 0]
-                loss = -(y[idx] * F.log_softmax(logits, dim=-1)).sum(-1)
-                loss = (loss * w[idx]).sum() / w[idx].sum().clamp_min(1e-12)
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
-    return head.eval().requires_grad_(False)
+        for _ in range(steps):
+            if at + bs > m:
+                order, at = torch.randperm(m, generator=gen), 0
+            idx = order[at:at + bs]
+            at += bs
+            loss = loss_of(idx)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            sched.step()
+    head.eval().requires_grad_(False)
+    with torch.no_grad():
+        last = float(loss_of(torch.arange(m)))
+    return head, {"steps": steps, "batch_size": bs, "loss_first": first, "loss_last": last}
+
+
+_HEAD_KEYS = ("decode_head.conv_seg.weight", "decode_head.conv_seg.bias", "decode_head.bn.weight", "decode_head.bn.bias",
+              "decode_head.bn.running_mean", "decode_head.bn.running_var")
+
+
+def check_head(sd, path: str) -> None:
+    """Refuse a state dict that is not a DINOv2 linear head of consistent shapes (``conv_seg.weight`` ``[K, C, 1, 1]`` or
+    ``[K, C]``, ``conv_seg.bias`` ``[K]``, every ``bn.*`` ``[C]``), in one line naming the file and the first bad key.
+
+    Raises:
+        DataError: a missing key or a shape that does not fit.
+    """
+    missing = [key for key in _HEAD_KEYS if not isinstance(sd, dict) or not isinstance(sd.get(key), torch.Tensor)]
+    if missing:
+        raise DataError(f"--head {path}: not a DINOv2 linear head; missing {', '.join(missing)}")
+    wt = sd["decode_head.conv_seg.weight"]
+    if wt.dim() not in (2, 4) or (wt.dim() == 4 and tuple(wt.shape[2:]) != (1, 1)):
+        raise DataError(f"--head {path}: decode_head.conv_seg.weight has shape {tuple(wt.shape)}; expected [classes, channels, 1, 1]")
+    k, c = wt.shape[:2]
+    want = {"decode_head.conv_seg.bias": (k,), **{key: (c,) for key in _HEAD_KEYS[2:]}}
+    for key, shape in want.items():
+        if tuple(sd[key].shape) != shape:
+            raise DataError(f"--head {path}: {key} has shape {tuple(sd[key].shape)}; the head's conv_seg ({k} classes, {c} channels) "
+                            f"needs {list(shape)}")
+
+
+def read_head(path: str | Path) -> dict:
+    """The state dict of a DINOv2 linear head file, checked for its keys and shapes (:func:`check_head`); used to refuse a bad
+    ``--head`` before the model loads.
+
+    Raises:
+        DataError: a missing or unreadable file, or not a DINOv2 linear head.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise DataError(f"--head {path}: no such file")
+    try:
+        sd = torch.load(p, map_location="cpu", weights_only=True)
+    except Exception as err:  # noqa: BLE001 - pickle, zip and torch errors of a bad file
+        raise DataError(f"--head {path}: not a file torch.load reads ({type(err).__name__}); expected a DINOv2 linear head "
+                        "saved with torch.save (a state dict, or a checkpoint holding one under 'state_dict')") from None
+    if isinstance(sd, dict) and isinstance(sd.get("state_dict"), dict):
+        sd = sd["state_dict"]
+    check_head(sd, str(path))
+    return sd
 
 
 def load_head(path: str | Path, channels: int, k: int) -> LinearHead:
@@ -187,22 +253,9 @@ def load_head(path: str | Path, channels: int, k: int) -> LinearHead:
         DataError: a missing or unreadable file, missing keys, or a head of other channels or classes (the message
             gives both).
     """
-    p = Path(path)
-    if not p.is_file():
-        raise DataError(f"--head {path}: no such file")
-    try:
-        sd = torch.load(p, map_location="cpu", weights_only=True)
-    except Exception as err:  # noqa: BLE001 - pickle, zip and torch errors of a bad file
-        raise DataError(f"--head {path}: cannot read it as a torch state dict ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})") from None
-    if isinstance(sd, dict) and isinstance(sd.get("state_dict"), dict):
-        sd = sd["state_dict"]
-    need = ("decode_head.conv_seg.weight", "decode_head.conv_seg.bias", "decode_head.bn.weight", "decode_head.bn.bias",
-            "decode_head.bn.running_mean", "decode_head.bn.running_var")
-    missing = [key for key in need if not isinstance(sd, dict) or key not in sd]
-    if missing:
-        raise DataError(f"--head {path}: not a DINOv2 linear head; missing {', '.join(missing)}")
+    sd = read_head(path)
     wt = sd["decode_head.conv_seg.weight"]
-    if tuple(wt.shape[1:]) not in ((channels, 1, 1), (channels,)) or wt.shape[0] != k:
+    if wt.shape[1] != channels or wt.shape[0] != k:
         raise DataError(f"--head {path}: a head for {wt.shape[1]} channels and {wt.shape[0]} classes; the features have "
                         f"{channels} channels (--layers times the model's width) and the set has {k} classes")
     head = LinearHead(channels, k)
@@ -214,8 +267,9 @@ def load_head(path: str | Path, channels: int, k: int) -> LinearHead:
 
 
 class KnnBank:
-    """Hummingbird's memory bank: L2-normalised train patch features in a faiss inner-product index, each with the
-    arg-max class of its label shares.
+    """Hummingbird's memory bank: L2-normalised train patch features, each with the arg-max class of its label shares;
+    exact nearest neighbours by inner product (a matrix product and ``topk``, in chunks of queries: on this project's
+    CPU it is several times faster than faiss's flat index at these sizes; see docs/benchmarks/segmentation.md).
 
     Args:
         feats: ``[M, C]``; shares: ``[M, K]`` (:class:`PatchSample`); k: neighbours; temperature: softmax temperature
@@ -225,32 +279,28 @@ class KnnBank:
         OptionError: ``k`` or ``temperature`` not positive.
     """
 
-    def __init__(self, feats: np.ndarray, shares: np.ndarray, *, k: int = 30, temperature: float = 0.02):
-        import faiss
+    #: query patches per matrix product (bounds the ``[chunk, M]`` similarity block: 256 x 100000 floats = 100 MB)
+    CHUNK = 256
 
+    def __init__(self, feats: np.ndarray, shares: np.ndarray, *, k: int = 30, temperature: float = 0.02):
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise OptionError(f"k={k!r}: must be a positive int (neighbours)")
         if not temperature > 0:
             raise OptionError(f"temperature={temperature!r}: must be > 0")
-        x = np.ascontiguousarray(feats, dtype=np.float32)
-        faiss.normalize_L2(x)
-        self.index = faiss.IndexFlatIP(x.shape[1])
-        self.index.add(x)
+        self.bank = F.normalize(torch.from_numpy(np.ascontiguousarray(feats, dtype=np.float32)), dim=-1)
         self.labels = torch.from_numpy(shares.argmax(1).astype(np.int64))
         self.classes = shares.shape[1]
-        self.k, self.temperature = min(k, x.shape[0]), float(temperature)
+        self.k, self.temperature = min(k, self.bank.shape[0]), float(temperature)
 
     def __call__(self, feats: torch.Tensor) -> torch.Tensor:
         """Per-patch class scores ``[B, K, rows, cols]`` (vote shares) of ``feats`` ``[B, rows, cols, C]``."""
-        import faiss
-
         b, rows, cols, c = feats.shape
-        q = np.ascontiguousarray(feats.reshape(-1, c).float().numpy())
-        faiss.normalize_L2(q)
-        sim, idx = self.index.search(q, self.k)
-        w = torch.softmax(torch.from_numpy(sim) / self.temperature, dim=-1)
+        q = F.normalize(feats.reshape(-1, c).float(), dim=-1)
         votes = torch.zeros(q.shape[0], self.classes)
-        votes.scatter_add_(1, self.labels[torch.from_numpy(idx)], w)
+        for i in range(0, q.shape[0], self.CHUNK):
+            sim, idx = (q[i:i + self.CHUNK] @ self.bank.T).topk(self.k, dim=-1)
+            w = torch.softmax(sim / self.temperature, dim=-1)
+            votes[i:i + self.CHUNK].scatter_add_(1, self.labels[idx], w)
         return votes.reshape(b, rows, cols, self.classes).permute(0, 3, 1, 2)
 
 

@@ -29,6 +29,10 @@ def image_counts(pred: np.ndarray, labels: np.ndarray, k: int, dense: np.ndarray
     return {"counts": np.stack([inter, area_p, area_g]), "valid": int(ok.sum()), "correct": int((p == g).sum()), "agree": agree}
 
 
+def _none_if_nan(v: float) -> float | None:
+    return None if v != v else float(v)
+
+
 def _miou(counts: np.ndarray) -> tuple[float, np.ndarray]:
     inter, area_p, area_g = counts
     union = area_p + area_g - inter
@@ -39,15 +43,16 @@ def _miou(counts: np.ndarray) -> tuple[float, np.ndarray]:
 
 def scores(per_image: list[dict], classes: list[str]) -> dict:
     """mIoU (over classes labelled in these images), per-class IoU (``None`` for a class neither labelled nor
-    predicted), pixel accuracy, and agreement with dense (share of non-void pixels), from :func:`image_counts` rows."""
+    predicted), pixel accuracy, and agreement with dense (share of non-void pixels), from :func:`image_counts` rows;
+    ``None`` for a score the images cannot give (no labelled pixel)."""
     counts = np.sum([r["counts"] for r in per_image], axis=0)
     valid = sum(r["valid"] for r in per_image)
     miou, iou = _miou(counts)
     return {
-        "miou": miou,
+        "miou": _none_if_nan(miou),
         "per_class_iou": {c: (None if np.isnan(v) else float(v)) for c, v in zip(classes, iou)},
-        "pixel_accuracy": sum(r["correct"] for r in per_image) / valid if valid else float("nan"),
-        "agreement": sum(r["agree"] for r in per_image) / valid if valid else float("nan"),
+        "pixel_accuracy": sum(r["correct"] for r in per_image) / valid if valid else None,
+        "agreement": sum(r["agree"] for r in per_image) / valid if valid else None,
         "classes_present": int((counts[2] > 0).sum()),
     }
 
@@ -68,5 +73,7 @@ def bootstrap_delta(setting: list[dict], dense: list[dict], *, resamples: int = 
     for i in range(resamples):
         pick = rng.integers(0, n, n)
         ds[i] = _miou(a[pick].sum(0))[0] - _miou(b[pick].sum(0))[0]
+    if np.isnan(ds).all():
+        return {"delta": _none_if_nan(delta), "low": None, "high": None, "level": level, "resamples": resamples}
     lo, hi = np.nanpercentile(ds, [100 * (1 - level) / 2, 100 * (1 + level) / 2])
-    return {"delta": float(delta), "low": float(lo), "high": float(hi), "level": level, "resamples": resamples}
+    return {"delta": _none_if_nan(delta), "low": float(lo), "high": float(hi), "level": level, "resamples": resamples}

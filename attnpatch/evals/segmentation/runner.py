@@ -128,7 +128,7 @@ def run_segmentation(
     temperature: float = 0.02,
     head: str | None = None,
     batch_size: int = 8,
-    epochs: int = 20,
+    probe_steps: int = 2000,
     seed: int = 0,
     resamples: int = 1000,
     examples: int = 4,
@@ -153,7 +153,8 @@ def run_segmentation(
             ``max_patches * C * last * 2`` bytes each).
         k, temperature: the k-NN's neighbours and softmax temperature.
         head: a released DINOv2 linear head file used as the linear read-out instead of training one (``fit="unpatched"``).
-        batch_size: images per forward call; epochs: the probe's passes over its sample; seed: sampling and training seed.
+        batch_size: images per forward call; probe_steps: the probe's AdamW steps (batches of 1024 patches); seed: sampling
+            and training seed.
         resamples: bootstrap resamples of the val images for the mIoU differences' 95 % intervals.
         examples: val images whose predictions are kept for the side-by-side figure.
         warmup: one untimed forward per setting before timing.
@@ -172,6 +173,8 @@ def run_segmentation(
         output; DataError: a bad ``head`` file; EvalInterrupted: Ctrl-C (see :func:`~attnpatch.evals.vision.image_pass.finish`).
     """
     _check(readouts, fit, last, max_patches, batch_size, k, temperature, examples)
+    if isinstance(probe_steps, bool) or not isinstance(probe_steps, numbers.Integral) or probe_steps < 1:
+        raise OptionError(f"probe_steps={probe_steps!r}: must be a positive int (AdamW steps of the linear probe)")
     if head is not None and (fit != "unpatched" or "linear" not in readouts):
         raise OptionError("head: a released linear head is the linear read-out of every setting; it needs fit='unpatched' and the 'linear' read-out")
     check_dense_methods([m for m, _ in settings])
@@ -185,11 +188,14 @@ def run_segmentation(
     samples = _fit(model, adapter, data, preprocess, settings, fit=fit, last=last, max_patches=max_patches,
                    batch_size=batch_size, seed=seed, progress=progress)
     heads: dict[Any, dict[str, Any]] = {}
+    training: dict[str, dict] = {}
     for j, sample in samples.items():
         xs, ys, ws = sample.arrays()
         heads[j] = {}
-        if "linear" in readouts:
-            heads[j]["linear"] = fixed_head if fixed_head is not None else train_linear_head(xs, ys, ws, epochs=epochs, seed=seed)
+        if "linear" in readouts and fixed_head is not None:
+            heads[j]["linear"] = fixed_head
+        elif "linear" in readouts:
+            heads[j]["linear"], training["dense" if j is None else str(j)] = train_linear_head(xs, ys, ws, steps=probe_steps, seed=seed)
         if "knn" in readouts:
             heads[j]["knn"] = KnnBank(xs, ys, k=k, temperature=temperature)
         del xs, ys, ws
@@ -229,7 +235,8 @@ def run_segmentation(
         "fit": fit, "readouts": list(readouts), "last": last, "classes": list(data.classes), "max_patches": max_patches,
         "patches": {("dense" if j is None else str(j)): s.count for j, s in samples.items()},
         "knn": {"k": k, "temperature": temperature} if "knn" in readouts else None,
-        "linear": ({"head": str(head)} if head is not None else {"epochs": epochs, "trained_on": "patch sample"}) if "linear" in readouts else None,
+        "linear": ({"head": str(head)} if head is not None else {"trained_on": "patch sample", "training": training})
+        if "linear" in readouts else None,
         "data": data.describe(),
         "dense": {**{r: scores([row[r] for row in dense_rows], data.classes) for r in readouts},
                   **throughput(ip.dense_seconds, ip.n)},

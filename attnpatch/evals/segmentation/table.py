@@ -23,8 +23,10 @@ def segmentation_columns(readouts) -> list[Column]:
 
 
 def _delta(d: dict[str, Any] | None) -> str | None:
-    if not d:
+    if not d or d.get("delta") is None:
         return None
+    if d.get("low") is None:
+        return f"{100 * d['delta']:+.2f}"
     return f"{100 * d['delta']:+.2f} [{100 * d['low']:+.2f}, {100 * d['high']:+.2f}]"
 
 
