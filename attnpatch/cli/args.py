@@ -141,21 +141,19 @@ def fraction(text: str) -> float:
     return value
 
 
-def positive_float(text: str) -> float:
+def _positive_number(text: str, what: str, rule: str) -> float:
     try:
         val = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
     if not 0 < val < float("inf"):
-        raise argparse.ArgumentTypeError(f"{text}: must be a positive finite number")
+        raise argparse.ArgumentTypeError(f"{text}: must be {rule}")
     return val
+
+
+def positive_float(text: str) -> float:
+    return _positive_number(text, "a number", "a positive finite number")
 
 
 def positive_seconds(text: str) -> float:
-    try:
-        val = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not 0 < val < float("inf"):
-        raise argparse.ArgumentTypeError(f"{text}: must be a positive number of seconds")
-    return val
+    return _positive_number(text, "a number of seconds", "a positive number of seconds")
