@@ -63,16 +63,18 @@ class PatchSample:
     The ``max_patches`` are spread evenly over the ``n_images`` train images (image ``i`` gives
     ``floor((i + 1) q) - floor(i q)`` of them, ``q = max_patches / n_images``, fewer where it has fewer patches that are
     not all void), drawn with a generator seeded by ``(seed, image index)``: a setting fitted on its own features samples
-    the same patches as dense.  Features are kept in float16 (``max_patches * C * 2`` bytes).
+    the same patches as dense.  The sample lives in buffers allocated once at the first image (features in float16:
+    ``max_patches * C * 2`` bytes), so nothing long-lived is allocated per image: many small arrays kept between each
+    image's temporaries fragment the C heap, and the process's memory then grows with the number of train images.
     """
 
     def __init__(self, max_patches: int, n_images: int, k: int, seed: int = 0):
         self.k, self.seed = k, seed
         self.quota = max_patches / max(n_images, 1)
         self.max_patches = max_patches
-        self.feats: list[np.ndarray] = []
-        self.shares: list[np.ndarray] = []
-        self.weights: list[np.ndarray] = []
+        self._feats: np.ndarray | None = None
+        self._shares = np.zeros((max_patches, k), np.float32)
+        self._weights = np.zeros(max_patches, np.float32)
         self.count = 0
 
     def add(self, index: int, feats: torch.Tensor, labels: np.ndarray) -> None:
@@ -84,11 +86,14 @@ class PatchSample:
         take = min(len(cand), share, self.max_patches - self.count)
         if take <= 0:
             return
+        if self._feats is None:
+            self._feats = np.zeros((self.max_patches, c), np.float16)
         rng = np.random.default_rng([self.seed, index])
         pick = np.sort(rng.choice(cand, size=take, replace=False))
-        self.feats.append(feats.reshape(rows * cols, c)[torch.from_numpy(pick)].numpy().astype(np.float16))
-        self.shares.append(shares[pick])
-        self.weights.append(valid[pick])
+        at = slice(self.count, self.count + take)
+        self._feats[at] = feats.reshape(rows * cols, c)[torch.from_numpy(pick)].numpy()
+        self._shares[at] = shares[pick]
+        self._weights[at] = valid[pick]
         self.count += take
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -97,9 +102,10 @@ class PatchSample:
         Raises:
             DataError: no train patch had a non-void label.
         """
-        if not self.feats:
+        if not self.count:
             raise DataError("no train patch has a label that is not void: nothing to fit a read-out on")
-        return (np.concatenate(self.feats).astype(np.float32), np.concatenate(self.shares), np.concatenate(self.weights))
+        m = self.count
+        return self._feats[:m].astype(np.float32), self._shares[:m], self._weights[:m]
 
 
 class _DecodeHead(torch.nn.Module):
