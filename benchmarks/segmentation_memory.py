@@ -63,7 +63,10 @@ def one(n: int, max_patches: int) -> dict:
     t0 = time.perf_counter()
     r = run_segmentation(model, data, square_preprocess((0.5,) * 3, (0.25,) * 3, RES), settings=[], max_patches=max_patches,
                          batch_size=16, probe_steps=200, resamples=10, examples=0)
-    return {"train_images": n, "val_images": 16, "tokens": r["tokens"], "max_patches": max_patches, "patches": r["patches"]["dense"],
+    from attnpatch.patchers.adapters import adapter_for
+
+    tokens = adapter_for(model).token_count(model, RES)
+    return {"train_images": n, "val_images": 16, "tokens": tokens, "max_patches": max_patches, "patches": r["patches"]["dense"],
             "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "seconds": time.perf_counter() - t0}
 
 
