@@ -74,13 +74,13 @@ def square_preprocess(mean: Sequence[float], std: Sequence[float], resolution: i
     return fn
 
 
-def _check(readouts, fit, last, max_patches, batch_size, k, temperature, examples) -> None:
+def _check(readouts, fit, last, max_patches, batch_size, k, temperature, examples, probe_steps) -> None:
     bad = [r for r in readouts if r not in READOUTS]
     if bad or not readouts:
         raise OptionError(f"readouts={list(readouts)!r}: choose from {', '.join(READOUTS)}")
     if fit not in FITS:
         raise OptionError(f"fit={fit!r}: choose from {', '.join(FITS)}")
-    for name, v in (("last", last), ("max_patches", max_patches), ("batch_size", batch_size), ("k", k)):
+    for name, v in (("last", last), ("max_patches", max_patches), ("batch_size", batch_size), ("k", k), ("probe_steps", probe_steps)):
         if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
             raise OptionError(f"{name}={v!r}: must be a positive int")
     if isinstance(examples, bool) or not isinstance(examples, numbers.Integral) or examples < 0:
@@ -195,9 +195,7 @@ def run_segmentation(
         OptionError: a bad option; UnsupportedModelError: a model without patch tokens, a method without per-patch
         output; DataError: a bad ``head`` file; EvalInterrupted: Ctrl-C (see :func:`~attnpatch.evals.vision.image_pass.finish`).
     """
-    _check(readouts, fit, last, max_patches, batch_size, k, temperature, examples)
-    if isinstance(probe_steps, bool) or not isinstance(probe_steps, numbers.Integral) or probe_steps < 1:
-        raise OptionError(f"probe_steps={probe_steps!r}: must be a positive int (AdamW steps of the linear probe)")
+    _check(readouts, fit, last, max_patches, batch_size, k, temperature, examples, probe_steps)
     if head is not None and (fit != "unpatched" or "linear" not in readouts):
         raise OptionError("head: a released linear head is the linear read-out of every setting; it needs fit='unpatched' and the 'linear' read-out")
     check_dense_methods([m for m, _ in settings])
@@ -224,20 +222,22 @@ def run_segmentation(
         del xs, ys, ws
 
     val = data.val
-    dense_preds: dict[int, dict[str, np.ndarray]] = {}
+    dense_preds: dict[int, dict[str, np.ndarray]] = {}  # per val image of the batch: its labels and dense's maps
 
     def reduce(j, feats, x, start):
         fitted = heads[None] if j is None or fit == "unpatched" else heads[j]
         rows = []
         for b in range(feats.shape[0]):
             i = start + b
-            lab = val.labels(i)
+            if j is None:  # each label map is decoded once, by dense's call, and kept for the settings of the batch
+                dense_preds[i] = {"labels": val.labels(i)}
+            lab = dense_preds[i]["labels"]
             row = {}
             for r in readouts:
                 with torch.no_grad():
                     pred = predict(fitted[r](feats[b:b + 1])[0], lab.shape)
                 if j is None:
-                    dense_preds.setdefault(i, {})[r] = pred
+                    dense_preds[i][r] = pred
                 row[r] = image_counts(pred, lab, kcls, None if j is None else dense_preds[i][r])
                 if i < examples:
                     row[r]["map"] = pred
