@@ -23,7 +23,7 @@ from typing import Any
 
 from .errors import OptionError
 
-__all__ = ["Option", "opt", "options_of", "check_fields", "KINDS"]
+__all__ = ["Option", "opt", "options_of", "check_fields", "KINDS", "at_layer", "parse_schedule"]
 
 _META_KEY = "attnpatch_option"
 
@@ -36,6 +36,7 @@ KINDS: dict[str, str] = {
     "int_or_auto": "an integer or 'auto'",
     "int_list": "a list of integers (e.g. [17, 18] or '17,18')",
     "pair_list": "a list of (layer, head) pairs (e.g. [(17, 3)] or '17:3,18:0')",
+    "int_schedule": "an integer, or one integer per layer (e.g. [0, 0, 16, 16], '0/0/16/16' or '0*2/16*2')",
 }
 
 
@@ -91,7 +92,8 @@ class Option:
     def in_range(self, value: Any) -> bool:
         """Whether a typed number (or every number of a list) lies in the declared range."""
         if isinstance(value, tuple):
-            return all(self.in_range(x) for x in value)
+            # a schedule's 0 entry is that layer left exact, whatever the scalar range
+            return all((self.kind == "int_schedule" and x == 0) or self.in_range(x) for x in value)
         if not isinstance(value, (int, float)) or isinstance(value, bool):
             return True
         if isinstance(value, float) and math.isnan(value):
@@ -106,7 +108,8 @@ class Option:
 
     def range_text(self) -> str:
         """The declared range in words, e.g. ``"an integer >= 1"``, ``"a number in (0, 1)"``; ``""`` if none."""
-        what = {"int": "an integer", "int_or_auto": f"{self._words()} or an integer", "float": "a number"}.get(self.kind, "")
+        what = {"int": "an integer", "int_schedule": "an integer (a per-layer list: each entry 0 or such)",
+                "int_or_auto": f"{self._words()} or an integer", "float": "a number"}.get(self.kind, "")
         if self.nullable and what:
             what = "None or " + what
         if self.low is not None and self.high is not None:
@@ -180,6 +183,8 @@ class Option:
                 if any(isinstance(x, bool) or not isinstance(x, int) for x in out):
                     raise TypeError
                 return out
+            if self.kind == "int_schedule":
+                return parse_schedule(value)
             if self.kind == "pair_list":
                 if isinstance(value, str):  # "17:3,18:0"
                     value = [tuple(int(y) for y in x.split(":")) for x in value.replace(",", " ").split()]
@@ -206,6 +211,43 @@ class Option:
         if self.model_scope:
             out["model_scope"] = self.model_scope
         return out
+
+
+def parse_schedule(value: Any) -> int | tuple[int, ...]:
+    """An ``"int_schedule"`` value: an integer (every layer), or one integer per layer as a list or a string.
+
+    The string form separates layers by ``/``, ``,`` or spaces (``/`` fits inside a ``METHOD:NAME=VALUE,...``
+    setting) and ``V*C`` repeats ``V`` ``C`` times: ``"0*4/16*8"`` is four 0 then eight 16.  A one-entry list is
+    kept as a list (its length is checked against the model's layers at ``patch()``).
+
+    Raises:
+        TypeError, ValueError: not an integer, a list of integers or such a string.
+    """
+    if isinstance(value, str):
+        parts = value.replace("/", " ").replace(",", " ").split()
+        if not parts:
+            raise ValueError(value)
+        listed = any(sep in value for sep in "/, *") or value.strip().startswith("[")
+        out: list[int] = []
+        for part in parts:
+            part = part.strip("[]()")
+            v, star, c = part.partition("*")
+            count = int(c) if star else 1
+            if count < 1:
+                raise ValueError(part)
+            out.extend([int(v)] * count)
+        return tuple(out) if listed else out[0]
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return int(value)
+    out_t = tuple(value)
+    if not out_t or any(isinstance(x, bool) or not isinstance(x, numbers.Integral) for x in out_t):
+        raise TypeError
+    return tuple(int(x) for x in out_t)
+
+
+def at_layer(value: int | tuple[int, ...], layer: int) -> int:
+    """An ``"int_schedule"`` option's value at ``layer`` (0-based): the integer itself, or the layer's entry."""
+    return value[layer] if isinstance(value, tuple) else value
 
 
 def _num(x: float) -> str:

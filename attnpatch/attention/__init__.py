@@ -20,6 +20,7 @@ method                  math
 ``anchorformer``        :mod:`.anchorformer` (anchors: :mod:`.landmarks`)
 ``relu_linear``         :mod:`.linear`
 ``tome``                :mod:`.merge`
+``tome+fna``            :mod:`.merge`, then :mod:`.nystrom` with a key bias (``log(size)``)
 ======================  ==================================================================================
 
 Shared by several families: :mod:`.exact` (exact attention with keys masked after the softmax; grouped-query keys

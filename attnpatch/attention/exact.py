@@ -28,6 +28,7 @@ def exact_attention(
     key_keep: torch.Tensor | None = None,
     renormalize: bool = False,
     chunk: int = 1024,
+    key_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Exact (non-causal) softmax attention, optionally with some keys' probabilities zeroed.
 
@@ -48,14 +49,17 @@ def exact_attention(
         renormalize: renormalise rows after masking.
         chunk: unused (the masked path used to run in query chunks of this size); kept so that
             callers passing it keep working.
+        key_bias: ``[B, N]`` float or ``None``: added to every query's logit of each key (ToMe's
+            proportional attention passes ``log(size)``, arXiv 2210.09461 Eq. 1).
 
     Returns:
         ``[B, H, N, D]`` in ``q``'s dtype.
     """
     sdpa = torch.nn.functional.scaled_dot_product_attention
+    mask = None if key_bias is None else key_bias.to(q.dtype)[:, None, None, :]
     if key_keep is None:
-        return sdpa(q, k, v, scale=scale)
+        return sdpa(q, k, v, attn_mask=mask, scale=scale)
     if renormalize:
         bias = torch.zeros(key_keep.shape, dtype=q.dtype, device=q.device).masked_fill(~key_keep, float("-inf"))
-        return sdpa(q, k, v, attn_mask=bias[:, None, None, :], scale=scale)
-    return sdpa(q, k, v * key_keep[:, None, :, None].to(v.dtype), scale=scale)
+        return sdpa(q, k, v, attn_mask=bias[:, None, None, :] + (0 if mask is None else mask), scale=scale)
+    return sdpa(q, k, v * key_keep[:, None, :, None].to(v.dtype), attn_mask=mask, scale=scale)

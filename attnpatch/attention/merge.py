@@ -166,5 +166,6 @@ def proportional_attention(
     """
     if size is None:
         return F.scaled_dot_product_attention(q, k, v, scale=scale)
-    bias = size.float().log()[:, None, None, :].to(q.dtype)
+    # the log in float32 at least (half inputs), in float64 for float64 inputs
+    bias = size.to(torch.promote_types(q.dtype, torch.float32)).log()[:, None, None, :].to(q.dtype)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)

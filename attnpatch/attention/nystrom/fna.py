@@ -48,6 +48,7 @@ def nystrom_attention(
     key_keep: torch.Tensor | None = None,
     renormalize: bool = False,
     pinv_kernel: str = "auto",
+    key_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Nyström attention on landmark tokens, evaluated right to left (no ``N x N`` tensor).
 
@@ -83,6 +84,12 @@ def nystrom_attention(
             mass instead of leaving the mass removed (the estimator, one that cannot divide by a
             mass near or below zero, is described in :func:`_renormalized`).
         pinv_kernel: the ``"rtol"`` pseudo-inverse's kernel (:func:`~.pinv.landmark_pinv`'s ``kernel``).
+        key_bias: ``[B, N]`` float or ``None``: a logit added to each key, as in ``softmax(Q K^T c + 1 b^T)``
+            (ToMe's proportional attention, ``b = log(size)``, arXiv 2210.09461 Eq. 1).  It enters every factor
+            whose keys it belongs to: ``F`` and ``A`` take ``b~ = b[L]``, ``B`` takes ``b``.  In kernel form
+            ``exp(Q K^T c) diag(e^b)`` is approximated by ``exp(Q K~^T c) diag(e^b~) (exp(Q~ K~^T c) diag(e^b~))^+
+            exp(Q~ K^T c) diag(e^b)``, whose ``diag(e^b~)`` factors cancel: the Nyström form of the biased kernel,
+            exact with every token a landmark.  Not with ``renormalize``.
 
     Returns:
         ``[B, H, N, D]`` in ``q``'s dtype.  Peak extra memory ``O(B H (s + D) N)`` elements
@@ -90,6 +97,12 @@ def nystrom_attention(
     """
     half = q.dtype in _HALF
     wd = torch.float32 if half else q.dtype  # the small s x s work: float32 for half inputs
+    if key_bias is not None and key_keep is not None and renormalize:
+        raise ValueError("nystrom_attention: key_bias with renormalised key_keep is not implemented")
+    bias_all = bias_l = None
+    if key_bias is not None:
+        bias_all = key_bias[:, None, None, :]  # [B,1,1,N]
+        bias_l = key_bias.gather(1, landmarks)[:, None, None, :]  # [B,1,1,s]
     if key_keep is not None and not renormalize:
         # B_kept V = B (keep * V): zeroing the masked keys' values is zeroing their columns of B
         # after the softmax, so plain sink masking takes the fused path below
@@ -98,24 +111,26 @@ def nystrom_attention(
     q_l = gather_tokens(q, landmarks)
     k_l = gather_tokens(k, landmarks)
     with local_blas_threads(1, q.device):
-        a = torch.softmax((q_l.to(wd) * scale) @ k_l.to(wd).transpose(-1, -2), dim=-1)  # [B,H,s,s]
+        logits = (q_l.to(wd) * scale) @ k_l.to(wd).transpose(-1, -2)
+        a = torch.softmax(logits if bias_l is None else logits + bias_l.to(wd), dim=-1)  # [B,H,s,s]
         z = landmark_pinv_work(a, pinv, rtol, iters, kernel=pinv_kernel).to(wd)
     sdpa = torch.nn.functional.scaled_dot_product_attention
     if key_keep is None:
         # B V = softmax(Q~ K^T c) V and F W = softmax(Q K~^T c) W are attention calls themselves
         # (s queries over N keys; N queries over s keys): two fused kernels, no [N, s] buffer.
-        bv = sdpa(q_l, k, v, scale=scale)  # [B,H,s,D], convex combinations of V rows
+        bv = sdpa(q_l, k, v, attn_mask=_mask(bias_all, q), scale=scale)  # [B,H,s,D], convex combinations of V rows
+        fmask = _mask(bias_l, q)
         with local_blas_threads(1, q.device):
             w = z @ bv.to(wd)  # [B,H,s,D] in float32 for half inputs
         if not half:
-            return sdpa(q, k_l, w.to(q.dtype), scale=scale)
+            return sdpa(q, k_l, w.to(q.dtype), attn_mask=fmask, scale=scale)
         if pinv != "rtol":
             # exact / Newton-Schulz: z is unbounded (1e5-1e6 on a ViT's kernel) and W cancels in
             # F W, so the last product runs in float32 too (rounding W to half would cost
             # |W| x 2^-11 absolutely, and float16 cannot even hold it).  Where the unregularised
             # estimate itself leaves float16's range (9.5e3 in float32 where exact attention
             # gives 1.2, on a kernel sharpened 200x) the cast saturates instead of making inf.
-            out = sdpa(q.to(wd), k_l.to(wd), w, scale=scale)
+            out = sdpa(q.to(wd), k_l.to(wd), w, attn_mask=_mask(bias_l, w), scale=scale)
             if q.dtype == torch.float16:
                 big = torch.finfo(torch.float16).max
                 out = out.clamp(-big, big)
@@ -125,8 +140,8 @@ def nystrom_attention(
         # divided by a power of two (exact; 1 unless max|W| > 2^12) and the output multiplied back.
         if q.dtype == torch.float16:
             c = torch.exp2(torch.ceil(torch.log2(w.abs().amax((-2, -1), keepdim=True) / 4096.0)).clamp(min=0.0))
-            return sdpa(q, k_l, (w / c).to(q.dtype), scale=scale).mul_(c.to(q.dtype))
-        return sdpa(q, k_l, w.to(q.dtype), scale=scale)
+            return sdpa(q, k_l, (w / c).to(q.dtype), attn_mask=fmask, scale=scale).mul_(c.to(q.dtype))
+        return sdpa(q, k_l, w.to(q.dtype), attn_mask=fmask, scale=scale)
     # renormalised sink masking: the masked B is needed explicitly ([B,H,s,N] and [B,H,N,s]; O(s N)
     # memory), with the logits in float32 for half inputs (the raw products overflow float16 first)
     qw, kw, vw = q.to(wd), k.to(wd), v.to(wd)
@@ -135,6 +150,11 @@ def nystrom_attention(
     bm = torch.softmax((q_lw * scale) @ kw.transpose(-1, -2), dim=-1)  # [B,H,s,N]
     bm = bm * key_keep[:, None, None, :].to(wd)
     return _renormalized(f, z, bm, vw).to(q.dtype)
+
+
+def _mask(bias: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | None:
+    """A ``[B, 1, 1, N]`` key bias as an SDPA float mask in ``like``'s dtype (``None`` stays ``None``)."""
+    return None if bias is None else bias.to(like.dtype)
 
 
 #: Renormalised sink masking keeps the ratio estimate where the estimated kept mass is above this.

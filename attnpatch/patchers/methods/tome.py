@@ -24,13 +24,14 @@ import torch
 
 from ...attention.exact import repeat_kv
 from ...attention.merge import apply_merge, merge_destinations, merge_plan, proportional_attention
-from ...options import check_fields, opt, options_of
+from ...errors import OptionError
+from ...options import at_layer, check_fields, opt, options_of
 from ..bench_hook import BenchCase, BenchInputs
-from ..contract import ExactLimit, Knob, Method
+from ..contract import ExactLimit, Knob, Method, ModelGeometry
 from ..registry import register_method
 from ..state import LayerContext, LayerRecord
 
-__all__ = ["ToMeConfig", "tome_forward", "tome_block", "TOME"]
+__all__ = ["ToMeConfig", "tome_forward", "tome_block", "check_tome", "current_sizes", "TOME"]
 
 
 @dataclass(frozen=True)
@@ -40,36 +41,65 @@ class ToMeConfig:
     Attributes:
         r: tokens merged away in each block (between its attention and its MLP branch); at most half
             of the block's non-prefix tokens are, so late blocks may merge fewer.  ``r = 0`` merges
-            nothing: exact attention.
+            nothing: exact attention.  A per-block schedule (one entry per attention layer, e.g.
+            ``"0*4/16*8"``) merges ``r[i]`` tokens in block ``i``.
         proportional: proportional attention (Eq. 1): add ``log(size)`` to each key's logit, so a
             merged token weighs as the tokens it stands for.
     """
 
-    r: int = field(default=8, metadata=opt(
-        "int", "tokens merged away per block, between its attention and MLP branch (tokens; 0 = exact)", low=0,
-        rule="must be an integer >= 0 (tokens per block)"))
+    r: int | tuple[int, ...] = field(default=8, metadata=opt(
+        "int_schedule", "tokens merged away per block, between its attention and MLP branch (tokens; 0 = exact), or "
+        "one per block", low=0, rule="must be an integer >= 0 (tokens per block), or a list of them, one per block"))
     proportional: bool = field(default=True, metadata=opt(
         "bool", "proportional attention: add log(token size) to each key's logit (ToMe Eq. 1)"))
 
+    def r_at(self, layer: int) -> int:
+        """Tokens merged away in block ``layer`` (0-based)."""
+        return at_layer(self.r, layer)
+
+    @property
+    def r_max(self) -> int:
+        """The most tokens any block merges (``r`` itself without a schedule)."""
+        return max(self.r) if isinstance(self.r, tuple) else self.r
+
     def __post_init__(self) -> None:
         check_fields(self)
+
+
+def check_tome(cfg: ToMeConfig, geo: ModelGeometry) -> None:
+    """A per-block ``r`` has one entry per attention layer.
+
+    Raises:
+        OptionError: a schedule of the wrong length.
+    """
+    if isinstance(cfg.r, tuple) and len(cfg.r) != geo.num_layers:
+        raise OptionError(f"r={list(cfg.r)}: a per-block schedule needs one entry per attention layer; the model has "
+                          f"{geo.num_layers}")
+
+
+def current_sizes(cfg: ToMeConfig, k: torch.Tensor, ctx: LayerContext) -> torch.Tensor | None:
+    """The sizes ``[B, N]`` of this block's tokens (``None``: none merged yet), keeping this block's merge metric
+    (the keys ``k`` ``[B, Hkv, N, D]`` averaged over heads) when it merges; shared with ``tome+fna``."""
+    n = k.shape[2]
+    st = ctx.shared("tome")
+    st.setdefault("n0", n)  # tokens at the first routed block of this forward
+    size = st.get("size")
+    if size is not None and size.shape[1] != n:  # a block called on its own, outside the merged stack
+        size = None
+    if cfg.r_at(ctx.layer) > 0:
+        st["metric"] = k.mean(dim=1)  # ToMe: keys averaged over heads
+    return size
 
 
 def tome_forward(cfg: ToMeConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: LayerContext):
     """One block's attention under ToMe: proportional attention over the current (merged) tokens,
     and the block's keys averaged over heads kept as the merge metric for :func:`tome_block`."""
     b, h, n, _ = q.shape
-    st = ctx.shared("tome")
-    st.setdefault("n0", n)  # tokens at the first routed block of this forward
-    size = st.get("size")
-    if size is not None and size.shape[1] != n:  # a block called on its own, outside the merged stack
-        size = None
-    if cfg.r > 0:
-        st["metric"] = k.mean(dim=1)  # ToMe: keys averaged over heads
+    size = current_sizes(cfg, k, ctx)
     out = proportional_attention(q, repeat_kv(k, h), repeat_kv(v, h), size if cfg.proportional else None, scale=ctx.scale)
     rec = LayerRecord(ctx.layer, "tome", n, n)
     if ctx.record:
-        n0 = int(st["n0"])
+        n0 = int(ctx.shared("tome")["n0"])
         rec.causal_pairs = torch.full((b, h), float(n0 * n0), dtype=torch.float64)
         rec.kept_pairs = torch.full((b, h), float(n * n), dtype=torch.float64)
     return out, rec
@@ -81,16 +111,19 @@ def tome_block(cfg: ToMeConfig, x: torch.Tensor, ctx: LayerContext) -> torch.Ten
 
     It also keeps the source map (ToMe's ``trace_source`` as an index): ``[B, N0]``, the output token each
     input token of the forward was merged into, in the forward state's
-    :attr:`~attnpatch.patchers.state.ForwardState.token_source`."""
+    :attr:`~attnpatch.patchers.state.ForwardState.token_source`; this block's own step (``[B, N]``, or ``None``
+    when it merged nothing) stays in the shared ``"dest"`` for a composed method."""
     st = ctx.shared("tome")
     metric = st.pop("metric", None)
-    if cfg.r <= 0 or metric is None or metric.shape[1] != x.shape[1]:
+    st["dest"] = None
+    r = cfg.r_at(ctx.layer)
+    if r <= 0 or metric is None or metric.shape[1] != x.shape[1]:
         return x
     n = x.shape[1]
     size = st.get("size")
     if size is None or size.shape[1] != n:
         size = torch.ones(x.shape[:2], dtype=torch.float32, device=x.device)
-    plan = merge_plan(metric, cfg.r, ctx.prefix_tokens)
+    plan = merge_plan(metric, r, ctx.prefix_tokens)
     if plan is None:
         return x
     x, size = apply_merge(x, size, plan, ctx.prefix_tokens)
@@ -98,7 +131,7 @@ def tome_block(cfg: ToMeConfig, x: torch.Tensor, ctx: LayerContext) -> torch.Ten
     source = st.get("source")
     # composed with the earlier merges of this forward; a block called on its own starts from its own tokens
     source = dest.gather(1, source) if source is not None and st.get("source_points_into") == n else dest
-    st["size"], st["source"], st["source_points_into"] = size, source, x.shape[1]
+    st["size"], st["source"], st["source_points_into"], st["dest"] = size, source, x.shape[1], dest
     if ctx.state is not None:
         ctx.state.token_sizes = size
         ctx.state.token_source = source
@@ -120,13 +153,13 @@ def tome_bench(cfg: ToMeConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         return proportional_attention(q, repeat_kv(k, h), repeat_kv(v, h), size if cfg.proportional else None, scale=inputs.scale)
 
     def merge():
-        plan = merge_plan(k.mean(dim=1), cfg.r, p)
+        plan = merge_plan(k.mean(dim=1), cfg.r_max, p)
         return x if plan is None else apply_merge(x, size, plan, p)[0]
 
     def call():
         return attend(), merge()
 
-    return BenchCase(call=call, parts={"attention": attend, "merge": merge}, note=f"one block: attention + merge of r={cfg.r}")
+    return BenchCase(call=call, parts={"attention": attend, "merge": merge}, note=f"one block: attention + merge of r={cfg.r_max}")
 
 
 def _config(options: dict[str, Any]) -> ToMeConfig:
@@ -150,6 +183,7 @@ TOME = register_method(
         options=options_of(ToMeConfig),
         model_kinds=frozenset({"vision"}),
         make_config=_config,
+        check=check_tome,
         forward=tome_forward,
         block_hook=tome_block,
         causal_calls=False,

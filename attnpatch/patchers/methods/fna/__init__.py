@@ -42,6 +42,12 @@ def _landmark_features(cfg: FNAConfig, k: torch.Tensor, ctx: LayerContext) -> to
     return ctx.hidden
 
 
+def _sampled(cfg: FNAConfig, n: int) -> int:
+    """Landmarks sampled once on ``n`` tokens: the largest per-layer ``s`` (at most ``n``); a layer taking fewer uses
+    the first of them, which for farthest-point sampling is the sample of that size (FPS is greedy)."""
+    return min(cfg.s_max, n)
+
+
 def _fna_landmarks(cfg: FNAConfig, k: torch.Tensor, ctx: LayerContext) -> tuple[torch.Tensor | None, torch.Tensor, bool]:
     """``(landmarks [B, s] or None, active [B] bool, every row active)`` for this layer; updates the per-forward state.
 
@@ -55,7 +61,7 @@ def _fna_landmarks(cfg: FNAConfig, k: torch.Tensor, ctx: LayerContext) -> tuple[
     if active is None or active.shape[0] != b:
         active = torch.zeros(b, dtype=torch.bool, device=k.device)
         st["active"] = active
-        st["landmarks"] = torch.zeros(b, cfg.s, dtype=torch.long, device=k.device)
+        st["landmarks"] = torch.zeros(b, _sampled(cfg, k.shape[2]), dtype=torch.long, device=k.device)
         st["sampled_at"] = torch.full((b,), -1, dtype=torch.long)
         st["all_active"] = False
     if st["all_active"] and not cfg.resample:
@@ -63,7 +69,7 @@ def _fna_landmarks(cfg: FNAConfig, k: torch.Tensor, ctx: LayerContext) -> tuple[
     if cfg.sample_layer != "auto" and not cfg.resample:  # every row samples at sample_layer, at once
         if ctx.layer < cfg.sample_layer:
             return None, active.clone(), False
-        st["landmarks"].copy_(select_landmarks(_landmark_features(cfg, k, ctx), cfg.s, prefix=ctx.prefix_tokens,
+        st["landmarks"].copy_(select_landmarks(_landmark_features(cfg, k, ctx), st["landmarks"].shape[1], prefix=ctx.prefix_tokens,
                                                strategy=cfg.strategy, seed=cfg.seed))
         st["sampled_at"].fill_(ctx.layer)
         active.fill_(True)
@@ -83,47 +89,60 @@ def _fna_landmarks(cfg: FNAConfig, k: torch.Tensor, ctx: LayerContext) -> tuple[
     if bool(trigger.any()):
         rows = torch.nonzero(trigger).flatten()
         feats = _landmark_features(cfg, k, ctx)[rows]
-        st["landmarks"][rows] = select_landmarks(feats, cfg.s, prefix=ctx.prefix_tokens, strategy=cfg.strategy, seed=cfg.seed)
+        st["landmarks"][rows] = select_landmarks(feats, st["landmarks"].shape[1], prefix=ctx.prefix_tokens, strategy=cfg.strategy, seed=cfg.seed)
         st["sampled_at"][rows.cpu()] = ctx.layer
         active |= trigger
     st["all_active"] = every = bool(active.all())
     return (st["landmarks"] if every or bool(active.any()) else None), active.clone(), every
 
 
-def exact_reason(cfg: FNAConfig, q: torch.Tensor, k: torch.Tensor, ctx: LayerContext) -> str | None:
+def exact_reason(cfg: FNAConfig, q: torch.Tensor, k: torch.Tensor, ctx: LayerContext, say: bool = True) -> str | None:
     """Why a call on ``q`` ``[B, H, N, D]`` runs exact attention whatever the layer (``"dense:short"``: below
-    ``min_tokens``, :func:`min_tokens_for`; ``"dense:s>=N"``: every token would be a landmark, said once), or
-    ``None``; shared with ``fna+sink_mask``."""
+    ``min_tokens``, :func:`min_tokens_for`; ``"dense:s>=N"``: every token would be a landmark, said once;
+    ``"dense:schedule"``: a per-layer ``s`` of 0), or ``None``; shared with ``fna+sink_mask`` and ``tome+fna``."""
     n = q.shape[2]
+    s = cfg.s_at(ctx.layer)
+    if s == 0:
+        return "dense:schedule"
     if n < min_tokens_for(cfg, q, k):
         return "dense:short"
-    if cfg.s >= n:
-        ctx.say(f"fna: s={cfg.s} >= N={n} tokens, so Nyström attention is exact attention; running exact attention")
+    if s >= n:
+        if say:
+            ctx.say(f"fna: s={s} >= N={n} tokens, so Nyström attention is exact attention; running exact attention")
         return "dense:s>=N"
     return None
 
 
-def fna_core(cfg: FNAConfig, q, k, v, ctx: LayerContext, key_keep=None, renormalize=False, mode="fna"):
-    """FNA for the images whose landmarks are sampled, exact attention for the others (shared with ``fna+sink_mask``)."""
+def fna_core(cfg: FNAConfig, q, k, v, ctx: LayerContext, key_keep=None, renormalize=False, mode="fna", key_bias=None):
+    """FNA for the images whose landmarks are sampled, exact attention for the others (shared with ``fna+sink_mask``
+    and ``tome+fna``, whose ``key_bias`` ``[B, N]`` is ToMe's ``log(size)``)."""
     b, h, n, _ = q.shape
     k, v = repeat_kv(k, h), repeat_kv(v, h)
     rec = LayerRecord(ctx.layer, mode, n, n)
     landmarks, active, every = _fna_landmarks(cfg, k, ctx)
     if landmarks is None:
-        if key_keep is None:
+        if key_keep is None and key_bias is None:
             rec.mode = "dense:before_sample"
             return None, rec
-        return exact_attention(q, k, v, scale=ctx.scale, key_keep=key_keep, renormalize=renormalize), rec
+        return exact_attention(q, k, v, scale=ctx.scale, key_keep=key_keep, renormalize=renormalize,
+                               key_bias=key_bias), rec
+    s = cfg.s_at(ctx.layer)
+    if s < landmarks.shape[1]:
+        landmarks = landmarks[:, :s]
     until = ctx.num_layers // 2 if cfg.window_until == "auto" else cfg.window_until
     window = cfg.local_window > 0 and (until is None or ctx.layer < until)
     if window:
         rec.mode = mode + "+window"
     kw = dict(scale=ctx.scale, prefix=ctx.prefix_tokens, window=window, renormalize=renormalize)
+    if key_bias is not None:
+        kw["key_bias"] = key_bias
     if every:  # known on the host: no read-back
         out = approximate(cfg, q, k, v, landmarks, key_keep=key_keep, **kw)
     else:
-        out = exact_attention(q, k, v, scale=ctx.scale, key_keep=key_keep, renormalize=renormalize)
+        out = exact_attention(q, k, v, scale=ctx.scale, key_keep=key_keep, renormalize=renormalize, key_bias=key_bias)
         rows = torch.nonzero(active).flatten()
+        if key_bias is not None:
+            kw["key_bias"] = key_bias[rows]
         out[rows] = approximate(
             cfg, q[rows], k[rows], v[rows], landmarks[rows], key_keep=None if key_keep is None else key_keep[rows], **kw
         )

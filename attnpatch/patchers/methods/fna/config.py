@@ -15,7 +15,7 @@ import torch
 from ....attention.landmarks import STRATEGIES
 from ....attention.nystrom import PINV_MODES, nystrom_attention, nystrom_local_attention
 from ....errors import OptionError
-from ....options import check_fields, opt
+from ....options import at_layer, check_fields, opt
 from ...break_even import parse_env
 from ...contract import ModelGeometry, Preset
 
@@ -80,9 +80,10 @@ class FNAConfig:
     teacher-forced layer error) are in docs/benchmarks/vision.md and docs/methods.md.
     """
 
-    s: int = field(default=64, metadata=opt(
-        "int", "landmarks per image (tokens, CLS and registers included; s >= N runs exact attention)", low=1,
-        rule="the number of landmarks must be an integer >= 1 (tokens)"))
+    s: int | tuple[int, ...] = field(default=64, metadata=opt(
+        "int_schedule", "landmarks per image (tokens, CLS and registers included; s >= N runs exact attention), or one "
+        "per layer (0 = that layer exact)", low=1,
+        rule="the number of landmarks must be an integer >= 1 (tokens; in a per-layer list, 0 leaves the layer exact)"))
     sample_layer: int | str = field(default="auto", metadata=opt(
         "int_or_auto", "layer where landmarks are sampled once and reused later ('auto' = first layer with a massive "
         "token, else auto_fallback)", low=0, rule=_LAYER_RULE, model_scope=_ACROSS))
@@ -132,34 +133,53 @@ class FNAConfig:
             return sys.maxsize if found is None else found
         return BREAK_EVEN.get(torch.device(device).type)
 
+    @property
+    def s_max(self) -> int:
+        """The most landmarks any layer takes (``s`` itself without a per-layer schedule): the count sampled once."""
+        return max(self.s) if isinstance(self.s, tuple) else self.s
+
+    def s_at(self, layer: int) -> int:
+        """Landmarks at ``layer`` (0-based); ``0``: the schedule leaves the layer exact."""
+        return at_layer(self.s, layer)
+
     def __post_init__(self) -> None:
         check_fields(self)
+        if isinstance(self.s, tuple) and self.strategy != "fps" and len({x for x in self.s if x}) > 1:
+            raise OptionError(
+                f"s={list(self.s)} with strategy={self.strategy!r}: a per-layer s takes each layer's landmarks as the "
+                "first s of one sample, which is a sample of its own only for strategy='fps'; use strategy='fps' or "
+                "one s for every approximated layer")
 
 
 def check_fna(cfg: FNAConfig, geo: ModelGeometry) -> None:
-    """``sample_layer`` and ``auto_fallback`` must name a layer the model has.
+    """``sample_layer`` and ``auto_fallback`` must name a layer the model has; a per-layer ``s`` has one entry per layer.
 
     Raises:
-        OptionError: a layer index out of range.
+        OptionError: a layer index out of range, or a schedule of the wrong length.
     """
     num_layers = geo.num_layers
+    if isinstance(cfg.s, tuple) and len(cfg.s) != num_layers:
+        raise OptionError(f"s={list(cfg.s)}: a per-layer schedule needs one entry per attention layer; the model has "
+                          f"{num_layers}")
     for name in ("sample_layer", "auto_fallback", "window_until"):
         val = getattr(cfg, name)
         if val not in ("auto", None) and val >= num_layers:
             raise OptionError(f"{name}={val}: the model has {num_layers} attention layers (0..{num_layers - 1})")
 
 
-def approximate(cfg: FNAConfig, q, k, v, landmarks, *, scale, prefix, window, key_keep=None, renormalize=False):
+def approximate(cfg: FNAConfig, q, k, v, landmarks, *, scale, prefix, window, key_keep=None, renormalize=False,
+                key_bias=None):
     """The layer's approximation of ``q, k, v`` ``[B, H, N, D]`` with the given landmarks ``[B, s]``: Nyström + exact
     local window (``window``; no key mask: ``fna+sink_mask`` refuses ``local_window > 0``;
     :func:`~attnpatch.attention.nystrom.local.nystrom_local_attention`) or plain Nyström, optionally sink-masked
     (:func:`~attnpatch.attention.nystrom.fna.nystrom_attention`; FNA, arXiv 2507.16018, Eq. 3).  Returns
-    ``[B, H, N, D]``."""
+    ``[B, H, N, D]``.  ``key_bias`` ``[B, N]``: a logit added to each key (``tome+fna``'s ``log(size)``; not with the
+    window, which ``tome+fna`` refuses)."""
     if window:
         return nystrom_local_attention(q, k, v, landmarks, scale=scale, prefix=prefix, radius=cfg.local_window,
                                        tile=cfg.window_tile, pinv=cfg.pinv, rtol=cfg.rtol, iters=cfg.newton_iters)
     return nystrom_attention(q, k, v, landmarks, scale=scale, pinv=cfg.pinv, rtol=cfg.rtol, iters=cfg.newton_iters,
-                             key_keep=key_keep, renormalize=renormalize)
+                             key_keep=key_keep, renormalize=renormalize, key_bias=key_bias)
 
 
 #: Named option sets (``patch(model, "fna", preset=...)``); what each is for: docs/methods.md ("FNA presets"); measured

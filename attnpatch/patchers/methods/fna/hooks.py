@@ -46,7 +46,7 @@ def calibration_case(cfg: FNAConfig, q: torch.Tensor, k: torch.Tensor):
         cfg0 = dataclasses.replace(cfg, min_tokens=0)
 
         def fna_call():
-            lm = select_landmarks(feats, cfg0.s, prefix=1, strategy=cfg0.strategy, seed=cfg0.seed)
+            lm = select_landmarks(feats, cfg0.s_max, prefix=1, strategy=cfg0.strategy, seed=cfg0.seed)
             return approximate(cfg0, qq, kk, vv, lm, scale=scale, prefix=1, window=cfg0.local_window > 0)
 
         def sdpa_call():
@@ -63,8 +63,9 @@ def min_tokens_for(cfg: FNAConfig, q: torch.Tensor, k: torch.Tensor) -> int:
     if cfg.min_tokens != "auto":
         return int(cfg.min_tokens)
     found = resolve_break_even(
-        "fna", {n: getattr(cfg, n) for n in _SPEED_OPTIONS}, q, k, table=config.BREAK_EVEN, env="ATTNPATCH_FNA_BREAK_EVEN",
-        lengths=[n for n in CALIBRATION_LENGTHS if n > cfg.s], case=calibration_case(cfg, q, k),
+        "fna", {n: cfg.s_max if n == "s" else getattr(cfg, n) for n in _SPEED_OPTIONS}, q, k, table=config.BREAK_EVEN,
+        env="ATTNPATCH_FNA_BREAK_EVEN",
+        lengths=[n for n in CALIBRATION_LENGTHS if n > cfg.s_max], case=calibration_case(cfg, q, k),
     )
     return sys.maxsize if found.tokens is None else found.tokens
 
@@ -80,6 +81,8 @@ def prepare_fna(cfg: FNAConfig, geo: ModelGeometry, device: torch.device, dtype:
     a build or a JIT compile (:func:`~attnpatch.attention.backends.dispatch.needs_warm_up`: the compiled CPU kernel,
     a C++ build the first time on a machine, then a load; the Triton kernels), one call of each on inputs of the
     model's width and ``min(s, WARM_UP_LANDMARKS)`` landmarks, so that no timed forward pays it."""
+    if cfg.s_max == 0:  # a schedule that leaves every layer exact
+        return
     probe = probe_inputs(geo, device, dtype) if cfg.min_tokens == "auto" else None
     if probe is not None:
         min_tokens_for(cfg, *probe)
@@ -89,7 +92,7 @@ def prepare_fna(cfg: FNAConfig, geo: ModelGeometry, device: torch.device, dtype:
     if not (needs_warm_up("fps", "auto", Call(device, dtype)) or needs_warm_up("pinv", "auto", Call(device, dtype))):
         return
     g = torch.Generator().manual_seed(0)
-    s = min(cfg.s, WARM_UP_LANDMARKS)  # the kernels' one-time cost, not the work of an s >= N setting
+    s = min(cfg.s_max, WARM_UP_LANDMARKS)  # the kernels' one-time cost, not the work of an s >= N setting
     feats = torch.randn(1, 2 * s + 1, geo.heads * geo.head_dim, generator=g).to(device, dtype)
     farthest_point_sampling(feats, s, 1)
     landmark_pinv(torch.softmax(torch.randn(1, geo.heads, s, s, generator=g), -1).to(device, dtype),
@@ -113,13 +116,13 @@ def fna_bench(cfg: FNAConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         def exact():
             return exact_attention(q, kr, vr, scale=scale)
         return BenchCase(call=exact, note=f"ran exact: N < min_tokens={floor if floor < sys.maxsize else 'never (slower at every calibrated length)'}")
-    if n <= cfg.s:
-        raise OptionError(f"fna s={cfg.s}: every length must exceed s (got N={n})")
+    if n <= cfg.s_max:
+        raise OptionError(f"fna s={cfg.s_max}: every length must exceed s (got N={n})")
     feats = kr.transpose(1, 2).reshape(b, n, heads * d)
-    lm = select_landmarks(feats, cfg.s, prefix=prefix, strategy=cfg.strategy, seed=cfg.seed)
+    lm = select_landmarks(feats, cfg.s_max, prefix=prefix, strategy=cfg.strategy, seed=cfg.seed)
 
     def fps():
-        return select_landmarks(feats, cfg.s, prefix=prefix, strategy=cfg.strategy, seed=cfg.seed)
+        return select_landmarks(feats, cfg.s_max, prefix=prefix, strategy=cfg.strategy, seed=cfg.seed)
 
     def nys():
         return approximate(cfg, q, kr, vr, lm, scale=scale, prefix=prefix, window=cfg.local_window > 0)
@@ -130,7 +133,7 @@ def fna_bench(cfg: FNAConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     def extra(t: dict[str, float], ref: float) -> dict[str, Any]:
         incl = t["nystrom"] + t["fps"]
         return {"fna_incl_seconds": incl, "speedup_incl": ref / incl, "speedup_nystrom": ref / t["nystrom"],
-                "reuse_layers": reuse, "s": cfg.s}
+                "reuse_layers": reuse, "s": cfg.s_max}
 
     return BenchCase(
         call=whole, parts={"fps": fps, "nystrom": nys}, seconds=lambda t: t["nystrom"] + t["fps"] / reuse, extra=extra,
