@@ -20,7 +20,7 @@ import torch
 
 from .errors import OptionError
 
-__all__ = ["sync", "Stopwatch", "time_call", "median_seconds", "quietly"]
+__all__ = ["interleaved_speedup", "sync", "Stopwatch", "time_call", "median_seconds", "quietly"]
 
 
 def sync(device: torch.device | str | None = None) -> None:
@@ -92,6 +92,61 @@ def median_seconds(fn: Callable[[], Any], repeats: int, device: torch.device | s
     """Median wall time (seconds) of ``repeats`` calls of ``fn`` after one untimed call, without autograd."""
     with torch.no_grad():
         return statistics.median(time_call(fn, repeats=repeats, warmup=1, device=device))
+
+
+def interleaved_speedup(
+    fn: Callable[[], Any], candidate: Callable[[], Any], *, repeats: int = 5, warmup: int = 1,
+    device: torch.device | str | None = None,
+) -> dict[str, Any]:
+    """Speed-up of ``fn`` run inside the context ``candidate()`` (e.g. a patch) over ``fn`` alone, timed in pairs.
+
+    Each pair times both calls back to back, in the order reference-candidate, then candidate-reference, and so on
+    (ABBA), so a machine whose speed drifts during the measurement moves both sides of a pair alike; the
+    speed-up is the median of the pairs' ratios, the spread their 25th-75th percentiles.  The context is entered
+    outside the timer (patching is not timed); no autograd; the device is synchronised around each call.
+
+    Args:
+        fn: the work to time (e.g. one forward on a fixed batch).
+        candidate: returns a context manager inside which ``fn`` runs the candidate (``lambda: patched(model, m)``).
+        repeats: pairs; warmup: untimed calls of each before them.
+
+    Returns:
+        ``{"speedup": median ratio, "spread": [25th, 75th percentile], "reference_s": [...], "candidate_s": [...]}``
+        (seconds per pair, in pair order).
+
+    Raises:
+        OptionError: ``repeats < 1`` or ``warmup < 0``.
+    """
+    if repeats < 1 or warmup < 0:
+        raise OptionError(f"repeats={repeats}, warmup={warmup}: need repeats >= 1 and warmup >= 0")
+
+    def ref() -> float:
+        with Stopwatch(device) as sw:
+            fn()
+        return sw.seconds
+
+    def cand() -> float:
+        with candidate():
+            with Stopwatch(device) as sw:
+                fn()
+        return sw.seconds
+
+    ref_s: list[float] = []
+    cand_s: list[float] = []
+    with torch.no_grad():
+        for _ in range(warmup):
+            ref()
+            cand()
+        for i in range(repeats):
+            if i % 2 == 0:
+                ref_s.append(ref())
+                cand_s.append(cand())
+            else:
+                cand_s.append(cand())
+                ref_s.append(ref())
+    ratios = sorted(r / c for r, c in zip(ref_s, cand_s) if c > 0)
+    q = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else [ratios[0]] * 3
+    return {"speedup": statistics.median(ratios), "spread": [q[0], q[2]], "reference_s": ref_s, "candidate_s": cand_s}
 
 
 def quietly(fn: Callable[[], Any]) -> Any:

@@ -349,3 +349,82 @@ def test_match_refuses_infinite_values_and_survives_a_refused_knob_end(vit):
                              match=cmp.Match("sparsity", 0.999), batch_size=9, knn_k=3)
     row = res["rows"][1]
     assert row["match"]["status"] == "closest" and row["options"]["s"] >= 2
+
+
+# --------------------------------------------------------------------------- what compare reports of its timings
+
+
+def test_an_exact_row_names_no_landmarks_and_stays_off_the_front(vit):
+    model, images, pre = vit
+    # min_tokens=2048 above the 17 tokens: fna runs exact everywhere, as fna:preset=fast does at 448 px
+    res = cmp.compare_vision(model, images, pre, eval="knn", match=None, batch_size=3, knn_k=3,
+                             settings=[("fna", {"s": "8", "min_tokens": "2048"}), ("fna", {"s": "8", "min_tokens": "0"})])
+    dense, exact, approx = res["rows"]
+    assert exact["exact"] is True and exact["knob_tokens"] is None and exact["note"].startswith("exact attention")
+    assert approx["exact"] is False and approx["knob_tokens"] == "s=8"
+    assert 1 not in res["pareto_front"] and 0 in res["pareto_front"]
+    # options given as strings come back typed
+    assert exact["given_options"] == {"s": 8, "min_tokens": 2048} and exact["shown_options"] == {"s": 8, "min_tokens": 2048}
+    # three batches: each row has the middle half of its per-batch speed-ups
+    lo, hi = approx["speedup_spread"]
+    assert lo <= hi and isinstance(approx["speedup_within_noise"], bool)
+    assert res["timing"]["batches"] == 3
+    text = cmp.compare_rows(res)[1]["speedup_text"]
+    assert text.startswith(f"{exact['speedup']:.2f}x [") and ("(within noise)" in text) == exact["speedup_within_noise"]
+
+
+def test_speedup_spread_drift_and_the_lines_they_print():
+    from attnpatch.cli.output import timing_lines
+    from attnpatch.evals.vision.image_pass import speedup_spread, timing_summary
+
+    assert speedup_spread([0.9, 1.0, 1.1, 1.2]) == {"speedup_spread": [pytest.approx(0.975), pytest.approx(1.125)],
+                                                     "speedup_within_noise": True}
+    assert speedup_spread([1.3, 1.4, 1.5])["speedup_within_noise"] is False
+    assert speedup_spread([1.3, 1.4]) == {"speedup_spread": None, "speedup_within_noise": None}
+    steady = timing_summary([1.0, 1.02, 0.98, 1.01, 0.99, 1.0])
+    assert steady["drift"] == pytest.approx(1.0, abs=0.03) and steady["drifted"] is False
+    slowed = timing_summary([1.0, 1.0, 1.0, 1.0, 1.4, 1.4])
+    assert slowed["drift"] == pytest.approx(1.4) and slowed["drifted"] is True
+    assert timing_lines({"timing": steady}) == []
+    (line,) = timing_lines({"result": {"timing": slowed}})
+    assert "drifted" in line and "1.40x" in line
+    row = {"speedup": 1.02, "speedup_spread": [0.95, 1.08], "speedup_within_noise": True}
+    assert cmp.compare_rows({"rows": [row]})[0]["speedup_text"] == "1.02x [0.95-1.08] (within noise)"
+
+
+def test_a_speedup_match_says_each_measurement_and_warns_when_the_run_disagrees(vit, monkeypatch):
+    from attnpatch.evals.compare import runs
+
+    model, images, pre = vit
+    lines = []
+    res = cmp.compare_vision(model, images, pre, eval="fidelity", settings=[("tome", {"r": "2"})],
+                             match=cmp.Match("speedup", 1.3), batch_size=9, knn_k=3, steps=3, log=lines.append)
+    measured = [x for x in lines if "(measurement" in x]
+    assert measured and measured[0].startswith("--match speedup=1.3: tome r=") and "at most 3" in measured[0]
+    # the given r=2 is the knob: replaced, and said so only when the value differs
+    mi = res["rows"][1]["match"]
+    assert mi["run_speedup"] == res["rows"][1]["speedup"]
+    assert any("is the knob --match turns" in x for x in lines) == (mi["knob_options"]["r"] != 2)
+    rows = [{"method": "tome", "speedup": 2.78, "speedup_spread": [2.7, 2.9],
+             "match": {"key": "speedup", "status": "closest", "target": 2.0, "reached": 1.89, "knob_options": {"r": 384}}},
+            {"method": "fna", "speedup": 2.01, "match": {"key": "speedup", "status": "matched", "target": 2.0, "reached": 2.0}}]
+    (warning,) = runs._match_warnings(rows)
+    assert "tome r=384" in warning and "1.89x" in warning and "2.78x" in warning
+
+
+def test_the_image_pass_rotates_the_order_of_dense_and_the_settings(vit):
+    from attnpatch import patch_info
+    from attnpatch.evals.vision.image_pass import run_image_pass
+
+    model, images, pre = vit
+    seen: list[str] = []
+
+    def encode(x):
+        try:
+            seen.append(patch_info(model)["method"])
+        except Exception:
+            seen.append("dense")
+        return x.shape[0]
+
+    run_image_pass(model, images, pre, encode, [("tome", {"r": 1}), ("fna", {"s": 8})], batch_size=3, warmup=False)
+    assert seen == ["dense", "tome", "fna", "tome", "fna", "dense", "fna", "dense", "tome"]

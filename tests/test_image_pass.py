@@ -76,7 +76,10 @@ def test_row_helpers():
     assert throughput(0.0, 10, 4.0) == {"seconds": 0.0, "images_per_s": None, "speedup": None}
     from attnpatch.evals.vision.image_pass import SettingRun
 
-    assert run_labels(SettingRun(sampled_at={3: 2, 1: 5}, modes={"fna"})) == {"sampled_at": {"1": 5, "3": 2}}
+    assert run_labels(SettingRun(sampled_at={3: 2, 1: 5}, modes={"fna"})) == {
+        "sampled_at": {"1": 5, "3": 2}, "speedup_spread": None, "speedup_within_noise": None}
+    spread = run_labels(SettingRun(modes={"fna"}, batch_speedups=[1.2, 1.4, 1.3]))
+    assert spread["speedup_spread"] == [pytest.approx(1.25), pytest.approx(1.35)] and spread["speedup_within_noise"] is False
     assert run_labels(SettingRun(modes={"dense:s>=N"}))["note"] == "exact attention: s >= N tokens"
     assert run_labels(SettingRun(modes={"dense:short"}))["note"] == "exact attention: N below min_tokens (the break-even length)"
     assert "note" not in run_labels(SettingRun(modes={"dense:before_sample", "fna"}))

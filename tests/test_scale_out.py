@@ -23,6 +23,7 @@ from conftest import write_image_folder
 HOW_IT_RAN = {
     "seconds", "images_per_s", "speedup", "wall_s", "machine", "ranks", "world_size", "resumed_batches", "torch_threads",
     "prefill_dense_s", "prefill_patched_s", "prefill_speedup", "text_seconds", "complete", "dense_s_median", "seconds_median",
+    "speedup_spread", "speedup_within_noise", "timing",
 }
 METHODS = ["fna:s=8,sample_layer=1", "sink_mask"]
 

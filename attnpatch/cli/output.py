@@ -82,7 +82,7 @@ def report(args, title: str, rows, columns, result: dict[str, Any], interrupted=
         return report_interrupted(args, interrupted, path, f"### {title} (interrupted: {interrupted.done})\n\n" + rows_to_markdown(rows, columns) + "\n",
                                   also=[png] if png else [])
     print_table(rows, columns, title=title)
-    for line in rank_lines(result):
+    for line in rank_lines(result) + timing_lines(result) + list(result.get("warnings") or []):
         print(line)
     write_json(path, result)
     print(f"wrote {path}")
@@ -157,6 +157,18 @@ def image_progress(label: str, total: int, quiet: bool = False):
                 print(f"[{done}/{total}] images", file=sys.stderr, flush=True)
 
         yield progress
+
+
+def timing_lines(result: dict[str, Any]) -> list[str]:
+    """A warning when the machine's speed drifted during an image pass (``result["timing"]``, from
+    :func:`attnpatch.evals.vision.image_pass.timing_summary`): dense's batches took longer or shorter at the end than
+    at the start, so the speed-ups, measured batch by batch beside dense, carry more than their spread."""
+    t = result.get("timing") or (result.get("result") or {}).get("timing") or {}
+    if not t.get("drifted"):
+        return []
+    return [f"warning: the machine's speed drifted during the run: dense's batches took {t['dense_first_s']:.3g} s "
+            f"(median, first third) and {t['dense_last_s']:.3g} s (last third), {t['drift']:.2f}x; every speed-up is "
+            "timed beside dense batch by batch, but is less certain than its spread says (another job on the machine?)"]
 
 
 def rank_lines(result: dict[str, Any]) -> list[str]:

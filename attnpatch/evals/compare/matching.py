@@ -17,7 +17,7 @@ from ...log import Log
 from ...patchers.api import patched, record_stats
 from ...patchers.registry import MODEL_KINDS, get_method, validate_options
 from ..recall import summarize_layers
-from ...timing import median_seconds, quietly
+from ...timing import interleaved_speedup, quietly
 
 __all__ = [
     "Settings", "EVALS", "MATCH_KEYS", "Match", "parse_match", "parse_matches", "as_matches", "eval_kind", "check_settings",
@@ -171,12 +171,11 @@ def _sparsity(model, m: str, o: dict[str, Any], forward: Callable[[], Any], towe
     return quietly(run)
 
 
-def _patched_seconds(model, m, o, forward, towers, repeats) -> float:
-    def run():
-        with patched(model, m, towers=towers, **o):
-            return median_seconds(forward, repeats)
-
-    return quietly(run)
+def _paired_speedup(model, m, o, forward, towers, repeats) -> float:
+    """Speed-up of ``(m, o)`` over dense on the calibration input, each patched forward timed beside a dense one
+    (:func:`~attnpatch.timing.interleaved_speedup`: the median of ``repeats`` pairs), so that a machine whose speed
+    changes during a long calibration moves both alike."""
+    return quietly(lambda: interleaved_speedup(forward, lambda: patched(model, m, towers=towers, **o), repeats=repeats))["speedup"]
 
 
 def _tokens_of(model, forward, towers) -> int:
@@ -187,9 +186,10 @@ def _tokens_of(model, forward, towers) -> int:
     return max((lr.queries for lr in layers.values()), default=0)
 
 
-def _calibrate(model, m, given, knob, tokens, match: Match, measure, steps: int, tol: float) -> dict[str, Any]:
+def _calibrate(model, m, given, knob, tokens, match: Match, measure, steps: int, tol: float, log: Log | None = None) -> dict[str, Any]:
     """Bisection on the knob position ``t``: ``measure(options)`` is a value that falls as ``t`` grows
-    (sparsity, speed-up); returns the match info with the closest options found."""
+    (sparsity, speed-up); returns the match info with the closest options found.  ``log``: one line per
+    measurement (a calibration at a large resolution takes minutes)."""
     target = 1.0 - match.value if match.key == "flops" else match.value
     cache: dict[tuple, float | None] = {}
     best = None
@@ -206,6 +206,11 @@ def _calibrate(model, m, given, knob, tokens, match: Match, measure, steps: int,
             except OptionError:  # the knob's sparse end refused on this model (e.g. s not above the prefix tokens)
                 cache[key] = "refused"
             n_steps += 1
+            if log is not None:
+                got = cache[key]
+                shown = "refused" if got == "refused" else "-" if got is None else f"{got:.3g}"
+                log(f"--match {match.text()}: {m} {', '.join(f'{k}={v}' for k, v in knob_opts.items())} -> "
+                    f"{match.key} {shown} (measurement {n_steps}, at most {steps})")
         value = cache[key]
         if value == "refused":
             lo = t  # denser
@@ -258,8 +263,9 @@ def match_settings(
         steps: at most this many bisection steps (measurements) per setting.
         tol: stop when within this of the target: default 0.01 (sparsity, flops), or 2 % of the
             target speed-up.
-        repeats: timed forwards per median (``speedup``).
-        log: one line per matched setting.
+        repeats: pairs of timed forwards (dense beside the setting) per measured speed-up (``speedup``), the median
+            of their ratios.
+        log: one line per matched setting, and one per speed-up measurement.
 
     Returns:
         ``(settings, infos)``: the settings to run (full options) and per setting
@@ -273,7 +279,6 @@ def match_settings(
     """
     matches = as_matches(match)
     tokens = _tokens_of(model, forward, towers) if matches else 0
-    dense_s: list[float] = []  # measured once, when a setting first needs it
     out, infos = [], []
     for m, given in settings:
         method = get_method(m)
@@ -290,17 +295,17 @@ def match_settings(
             info = {"status": "matched", "target": match.value, "reached": match.value, "knob": knob.text,
                     "knob_options": kopts, "steps": 0, "options": validate_options(method, {**given, **kopts})}
         elif match.key == "speedup":
-            if not dense_s:
-                dense_s.append(median_seconds(forward, repeats))
             info = _calibrate(model, m, given, knob, tokens, match,
-                              lambda o, m=m: dense_s[0] / _patched_seconds(model, m, o, forward, towers, repeats), steps,
-                              0.02 * match.value if tol is None else tol)
+                              lambda o, m=m: _paired_speedup(model, m, o, forward, towers, repeats), steps,
+                              0.02 * match.value if tol is None else tol, log)
         else:
             info = _calibrate(model, m, given, knob, tokens, match, lambda o, m=m: _sparsity(model, m, o, forward, towers), steps,
                               0.01 if tol is None else tol)
         if match is not None:
             info["key"] = match.key
-            overridden = {k: v for k, v in given.items() if k in info.get("knob_options", {}) and info["knob_options"][k] != v}
+            typed = validate_options(method, dict(given))  # "64" given on the command line is 64
+            overridden = {k: typed.get(k, v) for k, v in given.items()
+                          if k in info.get("knob_options", {}) and info["knob_options"][k] != typed.get(k, v)}
             if overridden and log is not None:
                 log(f"--match {match.text()}: {m}: the given {', '.join(f'{k}={v}' for k, v in overridden.items())} "
                     "is the knob --match turns; it is replaced")

@@ -11,9 +11,10 @@ import torch
 
 from ...errors import OptionError
 from ...log import Log
-from ...patchers.registry import get_method
+from ...patchers.registry import get_method, validate_options
 from ..run.distributed import Ranks
 from ..run.report import EvalInterrupted
+from .table import front_of
 from .matching import EVALS, Match, Settings, as_matches, check_settings, match_settings
 
 __all__ = ["compare_vision", "compare_clip", "compare_ruler", "compare_segmentation"]
@@ -52,20 +53,57 @@ def _finish(eval: str, match, given: Settings, infos, runner_result: dict[str, A
     """The compare result from a runner's result (``rows_of(runner_result)`` -> dense row, run rows)."""
     _, _, mkey, mlabel, fkey, flabel = EVALS[eval]
     dense, runs = rows_of(runner_result)
+    src = runner_result.get("runs") if isinstance(runner_result.get("runs"), list) else []
     rows = [{"method": "dense", "baseline": True, "options": {}, "given_options": {}, **dense}]
-    for (m, g), info, run in zip(given, infos, runs):
-        knob = get_method(m).knob
-        tok = info["options"].get(knob.tokens) if knob is not None and knob.tokens else None
-        shown = {**g, **info.get("knob_options", {})}
+    for i, ((m, g), info, run) in enumerate(zip(given, infos, runs)):
+        method = get_method(m)
+        knob = method.knob
+        exact = str(run.get("note") or "").startswith("exact attention")
+        # an exact row approximated nothing: it names no landmarks
+        tok = info["options"].get(knob.tokens) if knob is not None and knob.tokens and not exact else None
+        typed = _typed(method, g)
+        shown = {**typed, **info.get("knob_options", {})}
+        spread = {k: src[i].get(k) for k in ("speedup_spread", "speedup_within_noise")} if i < len(src) else {}
         rows.append({
-            "method": m, "options": info["options"], "given_options": dict(g), "shown_options": shown,
+            "method": m, "options": info["options"], "given_options": typed, "shown_options": shown,
             "sparsity": info.get("sparsity"), "knob_tokens": f"{knob.tokens}={tok}" if tok is not None else None,
-            **run, "match": {k: v for k, v in info.items() if k != "options"},
+            **run, **spread, "exact": exact, "match": {k: v for k, v in info.items() if k != "options"},
         })
-    return {
+    out = {
         "eval": eval, "metric": mkey, "metric_label": mlabel, "fidelity": fkey, "fidelity_label": flabel,
         "match": [{"key": mt.key, "value": mt.value} for mt in as_matches(match)] or None, "rows": rows, "result": runner_result,
     }
+    if runner_result.get("timing") is not None:
+        out["timing"] = runner_result["timing"]
+    out["pareto_front"] = front_of(rows)
+    out["warnings"] = _match_warnings(rows)
+    return out
+
+
+def _match_warnings(rows: list[dict[str, Any]]) -> list[str]:
+    """One line per row whose ``--match speedup`` was reached on the calibration input but not in the run: the run's
+    speed-up is off the target by more than the match's tolerance (2 %) and its spread does not hold the target."""
+    out = []
+    for r in rows:
+        mi = r.get("match") or {}
+        run = r.get("speedup")
+        if mi.get("key") != "speedup" or mi.get("status") not in ("matched", "closest") or run is None:
+            continue
+        mi["run_speedup"] = run
+        target = float(mi["target"])
+        spread = r.get("speedup_spread") or [run, run]
+        if abs(run - target) > 0.02 * target and not spread[0] <= target <= spread[1]:
+            knob = ", ".join(f"{k}={v}" for k, v in (mi.get("knob_options") or {}).items())
+            out.append(f"warning: {r['method']} {knob}: --match speedup={target:g} was {mi['status']} on the calibration "
+                       f"input ({mi['reached']:.2f}x), but the whole run measured {run:.2f}x: the first batch's speed is "
+                       "not the run's (other image sizes, a warmer cache, or a busier machine while calibrating)")
+    return out
+
+
+def _typed(method, given: dict[str, Any]) -> dict[str, Any]:
+    """The options a user gave, each parsed to its option's type (``{"s": "64"}`` -> ``{"s": 64}``)."""
+    full = validate_options(method, dict(given))
+    return {k: full.get(k, v) for k, v in given.items()}
 
 
 def _runner(fn, eval, match, given, infos, rows_of):

@@ -12,7 +12,7 @@ from typing import Any
 from ..run.plots import figure_title
 from ..run.report import Column
 
-__all__ = ["compare_rows", "compare_columns", "pareto_front", "plot_pareto"]
+__all__ = ["compare_rows", "compare_columns", "pareto_front", "front_of", "plot_pareto", "speedup_text"]
 
 
 def _fmt_value(v: Any) -> str:
@@ -33,12 +33,30 @@ def compare_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
         elif mi["status"] in ("matched", "closest"):
             key = mi.get("key", "")
             row["match_text"] = f"{key} {mi['reached']:.3g}" + (" (closest)" if mi["status"] == "closest" else "")
+            if key == "speedup" and mi.get("run_speedup") is not None:
+                row["match_text"] += f" (first batch; run {mi['run_speedup']:.2f}x)"
         elif mi["status"] == "not matched":
             row["match_text"] = "not matched"
         else:
             row["match_text"] = ""
+        row["speedup_text"] = speedup_text(r)
         out.append(row)
     return out
+
+
+def speedup_text(row: dict[str, Any]) -> str:
+    """``"1.44x"``, with the run's own spread (the per-batch speed-ups' middle half) when measured:
+    ``"1.44x [1.38-1.52]"``, and ``"(within noise)"`` when that range holds 1.00x."""
+    s = row.get("speedup")
+    if s is None:
+        return "-"
+    text = f"{s:.2f}x"
+    spread = row.get("speedup_spread")
+    if spread and not row.get("baseline"):
+        text += f" [{spread[0]:.2f}-{spread[1]:.2f}]"
+        if row.get("speedup_within_noise"):
+            text += " (within noise)"
+    return text
 
 
 def compare_columns(result: dict[str, Any]) -> list[Column]:
@@ -52,7 +70,7 @@ def compare_columns(result: dict[str, Any]) -> list[Column]:
     cols += [Column("sparsity", "sparsity", "pct"), Column("knob_tokens", "landmarks")]
     if result.get("match"):
         cols.append(Column("match_text", "matched"))
-    cols += [Column("seconds", "time", "s"), Column("speedup", "speed-up", "x")]
+    cols += [Column("seconds", "time", "s"), Column("speedup_text", "speed-up [middle half of batches]")]
     return cols
 
 
@@ -71,11 +89,21 @@ def pareto_front(points: Sequence[tuple[float, float]]) -> list[int]:
     return sorted(idx, key=lambda i: (points[i][0], -points[i][1]))
 
 
+def front_of(rows: Sequence[dict[str, Any]]) -> list[int]:
+    """Indices of the compare rows on the Pareto front of (speed-up, metric), by speed-up: rows with both values that
+    did not run exact attention everywhere (``"exact"``: such a row approximated nothing; dense, the baseline, counts)."""
+    live = [i for i, r in enumerate(rows)
+            if r.get("metric") is not None and r.get("speedup") is not None and not r.get("exact")]
+    return [live[i] for i in pareto_front([(float(rows[i]["speedup"]), float(rows[i]["metric"])) for i in live])]
+
+
 def plot_pareto(result: dict[str, Any], path: str | Path, title: str | None = None) -> Path:
     """Draw the eval's metric (y) against the speed-up over dense (x) as a PNG: one labelled point per
     setting, dense marked, and the Pareto front (settings not dominated in (speed-up, metric)) as a step line.
 
-    Rows without a metric or a speed-up are left out.  Returns the path written.
+    Rows without a metric or a speed-up are left out.  A row that ran exact attention everywhere (``"exact"``) is
+    drawn hollow and grey and is never on the front: it approximated nothing, so its speed-up is the run's noise.
+    Returns the path written.
     """
     import matplotlib
 
@@ -86,7 +114,7 @@ def plot_pareto(result: dict[str, Any], path: str | Path, title: str | None = No
     pts = [(float(r["speedup"]), float(r["metric"])) for r in rows]
     fig, ax = plt.subplots(figsize=(7, 5), dpi=120)
     try:
-        front = pareto_front(pts)
+        front = front_of(rows)
         if front:
             fx, fy = [pts[i][0] for i in front], [pts[i][1] for i in front]
             ax.step(fx, fy, where="pre", color="tab:orange", lw=1.5, label="Pareto front", zorder=1)
@@ -96,7 +124,11 @@ def plot_pareto(result: dict[str, Any], path: str | Path, title: str | None = No
         labelled: list[tuple[float, float, tuple[int, int]]] = []
         for (x, y), r in zip(pts, rows):
             dense = bool(r.get("baseline"))
-            ax.scatter([x], [y], marker="*" if dense else "o", s=140 if dense else 40, color="black" if dense else "tab:blue", zorder=2)
+            if r.get("exact"):
+                ax.scatter([x], [y], marker="o", s=40, facecolors="none", edgecolors="grey", zorder=2)
+            else:
+                ax.scatter([x], [y], marker="*" if dense else "o", s=140 if dense else 40,
+                           color="black" if dense else "tab:blue", zorder=2)
             label = r["method"] + (f" ({r['options_text']})" if r.get("options_text") else "")
             # the table's "[exact attention: <why>]" mark, short; long labels wrapped so they stay in the panel
             label = textwrap.fill(re.sub(r"\[exact attention[^\]]*\]", "[exact]", label), 30)

@@ -26,7 +26,8 @@ from ..run.report import EvalInterrupted, exact_modes
 from ..run.resume import BatchStore
 from ...timing import Stopwatch
 
-__all__ = ["SettingRun", "ImagePass", "resolve_settings", "count_sampled_at", "run_image_pass", "finish", "throughput", "run_labels"]
+__all__ = ["SettingRun", "ImagePass", "resolve_settings", "count_sampled_at", "run_image_pass", "finish", "throughput", "run_labels",
+           "speedup_spread", "timing_summary"]
 
 Settings = Sequence[tuple[str, dict[str, Any]]]
 
@@ -71,6 +72,7 @@ class SettingRun:
         outputs: ``encode``'s output, one per batch.
         extras: the ``after_setting`` hook's output, one per batch (empty without the hook).
         seconds: forward time of the timed calls.
+        batch_seconds: the same, per batch; batch_speedups: dense's time over this setting's, per batch.
         sampled_at: layer -> images whose first FNA landmark layer it was (:func:`count_sampled_at`).
         modes: the attention modes the patched layers ran (``record_stats`` layer records).
         towers: the towers the patch routed (``patch_info(model)["towers"]``).
@@ -79,6 +81,8 @@ class SettingRun:
     outputs: list = field(default_factory=list)
     extras: list = field(default_factory=list)
     seconds: float = 0.0
+    batch_seconds: list[float] = field(default_factory=list)
+    batch_speedups: list[float] = field(default_factory=list)
     sampled_at: dict[int, int] = field(default_factory=dict)
     modes: set[str] = field(default_factory=set)
     towers: Any = None
@@ -93,7 +97,7 @@ class ImagePass:
         interrupted: the pass stopped at a Ctrl-C after at least one finished batch.
         resolution: input side in pixels of the last batch; tokens: tokens per image seen by the
             patched layers (``None`` when no setting recorded any).
-        dense: dense ``encode`` output per batch; dense_seconds: their forward time.
+        dense: dense ``encode`` output per batch; dense_seconds: their forward time; dense_batch_seconds: per batch.
         runs: one :class:`SettingRun` per setting, in order.
         ranks: per process of the run, ``{"rank", "batches" (first image index of each batch it encoded),
             "images", "wall_s", "dense_s_median", "seconds_median" (per setting; medians over its batches, seconds)}``.
@@ -110,6 +114,7 @@ class ImagePass:
     dense_seconds: float
     runs: list[SettingRun]
     ranks: list[dict[str, Any]] = field(default_factory=list)
+    dense_batch_seconds: list[float] = field(default_factory=list)
     resumed_batches: int = 0
 
 
@@ -117,7 +122,8 @@ def _image_of(item):
     return item[0] if isinstance(item, tuple) else item  # labelled sets give (image, label)
 
 
-def _batch(model, images, preprocess, encode, settings, start, stop, *, towers, warmup, after_dense, after_setting, reduce=None) -> dict[str, Any]:
+def _batch(model, images, preprocess, encode, settings, start, stop, *, towers, warmup, after_dense, after_setting, reduce=None,
+           turn: int = 0) -> dict[str, Any]:
     """One batch, dense then each setting (see :func:`run_image_pass`), as a picklable record: ``dense``,
     ``dense_seconds``, ``resolution``, ``tokens``, and per setting ``towers``, ``output``, ``seconds``,
     ``extra``, ``sampled_at``, ``modes``."""
@@ -127,23 +133,34 @@ def _batch(model, images, preprocess, encode, settings, start, stop, *, towers, 
         for m, o in settings:
             with patched(model, m, towers=towers, **o):
                 encode(x[:1])
-    with Stopwatch() as sw:
-        dense_b = encode(x)
-    dt = sw.seconds
-    if reduce is not None:
-        dense_b = reduce(None, dense_b, x, start)
-    dense_extra = after_dense(x, start) if after_dense is not None else None
-    runs, tokens = [], None
-    for m, o in settings:
+    # the timed forwards first, in an order that rotates with the batch, so that dense and each setting take every
+    # place in the sequence equally often (a fixed order favours or penalises whoever follows dense); each output's
+    # untimed reduce and hooks after them, in the canonical order (dense first)
+    timed: dict[int, tuple[Any, float, Any, dict]] = {}
+    order = list(range(-1, len(settings)))
+    shift = turn % len(order)
+    for j in order[shift:] + order[:shift]:
+        if j < 0:
+            with Stopwatch() as sw:
+                out = encode(x)
+            timed[j] = (out, sw.seconds, None, {})
+            continue
+        m, o = settings[j]
         with patched(model, m, towers=towers, **o), record_stats(model) as rec:
             tw = patch_info(model)["towers"]
             with Stopwatch() as sw:
                 out = encode(x)
-            t_run = sw.seconds
+        timed[j] = (out, sw.seconds, tw, rec.forwards[0] if rec.forwards else {})
+    dense_b, dt = timed[-1][0], timed[-1][1]
+    if reduce is not None:
+        dense_b = reduce(None, dense_b, x, start)
+    dense_extra = after_dense(x, start) if after_dense is not None else None
+    runs, tokens = [], None
+    for j, (m, o) in enumerate(settings):
+        out, t_run, tw, lay = timed.pop(j)
         if reduce is not None:
-            out = reduce(len(runs), out, x, start)
+            out = reduce(j, out, x, start)
         extra = after_setting(m, o, x, start, dense_extra) if after_setting is not None else None
-        lay = rec.forwards[0] if rec.forwards else {}
         tokens = next((lr.queries for lr in lay.values()), tokens)
         runs.append({
             "towers": tw, "output": out, "seconds": t_run, "extra": extra,
@@ -172,11 +189,13 @@ def run_image_pass(
     """Encode every image dense and under each setting, batch by batch and interleaved.
 
     Per batch: ``preprocess`` the images; on the first batch a process runs, with ``warmup``, one
-    untimed forward of one image, dense and per setting; the timed dense ``encode``; ``after_dense(x, start)``
-    (untimed; its value goes to ``after_setting``); then per setting, under ``patched(model,
-    method, towers=towers, **options)`` and ``record_stats(model)``, the timed ``encode`` and after
-    it ``after_setting(method, options, x, start, dense_value)`` (untimed, kept per batch in
-    :attr:`SettingRun.extras`).
+    untimed forward of one image, dense and per setting; then the timed ``encode`` of dense and of each setting
+    (under ``patched(model, method, towers=towers, **options)`` and ``record_stats(model)``), in an order that
+    rotates by one place per batch, so that each takes every place after the others equally often; then, untimed,
+    ``after_dense(x, start)`` (its value goes to ``after_setting``) and per setting ``after_setting(method, options,
+    x, start, dense_value)`` (kept per batch in :attr:`SettingRun.extras`).  The per-batch times stay in
+    :attr:`ImagePass.dense_batch_seconds` and :attr:`SettingRun.batch_seconds`: each setting's per-batch speed-ups
+    give its spread (:func:`run_labels`), dense's give the machine's drift (:func:`finish`).
 
     In a data-parallel run (``ranks`` of several processes, :mod:`attnpatch.evals.run.distributed`) each
     process encodes its contiguous share of the batches and every process receives all of them in
@@ -197,8 +216,8 @@ def run_image_pass(
         progress: ``progress(images_done, images_total)`` after each batch, counting this process's
             images (and those read back from ``store``).
         after_dense, after_setting: extra untimed work per batch (e.g. per-layer errors).
-        reduce: ``reduce(setting_index, output, x, start)`` (``None`` for dense), untimed, right after each timed
-            ``encode``: what is kept of the output instead of the output itself (a dense eval keeps per-image
+        reduce: ``reduce(setting_index, output, x, start)`` (``None`` for dense), untimed, after the batch's timed
+            ``encode`` calls: what is kept of the output instead of the output itself (a dense eval keeps per-image
             counts, not features); dense's reduce runs before the settings' of the same batch.
         ranks: this process's place in a data-parallel run (default: one process).
         store: where finished batches are kept for ``--resume`` (:class:`BatchStore`).
@@ -235,6 +254,7 @@ def run_image_pass(
             b = _batch(
                 model, images, preprocess, encode, settings, start, min(n, start + batch_size), towers=towers,
                 warmup=warmup and k == 0, after_dense=after_dense, after_setting=after_setting, reduce=reduce,
+                turn=start // batch_size,
             )
             # the batch is complete: keep it (a Ctrl-C leaves the results of whole batches)
             local[start] = b
@@ -273,7 +293,7 @@ def _median(xs: list[float]) -> float | None:
 def _assemble(every: dict[int, dict[str, Any]], starts, n, batch_size, settings, interrupted, per_rank, resumed) -> ImagePass:
     """The :class:`ImagePass` of the finished batches in image order (after a Ctrl-C: the batches before the first
     unfinished one, so the images are a prefix of the set)."""
-    dense, dense_t = [], 0.0
+    dense, dense_t, dense_bs = [], 0.0, []
     runs = [SettingRun() for _ in settings]
     tokens = resolution = None
     done = 0
@@ -283,12 +303,15 @@ def _assemble(every: dict[int, dict[str, Any]], starts, n, batch_size, settings,
             break
         dense.append(b["dense"])
         dense_t += b["dense_seconds"]
+        dense_bs.append(b["dense_seconds"])
         resolution = b["resolution"]
         tokens = b["tokens"] if b["tokens"] is not None else tokens
         for run, br in zip(runs, b["runs"]):
             run.towers = br["towers"]
             run.outputs.append(br["output"])
             run.seconds += br["seconds"]
+            run.batch_seconds.append(br["seconds"])
+            run.batch_speedups.append(b["dense_seconds"] / br["seconds"] if br["seconds"] > 0 else float("nan"))
             if br["extra"] is not None:
                 run.extras.append(br["extra"])
             for li, c in br["sampled_at"].items():
@@ -298,6 +321,7 @@ def _assemble(every: dict[int, dict[str, Any]], starts, n, batch_size, settings,
     return ImagePass(
         n=done, n_planned=n, batch_size=batch_size, interrupted=interrupted or done < n, resolution=resolution, tokens=tokens,
         dense=dense, dense_seconds=dense_t, runs=runs, ranks=per_rank, resumed_batches=len(resumed),
+        dense_batch_seconds=dense_bs,
     )
 
 
@@ -310,14 +334,54 @@ def throughput(seconds: float, n: int, dense_seconds: float | None = None) -> di
 
 
 def run_labels(run: SettingRun) -> dict[str, Any]:
-    """``{"sampled_at": {"<layer>": images}}``, plus ``"note"`` when every patched layer ran exact attention, saying
+    """``{"sampled_at": {"<layer>": images}}`` and the speed-up's spread (:func:`speedup_spread`), plus ``"note"`` when every patched layer ran exact attention, saying
     why (``s >= N``; fewer tokens than ``min_tokens``, the device's break-even length) -- the last entries of every
     result row of an image eval."""
     row: dict[str, Any] = {"sampled_at": {str(k): v for k, v in sorted(run.sampled_at.items())}}
+    row.update(speedup_spread(run.batch_speedups))
     note = exact_note(run.modes)
     if note:
         row["note"] = note
     return row
+
+
+#: Fewest batches from which a speed-up's spread is reported.
+SPREAD_MIN_BATCHES = 3
+#: Dense's median batch time in the last third of a pass over the first third beyond this factor (either way): the
+#: machine's speed drifted.
+DRIFT_LIMIT = 1.15
+
+
+def _quantile(xs: list[float], q: float) -> float:
+    import numpy as np
+
+    return float(np.quantile(np.asarray(xs, dtype=float), q))
+
+
+def speedup_spread(batch_speedups: list[float]) -> dict[str, Any]:
+    """``{"speedup_spread": [25th, 75th percentile] of the per-batch speed-ups, "speedup_within_noise": whether 1.0
+    lies inside that range}`` (both ``None`` below :data:`SPREAD_MIN_BATCHES` batches): the run's own spread, in
+    which a speed-up is not told apart from none."""
+    xs = [x for x in batch_speedups if x == x]
+    if len(xs) < SPREAD_MIN_BATCHES:
+        return {"speedup_spread": None, "speedup_within_noise": None}
+    lo, hi = _quantile(xs, 0.25), _quantile(xs, 0.75)
+    return {"speedup_spread": [lo, hi], "speedup_within_noise": bool(lo <= 1.0 <= hi)}
+
+
+def timing_summary(dense_batch_seconds: list[float]) -> dict[str, Any]:
+    """``{"batches", "dense_first_s", "dense_last_s" (median seconds of dense's batches in the first and the last third
+    of the pass), "drift" (last over first), "drifted" (beyond :data:`DRIFT_LIMIT` either way)}``; the thirds need at
+    least 6 batches (else ``None``)."""
+    k = len(dense_batch_seconds)
+    out: dict[str, Any] = {"batches": k, "dense_first_s": None, "dense_last_s": None, "drift": None, "drifted": False}
+    if k >= 6:
+        third = k // 3
+        first, last = _quantile(dense_batch_seconds[:third], 0.5), _quantile(dense_batch_seconds[-third:], 0.5)
+        drift = last / first if first > 0 else None
+        out.update(dense_first_s=first, dense_last_s=last, drift=drift,
+                   drifted=bool(drift is not None and not 1 / DRIFT_LIMIT <= drift <= DRIFT_LIMIT))
+    return out
 
 
 def exact_note(modes) -> str | None:
@@ -332,9 +396,10 @@ def exact_note(modes) -> str | None:
 
 def finish(result: dict[str, Any], ip: ImagePass) -> dict[str, Any]:
     """Return ``result`` with how the pass ran (``"world_size"``, ``"ranks"``: :attr:`ImagePass.ranks`,
-    ``"resumed_batches"``), or, when the pass was interrupted, mark it (``"interrupted": True``,
+    ``"resumed_batches"``, ``"timing"``: :func:`timing_summary` of dense's batches), or, when the pass was interrupted, mark it (``"interrupted": True``,
     ``"n_images_planned"``) and raise :class:`EvalInterrupted` carrying it."""
-    result.update(world_size=len(ip.ranks) or 1, ranks=ip.ranks, resumed_batches=ip.resumed_batches)
+    result.update(world_size=len(ip.ranks) or 1, ranks=ip.ranks, resumed_batches=ip.resumed_batches,
+                  timing=timing_summary(ip.dense_batch_seconds))
     if ip.interrupted:
         result.update(interrupted=True, n_images_planned=ip.n_planned)
         raise EvalInterrupted(result, f"{ip.n}/{ip.n_planned} images")
