@@ -12,7 +12,7 @@ import pytest
 from attnpatch.cli import main
 from attnpatch.evals.clip.plots import clip_panels
 from attnpatch.evals.run.plots import Point, draw_vs_speedup, pyplot, setting_points
-from attnpatch.evals.tune_plots import tune_panels
+from attnpatch.evals.tune.plots import tune_panels
 from attnpatch.evals.vision.plots import headline_points, layer_error_curves
 from conftest import write_image_folder
 

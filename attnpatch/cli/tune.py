@@ -82,21 +82,6 @@ def _causal_prompts(args, tok, prompt_files) -> tuple[list, str]:
     return out, f"{len(out)} embedded NIAH prompt(s) of {args.length} tokens (seeds {CALIBRATION_SEED}+)"
 
 
-class _Subset:
-    """Images ``idx`` of a labelled image set (``len``, ``[i]``, ``labels``), for the held-out check."""
-
-    def __init__(self, images, idx):
-        self._images, self._idx = images, list(idx)
-        self.labels = images.labels[self._idx]
-        self.name = getattr(images, "name", "images")
-
-    def __len__(self) -> int:
-        return len(self._idx)
-
-    def __getitem__(self, i: int):
-        return self._images[self._idx[i]]
-
-
 def _fmt(v: Any, spec: str = ".3f") -> str:
     return "-" if v is None else format(v, spec)
 
@@ -145,7 +130,7 @@ def _holdout_causal(args, model, tok, method: str, options: dict[str, Any]) -> d
 def _holdout_vision(args, model, images, preprocess, hold, method: str, options: dict[str, Any]) -> dict[str, Any]:
     from ..evals.vision.runner import run_feature_eval
 
-    res = run_feature_eval(model, _Subset(images, hold), preprocess, settings=[(method, options)], tasks=("knn", "fidelity"),
+    res = run_feature_eval(model, images.subset(hold), preprocess, settings=[(method, options)], tasks=("knn", "fidelity"),
                            batch_size=args.batch_size, layer_error_images=0)
     run = res["runs"][0]
     return {"images": len(hold), "dense": res["dense"], "tuned": {k: v for k, v in run.items() if not isinstance(v, list)}}
@@ -157,7 +142,7 @@ def _cmd_tune(args) -> int:
     from ..evals.run.report import machine_info, write_json, write_text
     from ..evals.run.plots import plot_path
     from ..evals.tune import short_options, tunable_methods, tune_causal, tune_vision
-    from ..evals.tune_plots import plot_tune
+    from ..evals.tune.plots import plot_tune
     from ..patchers.api import model_geometry
     from ..patchers.registry import get_method, validate_options, write_config
 
@@ -166,6 +151,11 @@ def _cmd_tune(args) -> int:
     kind = args.resolved_kind
     method = args.method or ("fna" if kind == "vision" else "anchor_attention")
     check_fits(method, kind)
+    if args.target is not None:
+        return _cmd_tune_agreement(args, kind, method)
+    if args.option:
+        raise AttnpatchError(f"-o {args.option[0]}: fixed options go with --target (the agreement search); without it, "
+                             "give --candidate settings")
     meth = get_method(method)
     if meth.tune_space is None and not args.candidate:
         raise AttnpatchError(f"method {method!r} has no tuning space; give --candidate settings, or tune one of: "
@@ -285,6 +275,89 @@ def _cmd_tune(args) -> int:
     return 0
 
 
+def _cmd_tune_agreement(args, kind: str, method: str) -> int:
+    """``--target knn-agreement=X``: :func:`attnpatch.evals.tune.search.tune_knn_agreement` on a seeded split of the
+    image set (calibration, then the disjoint held-out rest), the chosen setting written as a config."""
+    import torch
+
+    from ..evals.run.report import machine_info, write_json, write_text
+    from ..evals.tune.search import agreement_tables, parse_target, searchable_methods, short_setting, tune_knn_agreement
+    from ..patchers.api import model_geometry
+    from ..patchers.registry import get_method, write_config
+
+    key, target = parse_target(args.target)
+    if kind != "vision":
+        raise AttnpatchError(f"--target {args.target}: the agreement search tunes ViT encoders on an image set; an LLM is "
+                             "tuned with --target-recall / --target-worst")
+    if method not in searchable_methods():
+        raise AttnpatchError(f"--target {args.target}: method {method!r} has no per-layer knob to search; searchable: "
+                             f"{', '.join(searchable_methods())}")
+    if args.candidate:
+        raise AttnpatchError("--candidate: the agreement search builds its candidates (per-layer families of the method's "
+                             "knob); give fixed options with -o NAME=VALUE instead")
+    given = parse_options(args.option or [])
+    from ..patchers.registry import validate_options
+
+    validate_options(get_method(method), given)  # before loading
+    for flag, v in (("--out", args.out), ("--json", args.json), ("--markdown", args.markdown)):
+        if v is not None and not v.strip():
+            raise AttnpatchError(f"{flag} '': empty; give a file path")
+    out = args.out or f"tuned_{slug(args.model)}_{method}.json"
+    report = args.json or f"tune_{slug(args.model)}_{method}.json"
+    check_outputs(("--out", out), ("--json", report), ("--markdown", args.markdown))
+    _check_not_inputs(args, None, (("--out", out), ("--json", report), ("--markdown", args.markdown)))
+    from ..checkpoints import load_vision_model
+    from ..evals.vision.images import load_image_set
+    from ..evals.vision.preprocess import fit_resolution, make_preprocess
+    from ..evals.vision.runner import patch_size
+    from ..log import log_stderr
+
+    images = load_image_set(args.data)
+    n_cal = args.calibration_given if args.calibration_given is not None else len(images) // 2
+    if n_cal < 2 or len(images) - n_cal < 2:
+        raise AttnpatchError(f"--data: {len(images)} images; the calibration split ({n_cal}) and the held-out rest "
+                             f"({len(images) - n_cal}) need at least 2 images each")
+    model, processor = load_vision_model(args.model, backend=args.backend)
+    resolution = fit_resolution(args.resolution, patch_size(model), log=log_stderr, what="--resolution")
+    preprocess = make_preprocess(processor, resolution)
+    order = torch.randperm(len(images), generator=torch.Generator().manual_seed(args.split_seed)).tolist()
+    cal, hold = images.subset(order[:n_cal]), images.subset(order[n_cal:])
+    result = tune_knn_agreement(model, cal, hold, preprocess, method, target=target, given=given,
+                                batch_size=args.batch_size, max_candidates=args.max_candidates,
+                                repeats=max(args.repeats, 3), progress=progress_line)
+    chosen = result["chosen"]
+    meth = get_method(method)
+    options = chosen["options"] if not chosen.get("exact") else validate_options(meth, meth.exact_everywhere() or {})
+    machine = machine_info()
+    source = f"{n_cal} of {len(images)} images of {images.name} (seeded split, seed {args.split_seed}); held-out: the other {len(hold)}"
+    write_config(out, method, options, model_geometry(model), tuned_for={
+        "model": args.model, "kind": kind, "target": {key: target}, "resolution": result["resolution"],
+        "tokens": result["tokens"], "calibration": source, "exact": bool(chosen.get("exact")),
+        "measured": {"agreement": chosen["agreement"], "speedup": chosen["speedup"], "spread": chosen["spread"]},
+        "held_out": result["held_out_result"]})
+    result.update(model=args.model, target_key=key, calibration_source=source, config=str(out), machine=machine)
+    write_json(report, result)
+    title = f"tune {key} >= {target:g} — {args.model} — {method} — {result['resolution']} px, {result['tokens']} tokens, {source}"
+    rows, wins = agreement_tables(result)
+    md = _print_rows(rows, title)
+    if wins:
+        md += "\n\n" + _print_rows(wins, "each family's cheapest setting that meets the target, timed beside dense")
+    h = result["held_out_result"]
+    if chosen.get("exact"):
+        line = "chosen: exact (unpatched): no setting met the target faster than the unpatched model on this machine"
+    else:
+        line = (f"chosen: {short_setting(chosen['shown'])} ({chosen['speedup']:.2f}x, agreement {chosen['agreement']:.4f} on "
+                f"the calibration split); held-out ({len(hold)} images): k-NN agreement {_pct(h['knn_agreement'])}, top-1 dense "
+                f"{_pct(h['dense_knn_top1'])} tuned {_pct(h['knn_top1'])}, speed {_fmt(h['speedup'], '.2f')}x")
+    print(line)
+    print(f"wrote {out}  (use: -o config={out})")
+    print(f"wrote {report}")
+    if args.markdown:
+        write_text(args.markdown, f"### {title}\n\n{md}\n\n{line}\n")
+        print(f"wrote {args.markdown}")
+    return 0
+
+
 def _check_not_inputs(args, prompt_files, outputs) -> None:
     """Refuse an output path that is one of the run's inputs: a calibration prompt, a file in the model's folder,
     a file in the image set's folder."""
@@ -341,6 +414,14 @@ def add_parser(sub) -> None:
     p.add_argument("--markdown", help="also write the tables as Markdown here")
     p.add_argument("--plot", metavar="PATH", help="PNG path (default: next to the JSON, <json stem>.png): each candidate's "
                    "score vs speed-up, the target, the chosen one")
+    p.add_argument("--target", metavar="KEY=X", help="ViT: tune on downstream agreement instead of the CLS cosine: "
+                   "knn-agreement=X (k-NN top-1 agreement with the unpatched model on a seeded calibration split, reported "
+                   "on the held-out rest); searches the method's knob per layer (tome, fna, tome+fna)")
+    p.add_argument("-o", "--option", action="append", default=[], metavar="NAME=VALUE",
+                   help="with --target: an option every candidate keeps (e.g. -o s=64 for tome+fna)")
+    p.add_argument("--max-candidates", type=positive_int, default=24,
+                   help="with --target: settings measured for agreement at most (default: %(default)s)")
+    p.add_argument("--split-seed", type=nonnegative_int, default=0, help="with --target: seed of the calibration / held-out split")
     p.add_argument("--threads", type=positive_int, help="torch CPU threads")
     p.set_defaults(func=_run)
 

@@ -101,6 +101,15 @@ class ImageSet:
         for i in range(len(self)):
             yield self[i]
 
+    def subset(self, idx) -> "ImageSet":
+        """The images ``idx`` (a sequence of indices, in that order) as an image set of their own (e.g. a calibration
+        split); labels, rows and files follow them."""
+        import dataclasses
+
+        idx = [int(i) for i in idx]
+        return dataclasses.replace(self, labels=self.labels[idx], rows=self.rows[idx], dataset=self.dataset.select(idx),
+                                   file_paths=None if self.file_paths is None else [self.file_paths[i] for i in idx])
+
     @property
     def num_classes(self) -> int:
         """Number of distinct labels present in the set."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .run.plots import Point, draw_vs_speedup, figure_title, pyplot, save_figure
+from ..run.plots import Point, draw_vs_speedup, figure_title, pyplot, save_figure
 
 __all__ = ["tune_panels", "plot_tune"]
 
@@ -36,7 +36,7 @@ def tune_panels(result: dict[str, Any]) -> list[dict[str, Any]]:
     ``recall_mean`` and ``recall_worst`` for a causal LM).  ``points`` has one
     :class:`~attnpatch.evals.run.plots.Point` per row of the search, in its order (the exact setting last, ``dense``,
     at speed-up 1.0), the chosen row ``chosen``."""
-    from .tune import short_options
+    from . import short_options
 
     target = result.get("target") or {}
     if result.get("kind") == "causal_lm":

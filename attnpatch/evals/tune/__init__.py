@@ -27,11 +27,11 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..errors import OptionError
-from ..patchers.api import model_geometry, patched, record_stats
-from ..patchers.registry import Method, get_method, load_config, validate_options
-from ..timing import median_seconds, quietly  # quietly: warnings off (e.g. "s >= N: exact attention" on a small input)
-from .recall import attention_recall
+from ...errors import OptionError
+from ...patchers.api import model_geometry, patched, record_stats
+from ...patchers.registry import Method, get_method, load_config, validate_options
+from ...timing import median_seconds, quietly  # quietly: warnings off (e.g. "s >= N: exact attention" on a small input)
+from ..recall import attention_recall
 
 __all__ = ["tune_causal", "tune_vision", "recall_scores"]
 
@@ -126,7 +126,7 @@ def _timing_warning(dense_times: list[float]) -> str | None:
 
 
 def tunable_methods() -> list[str]:
-    from ..patchers.registry import METHODS
+    from ...patchers.registry import METHODS
 
     return sorted(n for n, m in METHODS.items() if m.tune_space is not None)
 
@@ -311,7 +311,7 @@ def tune_vision(
             encoder, a method the tuner cannot search, a bad candidate.
         UnsupportedModelError: the method does not fit the model.
     """
-    from .vision.runner import encode, token_count
+    from ..vision.runner import encode, token_count
 
     if not isinstance(target_cos, (int, float)) or not -1.0 <= float(target_cos) <= 1.0:
         raise OptionError(f"target_cos={target_cos!r}: must be a cosine in [-1, 1]")

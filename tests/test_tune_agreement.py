@@ -1,0 +1,172 @@
+"""``attnpatch tune --target knn-agreement=X``: the per-layer families, the bisection, the choice among the family
+winners, the split, the written config, and the choice beside a competing process."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from attnpatch import patched
+from attnpatch.errors import OptionError
+from attnpatch.evals.tune.search import (Family, choose, families_of, knn_agreement, parse_target, search_agreement,
+                                         searchable_methods, tune_knn_agreement)
+from conftest import write_image_folder
+
+
+def test_families_apply_the_knob_from_each_start_layer():
+    fams = families_of("tome", layers=4, tokens=1025)
+    assert [f.start for f in fams] == [0, 1, 2]
+    assert fams[0].options(0.0)["r"] == 128 and fams[0].options(1.0)["r"] == 0  # t = 0 cheapest, t = 1 exact
+    assert fams[2].options(0.0)["r"] == (0, 0, 128, 128)
+    fna = families_of("fna", layers=12, tokens=1025)
+    mid = fna[2].options(0.5)
+    assert mid["s"] == (0,) * 6 + (32,) * 6 and mid["sample_layer"] == 6 and mid["min_tokens"] == 0
+    comp = families_of("tome+fna", layers=4, tokens=1025, given={"s": 64})
+    assert comp[1].shown(0.5) == {"s": 64, "min_tokens": 0, "r": (0, 64, 64, 64)}
+    assert {"tome", "fna", "tome+fna"} <= set(searchable_methods()) and "anchorformer" not in searchable_methods()
+    with pytest.raises(OptionError, match="has no per-layer schedule"):
+        families_of("nystromformer", layers=4, tokens=1025)
+
+
+def _fake(agree_at):
+    """Families over a fake knob ``v = round(10 * (1 - t))`` (10 cheapest, 0 exact); agreement ``agree_at(v)``."""
+    seen = []
+
+    def measure(settings):
+        seen.append(len(settings))
+        return [agree_at(o["v"]) for _, o in settings]
+
+    fams = [Family(f"f{d}", d, lambda t, d=d: {"v": round(10 * (1 - t)), "d": d}, lambda t: {"v": round(10 * (1 - t))})
+            for d in (0, 1)]
+    return fams, measure, seen
+
+
+def test_bisection_finds_the_cheapest_knob_that_meets_the_target_within_the_bound(monkeypatch):
+    from attnpatch.evals.tune import search
+
+    # agreement falls as the knob gets cheaper: v <= 6 meets 0.9
+    fams, measure, seen = _fake(lambda v: 1.0 - 0.025 * v)
+    monkeypatch.setattr(search, "interleaved_speedup", lambda fn, cand, repeats: {"speedup": 1.5, "spread": [1.4, 1.6]})
+    monkeypatch.setattr(search, "patched", lambda *a, **k: None)
+    res = search_agreement(None, "x", measure, lambda: None, target=0.9, families=fams, max_candidates=12)
+    assert res["rounds"] == 6 and len(res["measured"]) == 12 and sum(seen) <= 12
+    assert [w["shown"]["v"] for w in res["winners"]] == [4, 4]  # 1 - 0.025 * 4 = 0.9
+    assert all(r["meets"] == (r["agreement"] >= 0.9) for r in res["measured"])
+    # nothing meets: no winner, the exact model is chosen
+    fams, measure, _ = _fake(lambda v: 0.5)
+    res = search_agreement(None, "x", measure, lambda: None, target=0.9, families=fams, max_candidates=6)
+    assert res["winners"] == [] and res["chosen"]["exact"] is True
+
+
+def test_the_choice_among_winners():
+    a = {"name": "a", "speedup": 1.50, "spread": [1.45, 1.55], "agreement": 0.991}
+    b = {"name": "b", "speedup": 1.48, "spread": [1.40, 1.52], "agreement": 0.998}  # not told apart from a: more agreement
+    c = {"name": "c", "speedup": 1.20, "spread": [1.15, 1.25], "agreement": 1.0}
+    assert choose([a, b, c])["name"] == "b"
+    assert choose([a, c])["name"] == "a"
+    slow = {"name": "d", "speedup": 1.02, "spread": [0.97, 1.06], "agreement": 1.0}  # within noise of 1.00x
+    assert choose([slow])["exact"] is True and choose([])["exact"] is True
+
+
+def test_targets_are_parsed_with_one_line_errors():
+    assert parse_target("knn-agreement=0.99") == ("knn-agreement", 0.99)
+    for bad, words in (("knn=0.9", "expected one of knn-agreement=X"), ("knn-agreement=x", "is not a number"),
+                       ("knn-agreement=1.5", "an agreement in [0, 1]")):
+        with pytest.raises(OptionError, match=words.replace("[", r"\[").replace("]", r"\]")):
+            parse_target(bad)
+
+
+@pytest.fixture(scope="module")
+def vit(tmp_path_factory):
+    from attnpatch.checkpoints import dinov2_image_processor, load_vision_model
+    from attnpatch.evals.vision.images import load_image_set
+    from attnpatch.evals.vision.preprocess import make_preprocess
+    from tiny_models import tiny_dinov2
+
+    d = tmp_path_factory.mktemp("agree-dinov2")
+    tiny_dinov2(num_hidden_layers=4).save_pretrained(d)
+    dinov2_image_processor().save_pretrained(d)
+    data = write_image_folder(tmp_path_factory.mktemp("agree-imgs"), 16)
+    model, processor = load_vision_model(str(d))
+    return d, data, model, load_image_set(str(data)), make_preprocess(processor, 70)
+
+
+def test_the_agreement_of_the_chosen_setting_is_what_the_calibration_split_measures_again(vit):
+    _, _, model, images, pre = vit
+    cal, hold = images.subset(range(8)), images.subset(range(8, 16))
+    assert list(cal.labels) == list(images.labels[:8]) and len(hold) == 8
+    res = tune_knn_agreement(model, cal, hold, pre, "tome", target=0.75, batch_size=4, knn_k=3, max_candidates=6, repeats=3)
+    assert len(res["measured"]) <= 6 and res["calibration"] == 8 and res["held_out"] == 8
+    measure = knn_agreement(model, cal, pre, batch_size=4, knn_k=3)
+    for w in res["winners"]:
+        assert w["agreement"] >= 0.75
+        assert measure([("tome", w["options"])]) == [pytest.approx(w["agreement"])]
+    if not res["chosen"].get("exact"):
+        assert 0.0 <= res["held_out_result"]["knn_agreement"] <= 1.0
+    with pytest.raises(OptionError, match="at least 2 in each"):
+        tune_knn_agreement(model, cal, images.subset([9]), pre, "tome")
+
+
+def test_tune_cli_target_writes_a_config_that_loads(vit, tmp_path, capsys):
+    from attnpatch.cli import main
+
+    model_dir, data, model, _, _ = vit
+    cfg, rep = tmp_path / "cfg.json", tmp_path / "rep.json"
+    rc = main(["tune", "--model", str(model_dir), "--kind", "vision", "--data", str(data), "--resolution", "70",
+               "--method", "tome", "--target", "knn-agreement=0.5", "--max-candidates", "3", "--batch-size", "4",
+               "--out", str(cfg), "--json", str(rep)])
+    assert rc == 0
+    res = json.loads(rep.read_text())
+    assert res["calibration"] == 8 and res["held_out"] == 8 and res["target"] == 0.5 and len(res["measured"]) <= 3
+    saved = json.loads(cfg.read_text())
+    assert saved["method"] == "tome" and saved["tuned_for"]["target"] == {"knn-agreement": 0.5}
+    with patched(model, "tome", config=str(cfg)), torch.no_grad():
+        model(pixel_values=torch.randn(1, 3, 70, 70))
+    out = capsys.readouterr().out
+    assert "chosen:" in out and f"wrote {cfg}" in out
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--target", "knn=1"], "expected one of knn-agreement=X"),
+    (["--method", "nystromformer", "--target", "knn-agreement=0.9"], "has no per-layer knob to search"),
+    (["--method", "tome", "--target", "knn-agreement=0.9", "--candidate", "r=4"], "--candidate: the agreement search builds"),
+    (["--method", "tome", "--target", "knn-agreement=0.9", "-o", "rr=4"], "unknown option(s) rr"),
+])
+def test_tune_cli_target_bad_input_is_one_line(vit, argv, words, capsys):
+    from attnpatch.cli import main
+
+    model_dir, data, *_ = vit
+    rc = main(["tune", "--model", str(model_dir), "--kind", "vision", "--data", str(data), *argv])
+    err = capsys.readouterr().err
+    assert rc != 0 and words in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_a_busy_machine_chooses_what_an_idle_one_does(tmp_path):
+    """The agreement search beside a competing PyTorch process (as ``bench --background-load`` starts) picks the
+    setting an idle run picks: the knob comes from predictions, and the family from paired timings."""
+    from attnpatch.evals.bench import background_load
+    from attnpatch.evals.vision.images import load_image_set
+    from attnpatch.evals.vision.preprocess import make_preprocess
+    from attnpatch.checkpoints import dinov2_image_processor
+    from tiny_models import tiny_dinov2
+
+    model = tiny_dinov2(hidden_size=192, num_hidden_layers=6, num_attention_heads=6, intermediate_size=768, image_size=224)
+    images = load_image_set(str(write_image_folder(tmp_path / "imgs", 24, shape=(224, 224, 3))))
+    pre = make_preprocess(dinov2_image_processor(), 224)
+    cal, hold = images.subset(range(0, 24, 2)), images.subset(range(1, 24, 2))
+
+    def run():
+        return tune_knn_agreement(model, cal, hold, pre, "tome", target=0.9, batch_size=6, knn_k=3, max_candidates=9, repeats=7)
+
+    idle = run()
+    with background_load(300) as load:
+        busy = run()
+    assert load["alive_at_end"]
+    # the knob of each family comes from predictions only: the same idle and busy
+    assert [w["shown"] for w in busy["winners"]] == [w["shown"] for w in idle["winners"]]
+    picked = lambda r: r["chosen"].get("shown", "exact")  # noqa: E731
+    tied = [w["shown"] for w in idle["winners"] if w["spread"][1] >= max(x["spread"][0] for x in idle["winners"])]
+    assert picked(busy) == picked(idle) or picked(busy) in tied, (idle["winners"], busy["winners"])
