@@ -549,3 +549,46 @@ def test_real_checkpoint_on_tuxpaint_seg(dinov2_small, tmp_path):
         assert r["dense"][ro]["miou"] > 0.12 and r["dense"][ro]["per_class_iou"]["background"] > 0.8
         assert r["runs"][0][ro]["agreement"] == 1.0
         assert r["runs"][1][ro]["agreement"] > 0.8
+
+
+def test_readouts_fitted_once_give_what_a_fresh_run_gives_on_any_share_of_val(voc):
+    """``fit_readouts`` + ``run_segmentation(fitted=)`` is the run without it (same head, same seed); a val subset
+    scores its own images; read-outs not fitted are refused."""
+    import dataclasses
+
+    from attnpatch.evals.segmentation import fit_readouts
+
+    model = _hf_dinov2()
+    pre = square_preprocess((0.5,) * 3, (0.25,) * 3, 56)
+    kw = dict(max_patches=300, probe_steps=50, resamples=0, batch_size=2, examples=0)
+    settings = [("tome", {"r": 4})]
+    fresh = run_segmentation(model, voc, pre, settings=settings, readouts=["linear"], **kw)
+    fitted = fit_readouts(model, voc, pre, readouts=["linear"], max_patches=300, probe_steps=50, batch_size=2)
+    again = run_segmentation(model, voc, pre, settings=settings, readouts=["linear"], fitted=fitted, **kw)
+    assert again["runs"][0]["linear"]["agreement"] == fresh["runs"][0]["linear"]["agreement"]
+    assert again["dense"]["linear"]["miou"] == fresh["dense"]["linear"]["miou"]
+    share = dataclasses.replace(voc, val=voc.val.subset([3, 1]))
+    assert share.val.ids == [voc.val.ids[3], voc.val.ids[1]] and (share.val.labels(0) == voc.val.labels(3)).all()
+    part = run_segmentation(model, share, pre, settings=settings, readouts=["linear"], fitted=fitted, **kw)
+    assert part["n_images"] == 2
+    with pytest.raises(OptionError, match="fitted: read-outs fitted once"):
+        run_segmentation(model, voc, pre, settings=settings, readouts=["knn"], fitted=fitted, **kw)
+
+
+def test_tune_on_segmentation_agreement_searches_a_val_share_and_reports_the_rest(voc):
+    from attnpatch.evals.tune.search import seg_agreement, tune_seg_agreement
+    from attnpatch.evals.segmentation import fit_readouts
+
+    model = _hf_dinov2()
+    pre = square_preprocess((0.5,) * 3, (0.25,) * 3, 56)
+    res = tune_seg_agreement(model, voc, pre, "tome", target=0.8, batch_size=2, max_patches=300, probe_steps=50,
+                             max_candidates=3, repeats=3)
+    assert res["calibration"] == 2 and res["held_out"] == 2 and len(res["measured"]) <= 3
+    for w in res["winners"]:
+        assert w["agreement"] >= 0.8
+    if not res["chosen"].get("exact"):
+        assert 0 <= res["held_out_result"]["agreement"] <= 1
+    # the measure is the eval's agreement
+    fitted = fit_readouts(model, voc, pre, readouts=["linear"], max_patches=300, probe_steps=50, batch_size=2)
+    got = seg_agreement(model, voc, pre, fitted, batch_size=2)([("fna", {"s": 17, "min_tokens": 0})])
+    assert got == [1.0]  # FNA's exact limit agrees on every pixel

@@ -170,3 +170,20 @@ def test_a_busy_machine_chooses_what_an_idle_one_does(tmp_path):
     picked = lambda r: r["chosen"].get("shown", "exact")  # noqa: E731
     tied = [w["shown"] for w in idle["winners"] if w["spread"][1] >= max(x["spread"][0] for x in idle["winners"])]
     assert picked(busy) == picked(idle) or picked(busy) in tied, (idle["winners"], busy["winners"])
+
+
+def test_tune_cli_segmentation_target(vit, tmp_path, capsys):
+    from attnpatch.cli import main
+    from test_segmentation import write_voc
+
+    model_dir = vit[0]
+    voc = write_voc(tmp_path / "voc", n_train=4, n_val=4)
+    cfg, rep = tmp_path / "cfg.json", tmp_path / "rep.json"
+    rc = main(["tune", "--model", str(model_dir), "--kind", "vision", "--data", str(voc), "--resolution", "56",
+               "--method", "fna", "--target", "seg-agreement=0.5", "--max-candidates", "3", "--batch-size", "2",
+               "--out", str(cfg), "--json", str(rep)])
+    assert rc == 0
+    res = json.loads(rep.read_text())
+    assert res["calibration"] == 2 and res["held_out"] == 2 and res["target_key"] == "seg-agreement"
+    assert json.loads(cfg.read_text())["tuned_for"]["target"] == {"seg-agreement": 0.5}
+    assert "chosen:" in capsys.readouterr().out

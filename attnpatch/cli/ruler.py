@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Any
+
+from ..errors import AttnpatchError
 
 from .args import DEFAULT_MODEL, OneSetting, Repeatable, check_fits, fraction, method_spec, positive_int
 from .output import check_outputs, fmt_opts, report_interrupted, slug, world_note
@@ -182,3 +185,60 @@ def add_parser(esub) -> None:
     pr.add_argument("--threads", type=positive_int, help="torch CPU threads")
     scale_out_args(pr)
     pr.set_defaults(func=cmd_eval_ruler)
+
+
+#: Calibration prompts come from these seeds on; the held-out check uses ``eval ruler``'s seed 0 on, so the two
+#: never share a prompt.
+CALIBRATION_SEED = 1000
+#: The tasks of the embedded calibration prompts (cycled) and of the held-out check.
+NIAH_TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery")
+
+
+def read_prompt_files(path: str) -> list[tuple[Path, str]]:
+    """``attnpatch tune``'s calibration prompts: ``(file, text)`` of each, read (and refused when unreadable or blank) before the model loads."""
+    p = Path(path)
+    if p.exists() and not p.is_file() and not p.is_dir():
+        raise AttnpatchError(f"--prompts {path}: not a regular file or folder (a .txt file, or a folder of .txt files)")
+    if p.is_file():
+        files = [p]
+    elif p.is_dir():
+        files = sorted(f for f in p.iterdir() if f.suffix == ".txt" and f.is_file())
+        if not files:
+            raise AttnpatchError(f"--prompts {path}: no .txt files in this folder (one prompt per file)")
+    else:
+        raise AttnpatchError(f"--prompts {path}: no such file or folder (a .txt file, or a folder of .txt files, one prompt each)")
+    out = []
+    for f in files:
+        try:
+            text = f.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise AttnpatchError(f"--prompts: {f} cannot be read as UTF-8 text ({e})") from None
+        if "\0" in text:
+            raise AttnpatchError(f"--prompts: {f} holds NUL bytes; a calibration prompt is plain text")
+        text = text.removeprefix("\ufeff")  # a UTF-8 byte-order mark is not text
+        if not text.strip():
+            raise AttnpatchError(f"--prompts: {f} is empty or blank; a calibration prompt needs text")
+        out.append((f, text))
+    return out
+
+
+def causal_prompts(args, tok, prompt_files) -> tuple[list, str]:
+    import torch
+
+    from ..evals.ruler import tasks as ruler_tasks
+    from ..evals.ruler.text import build_input_ids
+
+    if prompt_files:
+        out = []
+        for f, text in prompt_files:
+            ids = tok(text, add_special_tokens=True)["input_ids"]
+            if len(ids) < 2:
+                raise AttnpatchError(f"--prompts: {f} encodes to {len(ids)} token(s); a calibration prompt needs text")
+            out.append(torch.tensor([ids]))
+        return out, f"{len(out)} prompt file(s) from {args.prompts}"
+    out = []
+    for i in range(args.calibration):
+        task = NIAH_TASKS[(i + 1) % len(NIAH_TASKS)]  # multikey first: the harder retrieval
+        s = ruler_tasks.make_samples(task, tok, args.length, 1, seed=CALIBRATION_SEED + i)[0]
+        out.append(torch.tensor([build_input_ids(tok, s)]))
+    return out, f"{len(out)} embedded NIAH prompt(s) of {args.length} tokens (seeds {CALIBRATION_SEED}+)"

@@ -9,13 +9,7 @@ from typing import Any
 from ..errors import AttnpatchError
 from .args import OneSetting, check_fits, fraction, nonnegative_int, parse_options, positive_int
 from .output import check_outputs, progress_line, slug
-
-#: Calibration prompts come from these seeds on; the held-out check uses ``eval ruler``'s seed 0 on, so the two
-#: never share a prompt.
-CALIBRATION_SEED = 1000
-#: The tasks of the embedded calibration prompts (cycled) and of the held-out check.
-NIAH_TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery")
-
+from .ruler import NIAH_TASKS, causal_prompts, read_prompt_files
 
 def _kind(model: str, kind: str) -> str:
     from ..checkpoints import catalogue_entry
@@ -30,56 +24,6 @@ def _kind(model: str, kind: str) -> str:
                 raise AttnpatchError(f"--model {model}: no such folder (a catalogue name or a model folder)") from None
             raise AttnpatchError(f"--model {model!r} is not in the catalogue; say --kind vision or --kind causal_lm") from None
         return "vision" if (Path(model) / "preprocessor_config.json").is_file() else "causal_lm"
-
-
-def _prompt_files(path: str) -> list[tuple[Path, str]]:
-    """``(file, text)`` of each calibration prompt, read (and refused when unreadable or blank) before the model loads."""
-    p = Path(path)
-    if p.exists() and not p.is_file() and not p.is_dir():
-        raise AttnpatchError(f"--prompts {path}: not a regular file or folder (a .txt file, or a folder of .txt files)")
-    if p.is_file():
-        files = [p]
-    elif p.is_dir():
-        files = sorted(f for f in p.iterdir() if f.suffix == ".txt" and f.is_file())
-        if not files:
-            raise AttnpatchError(f"--prompts {path}: no .txt files in this folder (one prompt per file)")
-    else:
-        raise AttnpatchError(f"--prompts {path}: no such file or folder (a .txt file, or a folder of .txt files, one prompt each)")
-    out = []
-    for f in files:
-        try:
-            text = f.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise AttnpatchError(f"--prompts: {f} cannot be read as UTF-8 text ({e})") from None
-        if "\0" in text:
-            raise AttnpatchError(f"--prompts: {f} holds NUL bytes; a calibration prompt is plain text")
-        text = text.removeprefix("\ufeff")  # a UTF-8 byte-order mark is not text
-        if not text.strip():
-            raise AttnpatchError(f"--prompts: {f} is empty or blank; a calibration prompt needs text")
-        out.append((f, text))
-    return out
-
-
-def _causal_prompts(args, tok, prompt_files) -> tuple[list, str]:
-    import torch
-
-    from ..evals.ruler import tasks as ruler_tasks
-    from ..evals.ruler.text import build_input_ids
-
-    if prompt_files:
-        out = []
-        for f, text in prompt_files:
-            ids = tok(text, add_special_tokens=True)["input_ids"]
-            if len(ids) < 2:
-                raise AttnpatchError(f"--prompts: {f} encodes to {len(ids)} token(s); a calibration prompt needs text")
-            out.append(torch.tensor([ids]))
-        return out, f"{len(out)} prompt file(s) from {args.prompts}"
-    out = []
-    for i in range(args.calibration):
-        task = NIAH_TASKS[(i + 1) % len(NIAH_TASKS)]  # multikey first: the harder retrieval
-        s = ruler_tasks.make_samples(task, tok, args.length, 1, seed=CALIBRATION_SEED + i)[0]
-        out.append(torch.tensor([build_input_ids(tok, s)]))
-    return out, f"{len(out)} embedded NIAH prompt(s) of {args.length} tokens (seeds {CALIBRATION_SEED}+)"
 
 
 def _fmt(v: Any, spec: str = ".3f") -> str:
@@ -180,7 +124,7 @@ def _cmd_tune(args) -> int:
     if args.prompts and args.calibration_given is not None:
         raise AttnpatchError(f"--calibration {args.calibration_given}: with --prompts every prompt file is a calibration "
                              "prompt; drop one of the two")
-    prompt_files = _prompt_files(args.prompts) if args.prompts else None  # before loading the model
+    prompt_files = read_prompt_files(args.prompts) if args.prompts else None  # before loading the model
     for flag, v in (("--out", args.out), ("--json", args.json), ("--markdown", args.markdown), ("--plot", args.plot)):
         if v is not None and not v.strip():
             raise AttnpatchError(f"{flag} '': empty; give a file path")
@@ -201,7 +145,7 @@ def _cmd_tune(args) -> int:
 
             for task in NIAH_TASKS:
                 ruler_tasks.make_samples(task, tok, args.length, 1, seed=0)
-        prompts, source = _causal_prompts(args, tok, prompt_files)
+        prompts, source = causal_prompts(args, tok, prompt_files)
         result = tune_causal(
             model, prompts, method, target_mean=args.target_recall if args.target_recall is not None else 0.95,
             target_worst=args.target_worst if args.target_worst is not None else 0.8, candidates=candidates,
@@ -276,12 +220,14 @@ def _cmd_tune(args) -> int:
 
 
 def _cmd_tune_agreement(args, kind: str, method: str) -> int:
-    """``--target knn-agreement=X``: :func:`attnpatch.evals.tune.search.tune_knn_agreement` on a seeded split of the
-    image set (calibration, then the disjoint held-out rest), the chosen setting written as a config."""
+    """``--target knn-agreement=X`` / ``seg-agreement=X``: :func:`attnpatch.evals.tune.search.tune_knn_agreement` on a
+    seeded split of the image set, :func:`~attnpatch.evals.tune.search.tune_seg_agreement` on a seeded split of a
+    segmentation set's val images (calibration, then the disjoint held-out rest); the chosen setting written as a config."""
     import torch
 
     from ..evals.run.report import machine_info, write_json, write_text
-    from ..evals.tune.search import agreement_tables, parse_target, searchable_methods, short_setting, tune_knn_agreement
+    from ..evals.tune.search import (agreement_tables, parse_target, searchable_methods, short_setting, tune_knn_agreement,
+                                     tune_seg_agreement)
     from ..patchers.api import model_geometry
     from ..patchers.registry import get_method, write_config
 
@@ -312,24 +258,44 @@ def _cmd_tune_agreement(args, kind: str, method: str) -> int:
     from ..evals.vision.runner import patch_size
     from ..log import log_stderr
 
-    images = load_image_set(args.data)
-    n_cal = args.calibration_given if args.calibration_given is not None else len(images) // 2
-    if n_cal < 2 or len(images) - n_cal < 2:
-        raise AttnpatchError(f"--data: {len(images)} images; the calibration split ({n_cal}) and the held-out rest "
-                             f"({len(images) - n_cal}) need at least 2 images each")
-    model, processor = load_vision_model(args.model, backend=args.backend)
-    resolution = fit_resolution(args.resolution, patch_size(model), log=log_stderr, what="--resolution")
-    preprocess = make_preprocess(processor, resolution)
-    order = torch.randperm(len(images), generator=torch.Generator().manual_seed(args.split_seed)).tolist()
-    cal, hold = images.subset(order[:n_cal]), images.subset(order[n_cal:])
-    result = tune_knn_agreement(model, cal, hold, preprocess, method, target=target, given=given,
-                                batch_size=args.batch_size, max_candidates=args.max_candidates,
-                                repeats=max(args.repeats, 3), progress=progress_line)
+    if key == "seg-agreement":
+        from ..evals.segmentation import load_segmentation_set, square_preprocess
+        from ..patchers.adapters import adapter_for
+
+        data = load_segmentation_set(args.data)  # every file checked before the model loads
+        n_val = len(data.val)
+        n_cal = args.calibration_given if args.calibration_given is not None else n_val // 2
+        if n_cal < 1 or n_val - n_cal < 1:
+            raise AttnpatchError(f"--data: {n_val} val images; the calibration share ({n_cal}) and the held-out rest "
+                                 f"({n_val - n_cal}) need at least one image each")
+        model, processor = load_vision_model(args.model, backend=args.backend)
+        adapter = adapter_for(model)
+        pc = adapter.preprocess_config(model, processor)
+        resolution = fit_resolution(args.resolution or 448, adapter.patch_size(model), what="--resolution")
+        result = tune_seg_agreement(model, data, square_preprocess(pc.mean, pc.std, resolution), method, target=target,
+                                    given=given, calibration=n_cal, split_seed=args.split_seed, batch_size=args.batch_size,
+                                    max_candidates=args.max_candidates, repeats=max(args.repeats, 3), progress=progress_line)
+        source = (f"{n_cal} of the {n_val} val images of {data.name} (seeded split, seed {args.split_seed}; the linear "
+                  f"read-out fitted once on its {len(data.train)} train images, unpatched); held-out: the other {n_val - n_cal}")
+    else:
+        images = load_image_set(args.data)
+        n_cal = args.calibration_given if args.calibration_given is not None else len(images) // 2
+        if n_cal < 2 or len(images) - n_cal < 2:
+            raise AttnpatchError(f"--data: {len(images)} images; the calibration split ({n_cal}) and the held-out rest "
+                                 f"({len(images) - n_cal}) need at least 2 images each")
+        model, processor = load_vision_model(args.model, backend=args.backend)
+        resolution = fit_resolution(args.resolution, patch_size(model), log=log_stderr, what="--resolution")
+        preprocess = make_preprocess(processor, resolution)
+        order = torch.randperm(len(images), generator=torch.Generator().manual_seed(args.split_seed)).tolist()
+        cal, hold = images.subset(order[:n_cal]), images.subset(order[n_cal:])
+        result = tune_knn_agreement(model, cal, hold, preprocess, method, target=target, given=given,
+                                    batch_size=args.batch_size, max_candidates=args.max_candidates,
+                                    repeats=max(args.repeats, 3), progress=progress_line)
+        source = f"{n_cal} of {len(images)} images of {images.name} (seeded split, seed {args.split_seed}); held-out: the other {len(hold)}"
     chosen = result["chosen"]
     meth = get_method(method)
     options = chosen["options"] if not chosen.get("exact") else validate_options(meth, meth.exact_everywhere() or {})
     machine = machine_info()
-    source = f"{n_cal} of {len(images)} images of {images.name} (seeded split, seed {args.split_seed}); held-out: the other {len(hold)}"
     write_config(out, method, options, model_geometry(model), tuned_for={
         "model": args.model, "kind": kind, "target": {key: target}, "resolution": result["resolution"],
         "tokens": result["tokens"], "calibration": source, "exact": bool(chosen.get("exact")),
@@ -347,8 +313,15 @@ def _cmd_tune_agreement(args, kind: str, method: str) -> int:
         line = "chosen: exact (unpatched): no setting met the target faster than the unpatched model on this machine"
     else:
         line = (f"chosen: {short_setting(chosen['shown'])} ({chosen['speedup']:.2f}x, agreement {chosen['agreement']:.4f} on "
-                f"the calibration split); held-out ({len(hold)} images): k-NN agreement {_pct(h['knn_agreement'])}, top-1 dense "
-                f"{_pct(h['dense_knn_top1'])} tuned {_pct(h['knn_top1'])}, speed {_fmt(h['speedup'], '.2f')}x")
+                f"the calibration split); held-out ({result['held_out']} images): ")
+        if key == "seg-agreement":
+            d = h["miou_delta"]["delta"]
+            line += (f"agreement {_pct(h['agreement'])}, mIoU dense {_pct(h['dense_miou'])} tuned {_pct(h['miou'])} "
+                     f"({'-' if d is None else f'{100 * d:+.2f}'} points)")
+        else:
+            line += (f"k-NN agreement {_pct(h['knn_agreement'])}, top-1 dense {_pct(h['dense_knn_top1'])} tuned "
+                     f"{_pct(h['knn_top1'])}")
+        line += f", speed {_fmt(h['speedup'], '.2f')}x"
     print(line)
     print(f"wrote {out}  (use: -o config={out})")
     print(f"wrote {report}")
@@ -415,8 +388,9 @@ def add_parser(sub) -> None:
     p.add_argument("--plot", metavar="PATH", help="PNG path (default: next to the JSON, <json stem>.png): each candidate's "
                    "score vs speed-up, the target, the chosen one")
     p.add_argument("--target", metavar="KEY=X", help="ViT: tune on downstream agreement instead of the CLS cosine: "
-                   "knn-agreement=X (k-NN top-1 agreement with the unpatched model on a seeded calibration split, reported "
-                   "on the held-out rest); searches the method's knob per layer (tome, fna, tome+fna)")
+                   "knn-agreement=X (k-NN top-1 agreement with the unpatched model; --data an image set) or seg-agreement=X "
+                   "(segmentation prediction agreement, linear read-out; --data a segmentation set), on a seeded "
+                   "calibration split, reported on the held-out rest; searches the method's knob per layer")
     p.add_argument("-o", "--option", action="append", default=[], metavar="NAME=VALUE",
                    help="with --target: an option every candidate keeps (e.g. -o s=64 for tome+fna)")
     p.add_argument("--max-candidates", type=positive_int, default=24,

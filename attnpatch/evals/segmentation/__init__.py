@@ -5,6 +5,7 @@ Entry point: :func:`run_segmentation`; data: :func:`load_segmentation_set` (VOC,
 """
 
 from .data import SegmentationSet, load_segmentation_set
-from .runner import FITS, READOUTS, check_dense_methods, run_segmentation, square_preprocess
+from .runner import FITS, READOUTS, Fitted, check_dense_methods, fit_readouts, run_segmentation, square_preprocess
 
-__all__ = ["run_segmentation", "load_segmentation_set", "SegmentationSet", "square_preprocess", "check_dense_methods", "READOUTS", "FITS"]
+__all__ = ["run_segmentation", "fit_readouts", "Fitted", "load_segmentation_set", "SegmentationSet", "square_preprocess",
+           "check_dense_methods", "READOUTS", "FITS"]

@@ -72,6 +72,12 @@ class SegmentationSplit:
     def __getitem__(self, i: int):
         return self.image(i)
 
+    def subset(self, idx) -> "SegmentationSplit":
+        """The items ``idx`` (in that order) as a split of their own (e.g. a calibration share of val)."""
+        idx = [int(i) for i in idx]
+        return SegmentationSplit(self.name, [self.ids[i] for i in idx], [self.sizes[i] for i in idx],
+                                 lambda i, f=self._image: f(idx[i]), lambda i, f=self._labels: f(idx[i]))
+
 
 @dataclass
 class SegmentationSet:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -35,7 +36,7 @@ from .data import SegmentationSet
 from .heads import KnnBank, PatchSample, load_head, predict, train_linear_head
 from .metrics import bootstrap_delta, image_counts, scores
 
-__all__ = ["READOUTS", "FITS", "check_dense_methods", "square_preprocess", "run_segmentation"]
+__all__ = ["READOUTS", "FITS", "Fitted", "check_dense_methods", "square_preprocess", "fit_readouts", "run_segmentation"]
 
 READOUTS = ("linear", "knn")
 FITS = ("unpatched", "per-setting")
@@ -137,6 +138,52 @@ def _fit(model, adapter, data: SegmentationSet, preprocess, settings, *, fit, la
     return samples
 
 
+@dataclass
+class Fitted:
+    """Read-outs fitted on a train split: ``heads[j][readout]`` (``j`` ``None``: dense's, else a setting's index with
+    ``fit="per-setting"``), the probe's ``training`` record per fit and the train patches kept (``counts``)."""
+
+    heads: dict[Any, dict[str, Any]]
+    training: dict[str, dict]
+    counts: dict[Any, int]
+
+
+def _fit_heads(model, adapter, data, preprocess, settings, readouts, *, fit, last, max_patches, batch_size, seed, progress,
+               k, temperature, fixed_head, probe_steps) -> Fitted:
+    samples = _fit(model, adapter, data, preprocess, settings, fit=fit, last=last, max_patches=max_patches,
+                   batch_size=batch_size, seed=seed, progress=progress)
+    heads: dict[Any, dict[str, Any]] = {}
+    training: dict[str, dict] = {}
+    for j, sample in samples.items():
+        xs, ys, ws = sample.arrays()
+        heads[j] = {}
+        if "linear" in readouts and fixed_head is not None:
+            heads[j]["linear"] = fixed_head
+        elif "linear" in readouts:
+            heads[j]["linear"], training["dense" if j is None else str(j)] = train_linear_head(xs, ys, ws, steps=probe_steps, seed=seed)
+        if "knn" in readouts:
+            heads[j]["knn"] = KnnBank(xs, ys, k=k, temperature=temperature)
+        del xs, ys, ws
+    return Fitted(heads, training, {j: s.count for j, s in samples.items()})
+
+
+def fit_readouts(model: torch.nn.Module, data: SegmentationSet, preprocess: Callable[[list], torch.Tensor], *,
+                 readouts: Sequence[str] = READOUTS, last: int = 1, max_patches: int = 100_000, k: int = 30,
+                 temperature: float = 0.02, batch_size: int = 8, probe_steps: int = 2000, seed: int = 0,
+                 progress: Callable[[str, int, int], None] | None = None) -> Fitted:
+    """The read-outs :func:`run_segmentation` fits with ``fit="unpatched"``, fitted once on the unpatched model's train
+    features, for several :func:`run_segmentation` calls (``fitted=``) on the same train split (e.g. a tuner's rounds).
+
+    Raises:
+        OptionError: a bad option; UnsupportedModelError: a model without patch tokens.
+    """
+    _check(readouts, "unpatched", last, max_patches, batch_size, k, temperature, 0, probe_steps)
+    adapter = adapter_for(model)
+    return _fit_heads(model, adapter, data, preprocess, [], readouts, fit="unpatched", last=last, max_patches=max_patches,
+                      batch_size=batch_size, seed=seed, progress=progress, k=k, temperature=temperature,
+                      fixed_head=None, probe_steps=probe_steps)
+
+
 def run_segmentation(
     model: torch.nn.Module,
     data: SegmentationSet,
@@ -159,6 +206,7 @@ def run_segmentation(
     progress: Callable[[str, int, int], None] | None = None,
     ranks: Ranks | None = None,
     store: BatchStore | None = None,
+    fitted: Fitted | None = None,
 ) -> dict[str, Any]:
     """Dense vs patched semantic segmentation: mIoU, per-class IoU, pixel accuracy, agreement with dense, speed.
 
@@ -183,6 +231,8 @@ def run_segmentation(
         warmup: one untimed forward per setting before timing.
         progress: ``progress(phase, done, total)`` with phase ``"fit"`` (train images) or ``"score"`` (val images).
         ranks, store: a data-parallel run's place and a ``--resume`` store (the val pass).
+        fitted: read-outs fitted earlier on the same train split (:func:`fit_readouts`): no train pass (``fit`` must be
+            ``"unpatched"`` and ``readouts`` among the fitted ones).
 
     Returns:
         ``{"n_images", "n_train", "resolution" (px), "tokens", "fit", "readouts", "last", "classes", "max_patches",
@@ -206,20 +256,14 @@ def run_segmentation(
     channels = adapter.patch_tokens(model, probe_x, last).shape[-1]  # refuses a model without patch tokens, at once
     fixed_head = load_head(head, channels, kcls) if head is not None else None
 
-    samples = _fit(model, adapter, data, preprocess, settings, fit=fit, last=last, max_patches=max_patches,
-                   batch_size=batch_size, seed=seed, progress=progress)
-    heads: dict[Any, dict[str, Any]] = {}
-    training: dict[str, dict] = {}
-    for j, sample in samples.items():
-        xs, ys, ws = sample.arrays()
-        heads[j] = {}
-        if "linear" in readouts and fixed_head is not None:
-            heads[j]["linear"] = fixed_head
-        elif "linear" in readouts:
-            heads[j]["linear"], training["dense" if j is None else str(j)] = train_linear_head(xs, ys, ws, steps=probe_steps, seed=seed)
-        if "knn" in readouts:
-            heads[j]["knn"] = KnnBank(xs, ys, k=k, temperature=temperature)
-        del xs, ys, ws
+    if fitted is None:
+        fitted = _fit_heads(model, adapter, data, preprocess, settings, readouts, fit=fit, last=last,
+                            max_patches=max_patches, batch_size=batch_size, seed=seed, progress=progress, k=k,
+                            temperature=temperature, fixed_head=fixed_head, probe_steps=probe_steps)
+    elif fit != "unpatched" or set(readouts) - set(fitted.heads[None]):
+        raise OptionError(f"fitted: read-outs fitted once ({', '.join(fitted.heads[None])}) apply with fit='unpatched' "
+                          f"to those read-outs only; asked: fit={fit!r}, readouts {', '.join(readouts)}")
+    heads, training, samples = fitted.heads, fitted.training, fitted.counts
 
     val = data.val
     dense_preds: dict[int, dict[str, np.ndarray]] = {}  # per val image of the batch: its labels and dense's maps
@@ -257,7 +301,7 @@ def run_segmentation(
     result: dict[str, Any] = {
         "n_images": ip.n, "n_train": len(data.train), "resolution": ip.resolution, "tokens": ip.tokens, "batch_size": batch_size,
         "fit": fit, "readouts": list(readouts), "last": last, "classes": list(data.classes), "max_patches": max_patches,
-        "patches": {("dense" if j is None else str(j)): s.count for j, s in samples.items()},
+        "patches": {("dense" if j is None else str(j)): c for j, c in samples.items()},
         "knn": {"k": k, "temperature": temperature} if "knn" in readouts else None,
         "linear": ({"head": str(head)} if head is not None else {"trained_on": "patch sample", "training": training})
         if "linear" in readouts else None,

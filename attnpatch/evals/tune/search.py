@@ -29,7 +29,8 @@ from ...patchers.registry import get_method, validate_options
 from ...timing import interleaved_speedup, quietly
 
 __all__ = ["Family", "families_of", "search_agreement", "choose", "searchable_methods", "knn_agreement", "tune_knn_agreement",
-           "DEFAULT_DEPTHS", "TARGETS", "parse_target", "agreement_tables", "short_setting"]
+           "seg_agreement", "tune_seg_agreement", "DEFAULT_DEPTHS", "TARGETS", "parse_target", "agreement_tables",
+           "short_setting"]
 
 #: Start layers of the families, as fractions of the depth: the knob on every layer, from a quarter, from half.
 DEFAULT_DEPTHS = (0.0, 0.25, 0.5)
@@ -220,7 +221,8 @@ def short_setting(opts: dict[str, Any]) -> str:
 _short = short_setting
 
 #: ``attnpatch tune --target`` keys: what the agreement search measures (vision encoders).
-TARGETS = {"knn-agreement": "k-NN top-1 agreement with the unpatched model, in [0, 1]"}
+TARGETS = {"knn-agreement": "k-NN top-1 agreement with the unpatched model, in [0, 1]",
+           "seg-agreement": "segmentation prediction agreement with the unpatched model (linear read-out), in [0, 1]"}
 
 
 def parse_target(text: str) -> tuple[str, float]:
@@ -309,3 +311,75 @@ def tune_knn_agreement(model, calibration, held_out, preprocess, method: str, *,
                 "speedup": run.get("speedup"), "speedup_spread": run.get("speedup_spread")}
     return {"method": method, "tokens": tokens, "resolution": int(x.shape[-1]), "calibration": len(calibration),
             "held_out": len(held_out), **res, "held_out_result": held}
+
+
+def seg_agreement(model, data, preprocess, fitted, *, readout: str = "linear", batch_size: int = 8) -> Callable:
+    """``measure(settings) -> [segmentation prediction agreement with dense, ...]`` over ``data``'s val split: one
+    interleaved pass (:func:`attnpatch.evals.segmentation.run_segmentation` with the read-outs ``fitted`` once on the
+    unpatched model's train features), the share of non-void pixels where a setting predicts what dense predicts."""
+    from ..segmentation import run_segmentation
+
+    def measure(settings: list[tuple[str, dict[str, Any]]]) -> list[float]:
+        res = quietly(lambda: run_segmentation(model, data, preprocess, settings=settings, readouts=(readout,),
+                                               fitted=fitted, batch_size=batch_size, resamples=0, examples=0))
+        return [float(r[readout]["agreement"]) for r in res["runs"]]
+
+    return measure
+
+
+def tune_seg_agreement(model, data, preprocess, method: str, *, target: float = 0.99, given: dict[str, Any] | None = None,
+                       calibration: int | None = None, split_seed: int = 0, batch_size: int = 8,
+                       max_patches: int = 100_000, probe_steps: int = 2000, max_candidates: int = 24, repeats: int = 5,
+                       depths: Sequence[float] = DEFAULT_DEPTHS, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """:func:`search_agreement` on segmentation prediction agreement (linear read-out, fitted once on the unpatched
+    model's train features) over a seeded calibration share of ``data``'s val split; the chosen setting then measured
+    on the rest of val (agreement, mIoU and its difference from dense, speed-up).
+
+    Args:
+        data: a :class:`~attnpatch.evals.segmentation.SegmentationSet`; calibration: val images searched on (default
+            half, in the order ``split_seed`` draws); the others are held out.
+        max_patches, probe_steps: the linear probe's sample and steps (``eval segmentation``'s).
+
+    Returns:
+        As :func:`tune_knn_agreement`; ``"held_out_result"``: ``{"agreement", "miou", "dense_miou", "miou_delta",
+        "speedup", "speedup_spread"}``.
+    """
+    import dataclasses
+
+    import torch
+
+    from ...patchers.api import model_geometry
+    from ..segmentation import fit_readouts, run_segmentation
+
+    n = len(data.val)
+    n_cal = n // 2 if calibration is None else int(calibration)
+    if n_cal < 1 or n - n_cal < 1:
+        raise OptionError(f"{n} val images: the calibration share ({n_cal}) and the held-out rest ({n - n_cal}) need one "
+                          "image each at least")
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(split_seed)).tolist()
+    cal = dataclasses.replace(data, val=data.val.subset(order[:n_cal]))
+    hold = dataclasses.replace(data, val=data.val.subset(order[n_cal:]))
+    fitted = fit_readouts(model, data, preprocess, readouts=("linear",), max_patches=max_patches, batch_size=batch_size,
+                          probe_steps=probe_steps)
+    x = preprocess([cal.val.image(i) for i in range(min(batch_size, n_cal))])
+    from ..vision.runner import token_count
+
+    tokens = token_count(model, int(x.shape[-1]))
+    from ...patchers.adapters import adapter_for
+
+    adapter = adapter_for(model)
+    fams = families_of(method, model_geometry(model).num_layers, tokens, given, depths)
+    res = search_agreement(model, method, seg_agreement(model, cal, preprocess, fitted, batch_size=batch_size),
+                           lambda: adapter.patch_tokens(model, x), target=target, families=fams,
+                           max_candidates=max_candidates, repeats=repeats, progress=progress)
+    chosen = res["chosen"]
+    held = None
+    if not chosen.get("exact"):
+        out = quietly(lambda: run_segmentation(model, hold, preprocess, settings=[(method, chosen["options"])],
+                                               readouts=("linear",), fitted=fitted, batch_size=batch_size, examples=0))
+        run = out["runs"][0]
+        held = {"agreement": run["linear"]["agreement"], "miou": run["linear"]["miou"],
+                "dense_miou": out["dense"]["linear"]["miou"], "miou_delta": run["linear"]["miou_delta"],
+                "speedup": run.get("speedup"), "speedup_spread": run.get("speedup_spread")}
+    return {"method": method, "tokens": tokens, "resolution": int(x.shape[-1]), "calibration": n_cal,
+            "held_out": n - n_cal, "split_seed": split_seed, **res, "held_out_result": held}
