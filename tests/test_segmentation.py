@@ -576,7 +576,7 @@ def test_readouts_fitted_once_give_what_a_fresh_run_gives_on_any_share_of_val(vo
 
 
 def test_tune_on_segmentation_agreement_searches_a_val_share_and_reports_the_rest(voc):
-    from attnpatch.evals.tune.search import seg_agreement, tune_seg_agreement
+    from attnpatch.evals.tune.targets import seg_agreement, tune_seg_agreement
     from attnpatch.evals.segmentation import fit_readouts
 
     model = _hf_dinov2()

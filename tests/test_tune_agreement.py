@@ -10,8 +10,8 @@ import torch
 
 from attnpatch import patched
 from attnpatch.errors import OptionError
-from attnpatch.evals.tune.search import (Family, choose, families_of, knn_agreement, parse_target, search_agreement,
-                                         searchable_methods, tune_knn_agreement)
+from attnpatch.evals.tune.search import Family, choose, families_of, parse_target, search_agreement, searchable_methods
+from attnpatch.evals.tune.targets import knn_agreement, tune_knn_agreement
 from conftest import write_image_folder
 
 
@@ -187,3 +187,48 @@ def test_tune_cli_segmentation_target(vit, tmp_path, capsys):
     assert res["calibration"] == 2 and res["held_out"] == 2 and res["target_key"] == "seg-agreement"
     assert json.loads(cfg.read_text())["tuned_for"]["target"] == {"seg-agreement": 0.5}
     assert "chosen:" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_tune_on_zeroshot_agreement_of_a_random_clip(tmp_path):
+    """A random-init ViT-B-32 (no CLIP weights exist offline): the search runs on its image tower, each family's
+    winner agrees with dense as the zero-shot eval measures it again."""
+    from attnpatch.clip_models import load_clip
+    from attnpatch.evals.tune.targets import tune_zeroshot_agreement, zeroshot_agreement
+    from attnpatch.evals.vision.images import load_image_set
+    from test_clip_benchmark import NAMES, TEMPLATES, _folder
+
+    bundle = load_clip("ViT-B-32:random", resolution=128, log=lambda m: None)
+    images = load_image_set(str(_folder(tmp_path / "cls", 12, captions=False)))
+    cal, hold = images.subset(range(0, 12, 2)), images.subset(range(1, 12, 2))
+    res = tune_zeroshot_agreement(bundle, cal, hold, NAMES[:6], TEMPLATES, "tome", target=0.5, batch_size=6,
+                                  max_candidates=3, repeats=3)
+    assert res["tokens"] == 17 and res["calibration"] == 6  # 128 px at patch 32: 16 patches + CLS and len(res["measured"]) <= 3
+    measure = zeroshot_agreement(bundle, cal, NAMES[:6], TEMPLATES, batch_size=6)
+    for w in res["winners"]:
+        assert measure([("tome", w["options"])]) == [pytest.approx(w["agreement"])] and w["agreement"] >= 0.5
+
+
+def test_tune_cli_ruler_agreement_on_a_causal_lm(tmp_path, capsys):
+    """A tiny random Llama: the causal target searches the method's knob (one family, every layer) on RULER samples
+    from seed 1000, reports held-out samples from seed 0, and writes a config."""
+    from attnpatch.cli import main
+    from test_tune import SMALL_CLI, _make_tokenizer, tiny_causal_lm
+
+    d = tmp_path / "llama"
+    tok = _make_tokenizer(chat=True)
+    tiny_causal_lm("llama", vocab=len(tok), layers=2).save_pretrained(d)
+    tok.save_pretrained(d)
+    cfg, rep = tmp_path / "cfg.json", tmp_path / "rep.json"
+    fixed = [x for kv in SMALL_CLI.split(",") for x in ("-o", kv)]
+    rc = main(["tune", "--model", str(d), "--kind", "causal_lm", "--length", "400", "--calibration", "1", "--holdout", "1",
+               "--method", "anchor_attention", "--target", "ruler-agreement=1", "--max-candidates", "2", *fixed,
+               "--out", str(cfg), "--json", str(rep)])
+    assert rc == 0
+    res = json.loads(rep.read_text())
+    assert res["calibration"] == 4 and res["held_out"] == 4 and len(res["measured"]) <= 2
+    assert [m["family"] for m in res["measured"]] == ["theta from layer 0"] * len(res["measured"])
+    assert json.loads(cfg.read_text())["tuned_for"]["target"] == {"ruler-agreement": 1.0}
+    assert "chosen:" in capsys.readouterr().out
+    rc = main(["tune", "--model", str(d), "--kind", "causal_lm", "--target", "knn-agreement=0.9"])
+    assert rc != 0 and "fits a ViT; this model is a causal lm" in capsys.readouterr().err

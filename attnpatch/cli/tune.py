@@ -226,16 +226,17 @@ def _cmd_tune_agreement(args, kind: str, method: str) -> int:
     import torch
 
     from ..evals.run.report import machine_info, write_json, write_text
-    from ..evals.tune.search import (agreement_tables, parse_target, searchable_methods, short_setting, tune_knn_agreement,
-                                     tune_seg_agreement)
+    from ..evals.tune.search import agreement_tables, parse_target, searchable_methods, short_setting
+    from ..evals.tune.targets import tune_knn_agreement, tune_ruler_agreement, tune_seg_agreement
     from ..patchers.api import model_geometry
     from ..patchers.registry import get_method, write_config
 
     key, target = parse_target(args.target)
-    if kind != "vision":
-        raise AttnpatchError(f"--target {args.target}: the agreement search tunes ViT encoders on an image set; an LLM is "
-                             "tuned with --target-recall / --target-worst")
-    if method not in searchable_methods():
+    causal = key == "ruler-agreement"
+    if (kind == "causal_lm") != causal:
+        raise AttnpatchError(f"--target {args.target}: fits a {'causal LM' if causal else 'ViT'}; this model is a "
+                             f"{kind.replace('_', ' ')} (ViT: knn-agreement, seg-agreement; causal LM: ruler-agreement)")
+    if not causal and method not in searchable_methods():
         raise AttnpatchError(f"--target {args.target}: method {method!r} has no per-layer knob to search; searchable: "
                              f"{', '.join(searchable_methods())}")
     if args.candidate:
@@ -258,7 +259,19 @@ def _cmd_tune_agreement(args, kind: str, method: str) -> int:
     from ..evals.vision.runner import patch_size
     from ..log import log_stderr
 
-    if key == "seg-agreement":
+    if causal:
+        from ..checkpoints import check_lengths, load_causal_lm
+
+        check_lengths(args.model, [args.length], "--length")
+        model, tok = load_causal_lm(args.model)
+        n_cal = args.calibration_given if args.calibration_given is not None else 2
+        result = tune_ruler_agreement(model, tok, method, target=target, given=given, tasks=NIAH_TASKS, length=args.length,
+                                      calibration=n_cal, held_out=2 if args.holdout is None else args.holdout,
+                                      max_candidates=args.max_candidates, repeats=max(args.repeats, 3),
+                                      progress=progress_line)
+        source = (f"{n_cal} NIAH sample(s) per task at {args.length} tokens (seeds 1000+); held-out: "
+                  f"{result['held_out'] // len(NIAH_TASKS)} per task (seeds 0+)")
+    elif key == "seg-agreement":
         from ..evals.segmentation import load_segmentation_set, square_preprocess
         from ..patchers.adapters import adapter_for
 
@@ -297,31 +310,39 @@ def _cmd_tune_agreement(args, kind: str, method: str) -> int:
     options = chosen["options"] if not chosen.get("exact") else validate_options(meth, meth.exact_everywhere() or {})
     machine = machine_info()
     write_config(out, method, options, model_geometry(model), tuned_for={
-        "model": args.model, "kind": kind, "target": {key: target}, "resolution": result["resolution"],
+        "model": args.model, "kind": kind, "target": {key: target}, "resolution": result.get("resolution"),
         "tokens": result["tokens"], "calibration": source, "exact": bool(chosen.get("exact")),
         "measured": {"agreement": chosen["agreement"], "speedup": chosen["speedup"], "spread": chosen["spread"]},
         "held_out": result["held_out_result"]})
     result.update(model=args.model, target_key=key, calibration_source=source, config=str(out), machine=machine)
     write_json(report, result)
-    title = f"tune {key} >= {target:g} — {args.model} — {method} — {result['resolution']} px, {result['tokens']} tokens, {source}"
+    size = f"{result['resolution']} px, " if result.get("resolution") else ""
+    title = f"tune {key} >= {target:g} — {args.model} — {method} — {size}{result['tokens']} tokens, {source}"
     rows, wins = agreement_tables(result)
     md = _print_rows(rows, title)
     if wins:
         md += "\n\n" + _print_rows(wins, "each family's cheapest setting that meets the target, timed beside dense")
     h = result["held_out_result"]
+    unit = "samples" if causal else "images"
     if chosen.get("exact"):
         line = "chosen: exact (unpatched): no setting met the target faster than the unpatched model on this machine"
     else:
         line = (f"chosen: {short_setting(chosen['shown'])} ({chosen['speedup']:.2f}x, agreement {chosen['agreement']:.4f} on "
-                f"the calibration split); held-out ({result['held_out']} images): ")
-        if key == "seg-agreement":
+                f"the calibration split); held-out ({result['held_out']} {unit}): ")
+        if h is None:
+            line += "not run (--holdout 0)"
+        elif causal:
+            line += (f"scores as dense's {_pct(h['agreement'])}, accuracy dense {_pct(h['dense_acc'])} tuned "
+                     f"{_pct(h['tuned_acc'])}, prefill {', '.join(_fmt(x, '.2f') + 'x' for x in h['prefill_speedup'])}")
+        elif key == "seg-agreement":
             d = h["miou_delta"]["delta"]
             line += (f"agreement {_pct(h['agreement'])}, mIoU dense {_pct(h['dense_miou'])} tuned {_pct(h['miou'])} "
                      f"({'-' if d is None else f'{100 * d:+.2f}'} points)")
         else:
             line += (f"k-NN agreement {_pct(h['knn_agreement'])}, top-1 dense {_pct(h['dense_knn_top1'])} tuned "
                      f"{_pct(h['knn_top1'])}")
-        line += f", speed {_fmt(h['speedup'], '.2f')}x"
+        if h is not None and not causal:
+            line += f", speed {_fmt(h['speedup'], '.2f')}x"
     print(line)
     print(f"wrote {out}  (use: -o config={out})")
     print(f"wrote {report}")

@@ -28,9 +28,8 @@ from ...patchers.api import patched
 from ...patchers.registry import get_method, validate_options
 from ...timing import interleaved_speedup, quietly
 
-__all__ = ["Family", "families_of", "search_agreement", "choose", "searchable_methods", "knn_agreement", "tune_knn_agreement",
-           "seg_agreement", "tune_seg_agreement", "DEFAULT_DEPTHS", "TARGETS", "parse_target", "agreement_tables",
-           "short_setting"]
+__all__ = ["Family", "families_of", "search_agreement", "choose", "searchable_methods", "DEFAULT_DEPTHS", "TARGETS",
+           "parse_target", "agreement_tables", "short_setting"]
 
 #: Start layers of the families, as fractions of the depth: the knob on every layer, from a quarter, from half.
 DEFAULT_DEPTHS = (0.0, 0.25, 0.5)
@@ -68,23 +67,29 @@ def _from_layer(method: str, knob_opts: dict[str, Any], start: int, layers: int)
 
 
 def families_of(method: str, layers: int, tokens: int, given: dict[str, Any] | None = None,
-                depths: Sequence[float] = DEFAULT_DEPTHS) -> list[Family]:
-    """The families of ``method`` on a model of ``layers`` attention layers and ``tokens`` tokens per image.
+                depths: Sequence[float] = DEFAULT_DEPTHS, per_layer: bool = True) -> list[Family]:
+    """The families of ``method`` on a model of ``layers`` attention layers and ``tokens`` tokens per input.
+
+    ``per_layer=False`` (the causal methods, whose knobs are one value for every layer): one family, the knob on
+    every layer.
 
     Raises:
-        OptionError: a method without a knob, or whose knob turns no per-layer option.
+        OptionError: a method without a knob, or (``per_layer``) whose knob turns no per-layer option.
     """
     meth = get_method(method)
     if meth.knob is None:
         raise OptionError(f"method {method!r} has no knob for the agreement search; it searches: "
                           f"{', '.join(searchable_methods())}")
     keys = set(meth.knob.at(0.0, tokens))
-    if not any(meth.options[k].kind == "int_schedule" for k in keys):
+    if not per_layer:
+        depths = (0.0,)
+    elif not any(meth.options[k].kind == "int_schedule" for k in keys):
         raise OptionError(f"method {method!r}: its knob ({', '.join(sorted(keys))}) has no per-layer schedule; the agreement "
                           f"search runs on: {', '.join(searchable_methods())}")
     base = dict(given or {})
-    if "min_tokens" in meth.options:
-        base.setdefault("min_tokens", 0)  # approximate at the calibration size; the exact model is measured beside
+    for floor in ("min_tokens", "min_len"):
+        if floor in meth.options:
+            base.setdefault(floor, 0)  # approximate at the calibration size; the exact model is measured beside
     starts = sorted({min(layers - 1, int(round(f * layers))) for f in depths})
     out = []
     for d in starts:
@@ -188,14 +193,14 @@ def search_agreement(
             else:
                 lo[i] = t
         say(f"round {rnd + 1}/{rounds}: " + "; ".join(
-            f"{families[i].name}: {_short(shown[i])} agreement {cache[_key(o)]:.4f}" for i, _, o in todo))
+            f"{families[i].name}: {short_setting(shown[i])} agreement {cache[_key(o)]:.4f}" for i, _, o in todo))
     winners = []
     for w in best:
         if w is None:
             continue
         timing = quietly(lambda: interleaved_speedup(forward, lambda: patched(model, method, **w["options"]), repeats=repeats))
         w = {**w, "speedup": timing["speedup"], "spread": timing["spread"]}
-        say(f"{w['family']}: {_short(w['shown'])} {w['speedup']:.2f}x [{w['spread'][0]:.2f}-{w['spread'][1]:.2f}]")
+        say(f"{w['family']}: {short_setting(w['shown'])} {w['speedup']:.2f}x [{w['spread'][0]:.2f}-{w['spread'][1]:.2f}]")
         winners.append(w)
     return {"target": target, "rounds": rounds, "measured": measured, "winners": winners, "chosen": choose(winners)}
 
@@ -218,11 +223,11 @@ def short_setting(opts: dict[str, Any]) -> str:
     return ", ".join(f"{k}={'/'.join(map(str, v)) if isinstance(v, (tuple, list)) else v}" for k, v in opts.items())
 
 
-_short = short_setting
 
-#: ``attnpatch tune --target`` keys: what the agreement search measures (vision encoders).
-TARGETS = {"knn-agreement": "k-NN top-1 agreement with the unpatched model, in [0, 1]",
-           "seg-agreement": "segmentation prediction agreement with the unpatched model (linear read-out), in [0, 1]"}
+#: ``attnpatch tune --target`` keys: what the agreement search measures (:mod:`.targets`).
+TARGETS = {"knn-agreement": "k-NN top-1 agreement with the unpatched model, in [0, 1] (ViT)",
+           "seg-agreement": "segmentation prediction agreement with the unpatched model (linear read-out), in [0, 1] (ViT)",
+           "ruler-agreement": "share of RULER calibration samples scored as the unpatched model scores them (causal LM)"}
 
 
 def parse_target(text: str) -> tuple[str, float]:
@@ -252,134 +257,3 @@ def agreement_tables(result: dict[str, Any]) -> tuple[list[dict[str, Any]], list
              "speed-up [middle half]": f"{w['speedup']:.2f}x [{w['spread'][0]:.2f}-{w['spread'][1]:.2f}]",
              "chosen": "<-" if w is result["chosen"] else ""} for w in result["winners"]]
     return rows, wins
-
-
-def knn_agreement(model, images, preprocess, *, batch_size: int = 8, knn_k: int = 20) -> Callable:
-    """``measure(settings) -> [k-NN top-1 agreement with dense, ...]`` over the labelled image set ``images``: one
-    interleaved pass (:func:`attnpatch.evals.vision.run_feature_eval`, dense and every setting), each image's k-NN
-    prediction among the others (``knn_k`` neighbours) compared with dense's."""
-    from ..vision.runner import run_feature_eval
-
-    def measure(settings: list[tuple[str, dict[str, Any]]]) -> list[float]:
-        res = quietly(lambda: run_feature_eval(model, images, preprocess, settings=settings, tasks=("fidelity", "knn"),
-                                               batch_size=batch_size, layer_error_images=0, knn_k=knn_k))
-        return [float(r["knn_agreement"]) for r in res["runs"]]
-
-    return measure
-
-
-def tune_knn_agreement(model, calibration, held_out, preprocess, method: str, *, target: float = 0.99,
-                       given: dict[str, Any] | None = None, batch_size: int = 8, knn_k: int = 20,
-                       max_candidates: int = 24, repeats: int = 5, depths: Sequence[float] = DEFAULT_DEPTHS,
-                       progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """:func:`search_agreement` on k-NN top-1 agreement with dense over the ``calibration`` images, then the chosen
-    setting measured on the disjoint ``held_out`` images (its agreement and speed-up there).
-
-    Args:
-        model: an unpatched ViT encoder; calibration, held_out: labelled image sets (``len``, ``[i]``, ``labels``).
-        preprocess: list of PIL images -> ``[B, 3, R, R]`` at the resolution tuned for.
-        method: a method of :func:`searchable_methods`; given: options every candidate keeps (e.g. ``s`` of ``tome+fna``).
-        target: k-NN top-1 agreement with dense to reach on the calibration split, in ``[0, 1]``.
-        batch_size, knn_k: as ``attnpatch eval knn``; max_candidates, repeats, depths: the search's bounds.
-
-    Returns:
-        :func:`search_agreement`'s result with ``"method"``, ``"tokens"``, ``"calibration"`` and ``"held_out"`` (image
-        counts) and ``"held_out_result"``: ``{"knn_agreement", "knn_top1", "dense_knn_top1", "cls_cosine", "speedup",
-        "speedup_spread"}`` of the chosen setting (``None`` when the exact model was chosen).
-    """
-    from ...patchers.api import model_geometry
-    from ..vision.runner import encode, run_feature_eval, token_count
-
-    if len(calibration) < 2 or len(held_out) < 2:
-        raise OptionError(f"{len(calibration)} calibration and {len(held_out)} held-out images: k-NN agreement needs at "
-                          "least 2 in each")
-    x = preprocess([calibration[i][0] for i in range(min(batch_size, len(calibration)))])
-    tokens = token_count(model, int(x.shape[-1]))
-    fams = families_of(method, model_geometry(model).num_layers, tokens, given, depths)
-    res = search_agreement(model, method, knn_agreement(model, calibration, preprocess, batch_size=batch_size, knn_k=knn_k),
-                           lambda: encode(model, x), target=target, families=fams, max_candidates=max_candidates,
-                           repeats=repeats, progress=progress)
-    chosen = res["chosen"]
-    held = None
-    if not chosen.get("exact"):
-        out = quietly(lambda: run_feature_eval(model, held_out, preprocess, settings=[(method, chosen["options"])],
-                                               tasks=("fidelity", "knn"), batch_size=batch_size, layer_error_images=0,
-                                               knn_k=knn_k))
-        run = out["runs"][0]
-        held = {"knn_agreement": run["knn_agreement"], "knn_top1": run.get("knn_top1"),
-                "dense_knn_top1": out["dense"].get("knn_top1"), "cls_cosine": run.get("cls_cosine"),
-                "speedup": run.get("speedup"), "speedup_spread": run.get("speedup_spread")}
-    return {"method": method, "tokens": tokens, "resolution": int(x.shape[-1]), "calibration": len(calibration),
-            "held_out": len(held_out), **res, "held_out_result": held}
-
-
-def seg_agreement(model, data, preprocess, fitted, *, readout: str = "linear", batch_size: int = 8) -> Callable:
-    """``measure(settings) -> [segmentation prediction agreement with dense, ...]`` over ``data``'s val split: one
-    interleaved pass (:func:`attnpatch.evals.segmentation.run_segmentation` with the read-outs ``fitted`` once on the
-    unpatched model's train features), the share of non-void pixels where a setting predicts what dense predicts."""
-    from ..segmentation import run_segmentation
-
-    def measure(settings: list[tuple[str, dict[str, Any]]]) -> list[float]:
-        res = quietly(lambda: run_segmentation(model, data, preprocess, settings=settings, readouts=(readout,),
-                                               fitted=fitted, batch_size=batch_size, resamples=0, examples=0))
-        return [float(r[readout]["agreement"]) for r in res["runs"]]
-
-    return measure
-
-
-def tune_seg_agreement(model, data, preprocess, method: str, *, target: float = 0.99, given: dict[str, Any] | None = None,
-                       calibration: int | None = None, split_seed: int = 0, batch_size: int = 8,
-                       max_patches: int = 100_000, probe_steps: int = 2000, max_candidates: int = 24, repeats: int = 5,
-                       depths: Sequence[float] = DEFAULT_DEPTHS, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """:func:`search_agreement` on segmentation prediction agreement (linear read-out, fitted once on the unpatched
-    model's train features) over a seeded calibration share of ``data``'s val split; the chosen setting then measured
-    on the rest of val (agreement, mIoU and its difference from dense, speed-up).
-
-    Args:
-        data: a :class:`~attnpatch.evals.segmentation.SegmentationSet`; calibration: val images searched on (default
-            half, in the order ``split_seed`` draws); the others are held out.
-        max_patches, probe_steps: the linear probe's sample and steps (``eval segmentation``'s).
-
-    Returns:
-        As :func:`tune_knn_agreement`; ``"held_out_result"``: ``{"agreement", "miou", "dense_miou", "miou_delta",
-        "speedup", "speedup_spread"}``.
-    """
-    import dataclasses
-
-    import torch
-
-    from ...patchers.api import model_geometry
-    from ..segmentation import fit_readouts, run_segmentation
-
-    n = len(data.val)
-    n_cal = n // 2 if calibration is None else int(calibration)
-    if n_cal < 1 or n - n_cal < 1:
-        raise OptionError(f"{n} val images: the calibration share ({n_cal}) and the held-out rest ({n - n_cal}) need one "
-                          "image each at least")
-    order = torch.randperm(n, generator=torch.Generator().manual_seed(split_seed)).tolist()
-    cal = dataclasses.replace(data, val=data.val.subset(order[:n_cal]))
-    hold = dataclasses.replace(data, val=data.val.subset(order[n_cal:]))
-    fitted = fit_readouts(model, data, preprocess, readouts=("linear",), max_patches=max_patches, batch_size=batch_size,
-                          probe_steps=probe_steps)
-    x = preprocess([cal.val.image(i) for i in range(min(batch_size, n_cal))])
-    from ..vision.runner import token_count
-
-    tokens = token_count(model, int(x.shape[-1]))
-    from ...patchers.adapters import adapter_for
-
-    adapter = adapter_for(model)
-    fams = families_of(method, model_geometry(model).num_layers, tokens, given, depths)
-    res = search_agreement(model, method, seg_agreement(model, cal, preprocess, fitted, batch_size=batch_size),
-                           lambda: adapter.patch_tokens(model, x), target=target, families=fams,
-                           max_candidates=max_candidates, repeats=repeats, progress=progress)
-    chosen = res["chosen"]
-    held = None
-    if not chosen.get("exact"):
-        out = quietly(lambda: run_segmentation(model, hold, preprocess, settings=[(method, chosen["options"])],
-                                               readouts=("linear",), fitted=fitted, batch_size=batch_size, examples=0))
-        run = out["runs"][0]
-        held = {"agreement": run["linear"]["agreement"], "miou": run["linear"]["miou"],
-                "dense_miou": out["dense"]["linear"]["miou"], "miou_delta": run["linear"]["miou_delta"],
-                "speedup": run.get("speedup"), "speedup_spread": run.get("speedup_spread")}
-    return {"method": method, "tokens": tokens, "resolution": int(x.shape[-1]), "calibration": n_cal,
-            "held_out": n - n_cal, "split_seed": split_seed, **res, "held_out_result": held}

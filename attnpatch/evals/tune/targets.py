@@ -1,0 +1,264 @@
+"""What the agreement search (:mod:`.search`) measures, one target each: k-NN top-1 agreement of a ViT's CLS
+features, segmentation prediction agreement of its patch features, zero-shot agreement of a CLIP image tower, and
+RULER scores equal to dense for a causal LM's prefill; each with its ``tune_*`` entry point (calibration split,
+search, held-out report)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ...errors import OptionError
+from ...patchers.api import patched
+from ...timing import quietly
+from .search import DEFAULT_DEPTHS, families_of, search_agreement
+
+__all__ = ["knn_agreement", "tune_knn_agreement", "seg_agreement", "tune_seg_agreement", "zeroshot_agreement",
+           "tune_zeroshot_agreement", "ruler_agreement", "tune_ruler_agreement"]
+
+
+def knn_agreement(model, images, preprocess, *, batch_size: int = 8, knn_k: int = 20) -> Callable:
+    """``measure(settings) -> [k-NN top-1 agreement with dense, ...]`` over the labelled image set ``images``: one
+    interleaved pass (:func:`attnpatch.evals.vision.run_feature_eval`, dense and every setting), each image's k-NN
+    prediction among the others (``knn_k`` neighbours) compared with dense's."""
+    from ..vision.runner import run_feature_eval
+
+    def measure(settings: list[tuple[str, dict[str, Any]]]) -> list[float]:
+        res = quietly(lambda: run_feature_eval(model, images, preprocess, settings=settings, tasks=("fidelity", "knn"),
+                                               batch_size=batch_size, layer_error_images=0, knn_k=knn_k))
+        return [float(r["knn_agreement"]) for r in res["runs"]]
+
+    return measure
+
+
+def tune_knn_agreement(model, calibration, held_out, preprocess, method: str, *, target: float = 0.99,
+                       given: dict[str, Any] | None = None, batch_size: int = 8, knn_k: int = 20,
+                       max_candidates: int = 24, repeats: int = 5, depths: Sequence[float] = DEFAULT_DEPTHS,
+                       progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """:func:`search_agreement` on k-NN top-1 agreement with dense over the ``calibration`` images, then the chosen
+    setting measured on the disjoint ``held_out`` images (its agreement and speed-up there).
+
+    Args:
+        model: an unpatched ViT encoder; calibration, held_out: labelled image sets (``len``, ``[i]``, ``labels``).
+        preprocess: list of PIL images -> ``[B, 3, R, R]`` at the resolution tuned for.
+        method: a method of :func:`searchable_methods`; given: options every candidate keeps (e.g. ``s`` of ``tome+fna``).
+        target: k-NN top-1 agreement with dense to reach on the calibration split, in ``[0, 1]``.
+        batch_size, knn_k: as ``attnpatch eval knn``; max_candidates, repeats, depths: the search's bounds.
+
+    Returns:
+        :func:`search_agreement`'s result with ``"method"``, ``"tokens"``, ``"calibration"`` and ``"held_out"`` (image
+        counts) and ``"held_out_result"``: ``{"knn_agreement", "knn_top1", "dense_knn_top1", "cls_cosine", "speedup",
+        "speedup_spread"}`` of the chosen setting (``None`` when the exact model was chosen).
+    """
+    from ...patchers.api import model_geometry
+    from ..vision.runner import encode, run_feature_eval, token_count
+
+    if len(calibration) < 2 or len(held_out) < 2:
+        raise OptionError(f"{len(calibration)} calibration and {len(held_out)} held-out images: k-NN agreement needs at "
+                          "least 2 in each")
+    x = preprocess([calibration[i][0] for i in range(min(batch_size, len(calibration)))])
+    tokens = token_count(model, int(x.shape[-1]))
+    fams = families_of(method, model_geometry(model).num_layers, tokens, given, depths)
+    res = search_agreement(model, method, knn_agreement(model, calibration, preprocess, batch_size=batch_size, knn_k=knn_k),
+                           lambda: encode(model, x), target=target, families=fams, max_candidates=max_candidates,
+                           repeats=repeats, progress=progress)
+    chosen = res["chosen"]
+    held = None
+    if not chosen.get("exact"):
+        out = quietly(lambda: run_feature_eval(model, held_out, preprocess, settings=[(method, chosen["options"])],
+                                               tasks=("fidelity", "knn"), batch_size=batch_size, layer_error_images=0,
+                                               knn_k=knn_k))
+        run = out["runs"][0]
+        held = {"knn_agreement": run["knn_agreement"], "knn_top1": run.get("knn_top1"),
+                "dense_knn_top1": out["dense"].get("knn_top1"), "cls_cosine": run.get("cls_cosine"),
+                "speedup": run.get("speedup"), "speedup_spread": run.get("speedup_spread")}
+    return {"method": method, "tokens": tokens, "resolution": int(x.shape[-1]), "calibration": len(calibration),
+            "held_out": len(held_out), **res, "held_out_result": held}
+
+
+def seg_agreement(model, data, preprocess, fitted, *, readout: str = "linear", batch_size: int = 8) -> Callable:
+    """``measure(settings) -> [segmentation prediction agreement with dense, ...]`` over ``data``'s val split: one
+    interleaved pass (:func:`attnpatch.evals.segmentation.run_segmentation` with the read-outs ``fitted`` once on the
+    unpatched model's train features), the share of non-void pixels where a setting predicts what dense predicts."""
+    from ..segmentation import run_segmentation
+
+    def measure(settings: list[tuple[str, dict[str, Any]]]) -> list[float]:
+        res = quietly(lambda: run_segmentation(model, data, preprocess, settings=settings, readouts=(readout,),
+                                               fitted=fitted, batch_size=batch_size, resamples=0, examples=0))
+        return [float(r[readout]["agreement"]) for r in res["runs"]]
+
+    return measure
+
+
+def tune_seg_agreement(model, data, preprocess, method: str, *, target: float = 0.99, given: dict[str, Any] | None = None,
+                       calibration: int | None = None, split_seed: int = 0, batch_size: int = 8,
+                       max_patches: int = 100_000, probe_steps: int = 2000, max_candidates: int = 24, repeats: int = 5,
+                       depths: Sequence[float] = DEFAULT_DEPTHS, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """:func:`search_agreement` on segmentation prediction agreement (linear read-out, fitted once on the unpatched
+    model's train features) over a seeded calibration share of ``data``'s val split; the chosen setting then measured
+    on the rest of val (agreement, mIoU and its difference from dense, speed-up).
+
+    Args:
+        data: a :class:`~attnpatch.evals.segmentation.SegmentationSet`; calibration: val images searched on (default
+            half, in the order ``split_seed`` draws); the others are held out.
+        max_patches, probe_steps: the linear probe's sample and steps (``eval segmentation``'s).
+
+    Returns:
+        As :func:`tune_knn_agreement`; ``"held_out_result"``: ``{"agreement", "miou", "dense_miou", "miou_delta",
+        "speedup", "speedup_spread"}``.
+    """
+    import dataclasses
+
+    import torch
+
+    from ...patchers.api import model_geometry
+    from ..segmentation import fit_readouts, run_segmentation
+
+    n = len(data.val)
+    n_cal = n // 2 if calibration is None else int(calibration)
+    if n_cal < 1 or n - n_cal < 1:
+        raise OptionError(f"{n} val images: the calibration share ({n_cal}) and the held-out rest ({n - n_cal}) need one "
+                          "image each at least")
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(split_seed)).tolist()
+    cal = dataclasses.replace(data, val=data.val.subset(order[:n_cal]))
+    hold = dataclasses.replace(data, val=data.val.subset(order[n_cal:]))
+    fitted = fit_readouts(model, data, preprocess, readouts=("linear",), max_patches=max_patches, batch_size=batch_size,
+                          probe_steps=probe_steps)
+    x = preprocess([cal.val.image(i) for i in range(min(batch_size, n_cal))])
+    from ..vision.runner import token_count
+
+    tokens = token_count(model, int(x.shape[-1]))
+    from ...patchers.adapters import adapter_for
+
+    adapter = adapter_for(model)
+    fams = families_of(method, model_geometry(model).num_layers, tokens, given, depths)
+    res = search_agreement(model, method, seg_agreement(model, cal, preprocess, fitted, batch_size=batch_size),
+                           lambda: adapter.patch_tokens(model, x), target=target, families=fams,
+                           max_candidates=max_candidates, repeats=repeats, progress=progress)
+    chosen = res["chosen"]
+    held = None
+    if not chosen.get("exact"):
+        out = quietly(lambda: run_segmentation(model, hold, preprocess, settings=[(method, chosen["options"])],
+                                               readouts=("linear",), fitted=fitted, batch_size=batch_size, examples=0))
+        run = out["runs"][0]
+        held = {"agreement": run["linear"]["agreement"], "miou": run["linear"]["miou"],
+                "dense_miou": out["dense"]["linear"]["miou"], "miou_delta": run["linear"]["miou_delta"],
+                "speedup": run.get("speedup"), "speedup_spread": run.get("speedup_spread")}
+    return {"method": method, "tokens": tokens, "resolution": int(x.shape[-1]), "calibration": n_cal,
+            "held_out": n - n_cal, "split_seed": split_seed, **res, "held_out_result": held}
+
+
+def _routed_tokens(model, forward: Callable[[], Any]) -> int:
+    """Tokens per call the routed attention layers see, from one recorded forward through the ``dense`` method."""
+    from ...patchers.api import record_stats
+
+    with patched(model, "dense"), record_stats(model) as rec:
+        import torch
+
+        with torch.no_grad():
+            forward()
+    layers = rec.forwards[0] if rec.forwards else {}
+    return max((lr.queries for lr in layers.values()), default=0)
+
+
+def zeroshot_agreement(bundle, images, classnames, templates, *, batch_size: int = 32) -> Callable:
+    """``measure(settings) -> [zero-shot top-1 agreement with dense, ...]`` of a CLIP image tower over ``images``
+    (:func:`attnpatch.evals.clip.run_zeroshot_eval`: the share of images whose predicted class equals dense's)."""
+    from ..clip.runner import run_zeroshot_eval
+
+    def measure(settings: list[tuple[str, dict[str, Any]]]) -> list[float]:
+        res = quietly(lambda: run_zeroshot_eval(bundle, images, classnames, templates, settings=settings,
+                                                batch_size=batch_size, ks=(1,), log=lambda *a, **k: None))
+        return [float(r["agreement"]) for r in res["runs"]]
+
+    return measure
+
+
+def tune_zeroshot_agreement(bundle, calibration, held_out, classnames, templates, method: str, *, target: float = 0.99,
+                            given: dict[str, Any] | None = None, batch_size: int = 32, max_candidates: int = 24,
+                            repeats: int = 5, depths: Sequence[float] = DEFAULT_DEPTHS,
+                            progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """:func:`search_agreement` on a CLIP image tower's zero-shot top-1 agreement with dense over the ``calibration``
+    images, the chosen setting then measured on ``held_out`` (``"held_out_result"``: ``{"agreement", "top1",
+    "dense_top1", "speedup", "speedup_spread"}``; ``None`` when the exact model was chosen).  Otherwise as
+    :func:`tune_knn_agreement`."""
+    from ...patchers.api import model_geometry
+    from ..clip.runner import run_zeroshot_eval
+
+    x = bundle.preprocess([calibration[i][0] for i in range(min(batch_size, len(calibration)))])
+    model = bundle.model
+    tokens = _routed_tokens(model, lambda: bundle.encode_image(x))
+    fams = families_of(method, model_geometry(model).num_layers, tokens, given, depths)
+    res = search_agreement(model, method, zeroshot_agreement(bundle, calibration, classnames, templates,
+                                                             batch_size=batch_size),
+                           lambda: bundle.encode_image(x), target=target, families=fams, max_candidates=max_candidates,
+                           repeats=repeats, progress=progress)
+    chosen = res["chosen"]
+    held = None
+    if not chosen.get("exact"):
+        out = quietly(lambda: run_zeroshot_eval(bundle, held_out, classnames, templates,
+                                                settings=[(method, chosen["options"])], batch_size=batch_size, ks=(1,),
+                                                log=lambda *a, **k: None))
+        run = out["runs"][0]
+        held = {"agreement": run["agreement"], "top1": run.get("top1"), "dense_top1": out["dense"].get("top1"),
+                "speedup": run.get("speedup"), "speedup_spread": run.get("speedup_spread")}
+    return {"method": method, "tokens": tokens, "resolution": int(x.shape[-1]), "calibration": len(calibration),
+            "held_out": len(held_out), **res, "held_out_result": held}
+
+
+def ruler_agreement(model, tok, *, tasks: Sequence[str], length: int, samples: int, seed: int) -> Callable:
+    """``measure(settings) -> [share of RULER samples whose score equals dense's, ...]``: one run of
+    :func:`attnpatch.evals.ruler.run_ruler_settings` over ``tasks`` at ``length`` tokens, ``samples`` each from
+    ``seed`` on (greedy generations, dense and every setting on the same prompts)."""
+    from ..ruler.runner import run_ruler_settings
+
+    def measure(settings: list[tuple[str, dict[str, Any]]]) -> list[float]:
+        res = quietly(lambda: run_ruler_settings(model, tok, settings=settings, tasks=list(tasks), lengths=[length],
+                                                 num_samples=samples, seed=seed, recall=False))
+        out = []
+        for run in res["runs"]:
+            rows = [r for c in run["cells"] for r in c["samples"]]
+            out.append(sum(r["patched_score"] == r["dense_score"] for r in rows) / max(1, len(rows)))
+        return out
+
+    return measure
+
+
+def tune_ruler_agreement(model, tok, method: str, *, target: float = 1.0, given: dict[str, Any] | None = None,
+                         tasks: Sequence[str] = ("niah_single", "niah_multikey"), length: int = 4096,
+                         calibration: int = 2, held_out: int = 2, calibration_seed: int = 1000,
+                         max_candidates: int = 12, repeats: int = 5,
+                         progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """:func:`search_agreement` for a causal LM's prefill method on RULER: the share of calibration samples
+    (``calibration`` per task, seeds ``calibration_seed`` on) whose score equals the unpatched model's must reach
+    ``target`` (1.0: every score equal); the method's knob is one value for every layer (one family).  The chosen
+    setting then runs on ``held_out`` samples per task from seed 0 (``eval ruler``'s prompts, disjoint from the
+    calibration seeds): ``"held_out_result"``: ``{"agreement", "dense_acc", "tuned_acc", "prefill_speedup"}``.
+    Timing: the prefill of the first calibration prompt, dense beside the setting in pairs."""
+    import torch
+
+    from ..ruler import tasks as ruler_tasks
+    from ..ruler.runner import run_ruler_settings
+    from ..ruler.text import build_input_ids
+    from ...patchers.api import model_geometry
+
+    sample = ruler_tasks.make_samples(tasks[0], tok, length, 1, seed=calibration_seed)[0]
+    ids = torch.tensor([build_input_ids(tok, sample)])
+    fams = families_of(method, model_geometry(model).num_layers, ids.shape[1], given, per_layer=False)
+    res = search_agreement(model, method, ruler_agreement(model, tok, tasks=tasks, length=length, samples=calibration,
+                                                          seed=calibration_seed),
+                           lambda: model(input_ids=ids, use_cache=False), target=target, families=fams,
+                           max_candidates=max_candidates, repeats=repeats, progress=progress)
+    chosen = res["chosen"]
+    held = None
+    if not chosen.get("exact") and held_out:
+        out = quietly(lambda: run_ruler_settings(model, tok, settings=[(method, chosen["options"])], tasks=list(tasks),
+                                                 lengths=[length], num_samples=held_out, seed=0, recall=False))
+        cells = out["runs"][0]["cells"]
+        rows = [r for c in cells for r in c["samples"]]
+        held = {"agreement": sum(r["patched_score"] == r["dense_score"] for r in rows) / max(1, len(rows)),
+                "dense_acc": sum(r["dense_score"] for r in rows) / max(1, len(rows)),
+                "tuned_acc": sum(r["patched_score"] for r in rows) / max(1, len(rows)),
+                "prefill_speedup": [c.get("prefill_speedup") for c in cells]}
+    return {"method": method, "tokens": int(ids.shape[1]), "calibration": calibration * len(tasks),
+            "held_out": held_out * len(tasks), **res, "held_out_result": held}
