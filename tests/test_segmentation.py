@@ -592,3 +592,14 @@ def test_tune_on_segmentation_agreement_searches_a_val_share_and_reports_the_res
     fitted = fit_readouts(model, voc, pre, readouts=["linear"], max_patches=300, probe_steps=50, batch_size=2)
     got = seg_agreement(model, voc, pre, fitted, batch_size=2)([("fna", {"s": 17, "min_tokens": 0})])
     assert got == [1.0]  # FNA's exact limit agrees on every pixel
+
+
+def test_tome_fna_reads_out_one_feature_per_patch_and_is_dense_at_its_exact_limits(voc):
+    model = _hf_dinov2()
+    pre = square_preprocess((0.5,) * 3, (0.25,) * 3, 56)
+    r = run_segmentation(model, voc, pre, settings=[("tome+fna", {"r": 0, "s": 17, "min_tokens": 0}),
+                                                    ("tome+fna", {"r": 2, "s": 6, "min_tokens": 0, "sample_layer": 0})],
+                         readouts=["linear"], max_patches=300, probe_steps=50, resamples=0, batch_size=2, examples=0)
+    exact, approx = r["runs"]
+    assert exact["linear"]["agreement"] == 1.0 and exact["linear"]["miou"] == r["dense"]["linear"]["miou"]
+    assert 0 <= approx["linear"]["agreement"] <= 1
