@@ -99,10 +99,16 @@ def test_the_agreement_of_the_chosen_setting_is_what_the_calibration_split_measu
     assert list(cal.labels) == list(images.labels[:8]) and len(hold) == 8
     res = tune_knn_agreement(model, cal, hold, pre, "tome", target=0.75, batch_size=4, knn_k=3, max_candidates=6, repeats=3)
     assert len(res["measured"]) <= 6 and res["calibration"] == 8 and res["held_out"] == 8
+    from attnpatch.evals.vision.runner import run_feature_eval
+
     measure = knn_agreement(model, cal, pre, batch_size=4, knn_k=3)
     for w in res["winners"]:
         assert w["agreement"] >= 0.75
         assert measure([("tome", w["options"])]) == [pytest.approx(w["agreement"])]
+        # what eval knn reports as k-NN agreement
+        ev = run_feature_eval(model, cal, pre, settings=[("tome", w["options"])], tasks=("fidelity", "knn"), batch_size=4,
+                              layer_error_images=0, knn_k=3)
+        assert ev["runs"][0]["knn_agreement"] == pytest.approx(w["agreement"])
     if not res["chosen"].get("exact"):
         assert 0.0 <= res["held_out_result"]["knn_agreement"] <= 1.0
     with pytest.raises(OptionError, match="at least 2 in each"):

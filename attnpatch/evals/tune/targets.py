@@ -18,15 +18,34 @@ __all__ = ["knn_agreement", "tune_knn_agreement", "seg_agreement", "tune_seg_agr
 
 
 def knn_agreement(model, images, preprocess, *, batch_size: int = 8, knn_k: int = 20) -> Callable:
-    """``measure(settings) -> [k-NN top-1 agreement with dense, ...]`` over the labelled image set ``images``: one
-    interleaved pass (:func:`attnpatch.evals.vision.run_feature_eval`, dense and every setting), each image's k-NN
-    prediction among the others (``knn_k`` neighbours) compared with dense's."""
-    from ..vision.runner import run_feature_eval
+    """``measure(settings) -> [k-NN top-1 agreement with dense, ...]`` over the labelled image set ``images``: each
+    image's k-NN prediction among the others (``knn_k`` neighbours, :func:`attnpatch.evals.vision.metrics.knn_classify`
+    on the final CLS, as ``eval knn``) compared with dense's.  Dense's features are computed once, at the first call;
+    each call encodes the images under each setting (no timing: the search times its winners apart)."""
+    import numpy as np
+    import torch
+
+    from ..vision.metrics import knn_classify
+    from ..vision.runner import encode
+
+    labels = np.asarray(images.labels)
+    batches = [list(range(i, min(len(images), i + batch_size))) for i in range(0, len(images), batch_size)]
+    dense_pred: list = []
+
+    def features() -> np.ndarray:
+        with torch.no_grad():
+            return torch.cat([encode(model, preprocess([images[i][0] for i in b]))[0] for b in batches]).numpy()
 
     def measure(settings: list[tuple[str, dict[str, Any]]]) -> list[float]:
-        res = quietly(lambda: run_feature_eval(model, images, preprocess, settings=settings, tasks=("fidelity", "knn"),
-                                               batch_size=batch_size, layer_error_images=0, knn_k=knn_k))
-        return [float(r["knn_agreement"]) for r in res["runs"]]
+        if not dense_pred:
+            dense_pred.append(np.asarray(knn_classify(features(), labels, k=knn_k)["predictions"]))
+        out = []
+        for m, o in settings:
+            with patched(model, m, **o):
+                feats = quietly(features)
+            pred = np.asarray(knn_classify(feats, labels, k=knn_k)["predictions"])
+            out.append(float(np.mean(pred == dense_pred[0])))
+        return out
 
     return measure
 
