@@ -112,7 +112,8 @@ def seg_agreement(model, data, preprocess, fitted, *, readout: str = "linear", b
 def tune_seg_agreement(model, data, preprocess, method: str, *, target: float = 0.99, given: dict[str, Any] | None = None,
                        calibration: int | None = None, split_seed: int = 0, batch_size: int = 8,
                        max_patches: int = 100_000, probe_steps: int = 2000, max_candidates: int = 24, repeats: int = 5,
-                       depths: Sequence[float] = DEFAULT_DEPTHS, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+                       depths: Sequence[float] = DEFAULT_DEPTHS, progress: Callable[[str], None] | None = None,
+                       fitted=None) -> dict[str, Any]:
     """:func:`search_agreement` on segmentation prediction agreement (linear read-out, fitted once on the unpatched
     model's train features) over a seeded calibration share of ``data``'s val split; the chosen setting then measured
     on the rest of val (agreement, mIoU and its difference from dense, speed-up).
@@ -121,6 +122,8 @@ def tune_seg_agreement(model, data, preprocess, method: str, *, target: float = 
         data: a :class:`~attnpatch.evals.segmentation.SegmentationSet`; calibration: val images searched on (default
             half, in the order ``split_seed`` draws); the others are held out.
         max_patches, probe_steps: the linear probe's sample and steps (``eval segmentation``'s).
+        fitted: the linear read-out fitted earlier on ``data``'s train split (:func:`~attnpatch.evals.segmentation.fit_readouts`),
+            e.g. shared by the tuning runs of several methods; default: fitted here.
 
     Returns:
         As :func:`tune_knn_agreement`; ``"held_out_result"``: ``{"agreement", "miou", "dense_miou", "miou_delta",
@@ -141,8 +144,9 @@ def tune_seg_agreement(model, data, preprocess, method: str, *, target: float = 
     order = torch.randperm(n, generator=torch.Generator().manual_seed(split_seed)).tolist()
     cal = dataclasses.replace(data, val=data.val.subset(order[:n_cal]))
     hold = dataclasses.replace(data, val=data.val.subset(order[n_cal:]))
-    fitted = fit_readouts(model, data, preprocess, readouts=("linear",), max_patches=max_patches, batch_size=batch_size,
-                          probe_steps=probe_steps)
+    if fitted is None:
+        fitted = fit_readouts(model, data, preprocess, readouts=("linear",), max_patches=max_patches,
+                              batch_size=batch_size, probe_steps=probe_steps)
     x = preprocess([cal.val.image(i) for i in range(min(batch_size, n_cal))])
     from ..vision.runner import token_count
 
