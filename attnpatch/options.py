@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import numbers
 from dataclasses import dataclass
 from typing import Any
@@ -86,7 +87,8 @@ class Option:
         """
         value = self._typed(value)
         if value is not None and not isinstance(value, str) and not self.in_range(value):
-            raise OptionError(f"{self.name}={value!r}: {self.rule or 'must be ' + (self.range_text() or 'a number, not NaN')}")
+            shown = list(value) if isinstance(value, tuple) else value
+            raise OptionError(f"{self.name}={shown!r}: {self.rule or 'must be ' + (self.range_text() or 'a number, not NaN')}")
         return value
 
     def in_range(self, value: Any) -> bool:
@@ -224,9 +226,10 @@ def parse_schedule(value: Any) -> int | tuple[int, ...]:
         TypeError, ValueError: not an integer, a list of integers or such a string.
     """
     if isinstance(value, str):
-        parts = value.replace("/", " ").replace(",", " ").split()
-        if not parts:
-            raise ValueError(value)
+        text = value.strip().removeprefix("[").removesuffix("]").strip()
+        if not text or text[0] in "/," or text[-1] in "/," or re.search(r"[/,]\s*[/,]", text):
+            raise ValueError(value)  # an empty entry: "8,", "/8", "0*4/", "8//8"
+        parts = text.replace("/", " ").replace(",", " ").split()
         listed = any(sep in value for sep in "/, *") or value.strip().startswith("[")
         out: list[int] = []
         for part in parts:

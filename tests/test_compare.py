@@ -428,3 +428,21 @@ def test_the_image_pass_rotates_the_order_of_dense_and_the_settings(vit):
 
     run_image_pass(model, images, pre, encode, [("tome", {"r": 1}), ("fna", {"s": 8})], batch_size=3, warmup=False)
     assert seen == ["dense", "tome", "fna", "tome", "fna", "dense", "fna", "dense", "tome"]
+
+
+def test_exact_token_merging_rows_are_marked_exact_and_off_the_front(vit):
+    model, images, pre = vit
+    res = cmp.compare_vision(model, images, pre, eval="fidelity", match=None, batch_size=3, knn_k=3,
+                             settings=[("tome", {"r": "0"}), ("tome+fna", {"r": "0", "s": "0*2"}), ("tome", {"r": "2"})])
+    dense, t0, c0, t2 = res["rows"]
+    assert t0["exact"] and c0["exact"] and not t2["exact"]
+    assert 1 not in res["pareto_front"] and 2 not in res["pareto_front"]
+    assert cmp.compare_rows(res)[2]["options_text"].startswith("r=0, s=0/0")
+
+
+def test_a_closest_speedup_match_is_held_to_what_it_reached():
+    from attnpatch.evals.compare import runs
+
+    rows = [{"method": "tome", "speedup": 0.78, "speedup_spread": [0.76, 0.80],
+             "match": {"key": "speedup", "status": "closest", "target": 1.3, "reached": 0.77, "knob_options": {"r": 30}}}]
+    assert runs._match_warnings(rows) == []

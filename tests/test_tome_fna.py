@@ -185,7 +185,7 @@ def test_schedule_strings_lists_and_integers():
     assert parse_schedule("[0, 8]") == (0, 8)
     assert parse_schedule([0, 8]) == (0, 8)
     assert parse_schedule(5) == 5
-    for bad in ("a", "8*0", "", True, [1.5]):
+    for bad in ("a", "8*0", "", True, [1.5], "8,", "/8", "0*4/", "8//8"):
         with pytest.raises((TypeError, ValueError)):
             parse_schedule(bad)
 
@@ -242,7 +242,7 @@ def test_schedules_are_checked_against_the_model_before_any_forward():
         patch(model, "fna", s="8/8/8")
     with pytest.raises(OptionError, match="strategy='random'"):
         patch(model, "fna", s="8/8/4/4", strategy="random")
-    with pytest.raises(OptionError, match=r"r=\(0, 0, -2, 0\): must be an integer >= 0"):
+    with pytest.raises(OptionError, match=r"r=\[0, 0, -2, 0\]: must be an integer >= 0"):
         patch(model, "tome", r="0/0/-2/0")
     with pytest.raises(OptionError, match="option s='8/x'"):
         patch(model, "fna", s="8/x")
@@ -263,3 +263,65 @@ def test_a_schedule_saved_in_a_config_file_loads(tmp_path):
         assert torch.equal(_run(model), ref)
     with patched(model, "tome+fna", config=str(path), r="0*4"):  # an option given beside the file wins
         assert not torch.equal(_run(model), ref)
+
+
+def test_the_composition_at_its_exact_setting_everywhere_is_the_unpatched_model():
+    from attnpatch.patchers.registry import get_method
+
+    model = _dinov2()
+    ref = _run(model)
+    every = get_method("tome+fna").exact_everywhere()
+    assert every["r"] == 0
+    with patched(model, "tome+fna", **every):
+        torch.testing.assert_close(_run(model), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_landmarks_sampled_after_merges_fit_the_tokens_left():
+    """s=60 on a later layer of 65 tokens: sampling happens after merges shrank the tokens below 60; the landmarks
+    kept are the first of the sample (a smaller FPS sample), and layers whose s reaches N run exact."""
+    from tiny_models import tiny_dinov2
+
+    model = tiny_dinov2(0, seed=0, num_hidden_layers=4, image_size=112)
+    x = torch.randn(2, 3, 112, 112, generator=torch.Generator().manual_seed(3))
+    for opts in (dict(r=8, s=[8, 0, 8, 60], sample_layer=2), dict(r=8, s=[8, 8, 8, 60], resample=True),
+                 dict(r=[0, 8, 8, 8], s=[60, 8, 8, 8], resample=True)):
+        with patched(model, "tome+fna", min_tokens=0, **opts), record_stats(model) as rec:
+            out = _run(model, x)
+        assert torch.isfinite(out).all()
+        lay = rec.forwards[0]
+        for i in range(4):
+            if lay[i].landmarks is not None:
+                assert lay[i].landmarks.shape[1] == opts["s"][i] < lay[i].queries
+
+
+def test_exact_layers_of_token_merging_are_recorded_as_exact():
+    model = _dinov2()
+    for method, opts in (("tome", dict(r=0)), ("tome+fna", dict(r=0, s="0*4")),
+                         ("tome+fna", dict(r=[0] * 4, s=26, min_tokens=0))):
+        with patched(model, method, **opts), record_stats(model) as rec:
+            _run(model)
+        assert all(rec.forwards[0][i].mode.startswith("dense:") for i in range(4)), (method, opts)
+    with patched(model, "tome", r="0/2/0/0"), record_stats(model) as rec:
+        _run(model)
+    assert [rec.forwards[0][i].mode for i in range(4)] == ["dense:r=0", "tome", "tome", "tome"]
+
+
+def test_a_schedule_entry_below_the_prefix_tokens_is_refused_in_one_line():
+    from tiny_models import tiny_dinov2
+
+    model = tiny_dinov2(4, seed=0, num_hidden_layers=4)  # 4 registers + CLS
+    for method in ("fna", "tome+fna"):
+        with patched(model, method, s="0/0/3/8", min_tokens=0):
+            with pytest.raises(OptionError, match=r"s=3 at layer 2: below this model's 5 prefix tokens"):
+                _run(model)
+
+
+def test_write_config_refuses_what_patch_would_refuse_on_that_model(tmp_path):
+    from attnpatch import model_geometry, write_config
+
+    geo = model_geometry(_dinov2())
+    with pytest.raises(OptionError, match="one entry per attention layer"):
+        write_config(tmp_path / "a.json", "tome+fna", dict(r="2/2", s=8), geo)
+    with pytest.raises(OptionError, match="sample_layer=9"):
+        write_config(tmp_path / "b.json", "tome+fna", dict(r=2, s=8, sample_layer=9), geo)
+    assert not (tmp_path / "a.json").exists() and not (tmp_path / "b.json").exists()

@@ -238,3 +238,27 @@ def test_tune_cli_ruler_agreement_on_a_causal_lm(tmp_path, capsys):
     assert "chosen:" in capsys.readouterr().out
     rc = main(["tune", "--model", str(d), "--kind", "causal_lm", "--target", "knn-agreement=0.9"])
     assert rc != 0 and "fits a ViT; this model is a causal lm" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--method", "tome+fna", "--target", "knn-agreement=0.9", "-o", "r=2"], "r=2: the search sets r, sample_layer itself"),
+    (["--method", "fna", "--target", "knn-agreement=0.9", "-o", "sample_layer=3"], "sample_layer=3: the search sets"),
+    (["--method", "tome", "--target", "knn-agreement=0.9", "--target-cos", "0.9"], "--target-cos: not with --target"),
+    (["--method", "tome", "--target", "knn-agreement=0.9", "--target", "knn-agreement=0.8"], "takes one setting"),
+    (["--method", "tome", "--target", "seg-agreement=0.9"], "reads a VOC or ADE20k segmentation folder"),
+])
+def test_tune_cli_target_refuses_conflicting_input(vit, argv, words, capsys):
+    from attnpatch.cli import main
+
+    model_dir, data, *_ = vit
+    try:
+        rc = main(["tune", "--model", str(model_dir), "--kind", "vision", "--data", str(data), *argv])
+    except SystemExit as e:  # argparse's own errors
+        rc = e.code
+    err = capsys.readouterr().err
+    assert rc != 0 and words in err, err
+
+
+def test_families_keep_given_options_typed():
+    fams = families_of("tome+fna", layers=4, tokens=1025, given={"s": "8", "min_tokens": "0"})
+    assert fams[0].shown(0.5) == {"s": 8, "min_tokens": 0, "r": 64}

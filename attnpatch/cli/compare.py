@@ -4,6 +4,8 @@ one table, one JSON, a Pareto plot (PNG, next to the JSON unless ``--plot``) and
 
 from __future__ import annotations
 
+from typing import Any
+
 import contextlib
 import sys
 
@@ -178,7 +180,7 @@ def _cmd_compare(args) -> int:
         return other_process_exit(store, stop) if store is not None else (130 if stop is not None else 0)
     if stop is not None and result is None:
         return report_interrupted(args, stop, None, None)
-    result.update(model=args.model, machine=machine, complete=stop is None, given=[[m, o] for m, o in settings], dtype=args.dtype,
+    result.update(model=args.model, machine=machine, complete=stop is None, given=[[m, _typed(m, o)] for m, o in settings], dtype=args.dtype,
                   wall_s=time.perf_counter() - t0, world_size=ranks.world_size)
     title += world_note(result)
     if match:
@@ -187,6 +189,14 @@ def _cmd_compare(args) -> int:
     if stop is None and store is not None:
         store.remove()
     return rc
+
+
+def _typed(method: str, options: dict[str, Any]) -> dict[str, Any]:
+    """The options given on the command line, each parsed to its option's type (``"64"`` -> ``64``)."""
+    from ..patchers.registry import get_method, validate_options
+
+    full = validate_options(get_method(method), dict(options))
+    return {k: full.get(k, v) for k, v in options.items()}
 
 
 def _plot(result, path: str, title: str):

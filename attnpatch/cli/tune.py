@@ -226,12 +226,17 @@ def _cmd_tune_agreement(args, kind: str, method: str) -> int:
     import torch
 
     from ..evals.run.report import machine_info, write_json, write_text
-    from ..evals.tune.search import agreement_tables, parse_target, searchable_methods, short_setting
+    from ..evals.tune.search import agreement_line, agreement_tables, parse_target, searchable_methods
     from ..evals.tune.targets import tune_knn_agreement, tune_ruler_agreement, tune_seg_agreement
     from ..patchers.api import model_geometry
     from ..patchers.registry import get_method, write_config
 
     key, target = parse_target(args.target)
+    other = [f for f, v in (("--target-cos", args.target_cos), ("--target-recall", args.target_recall),
+                            ("--target-worst", args.target_worst), ("--prompts", args.prompts)) if v is not None]
+    if other:
+        raise AttnpatchError(f"{', '.join(other)}: not with --target {args.target} (the agreement search has its own "
+                             "target; drop one of the two)")
     causal = key == "ruler-agreement"
     if (kind == "causal_lm") != causal:
         raise AttnpatchError(f"--target {args.target}: fits a {'causal LM' if causal else 'ViT'}; this model is a "
@@ -243,9 +248,10 @@ def _cmd_tune_agreement(args, kind: str, method: str) -> int:
         raise AttnpatchError("--candidate: the agreement search builds its candidates (per-layer families of the method's "
                              "knob); give fixed options with -o NAME=VALUE instead")
     given = parse_options(args.option or [])
+    from ..evals.tune.search import check_given
     from ..patchers.registry import validate_options
 
-    validate_options(get_method(method), given)  # before loading
+    check_given(method, given, per_layer=not causal)  # before loading
     for flag, v in (("--out", args.out), ("--json", args.json), ("--markdown", args.markdown)):
         if v is not None and not v.strip():
             raise AttnpatchError(f"{flag} '': empty; give a file path")
@@ -275,6 +281,12 @@ def _cmd_tune_agreement(args, kind: str, method: str) -> int:
         from ..evals.segmentation import load_segmentation_set, square_preprocess
         from ..patchers.adapters import adapter_for
 
+        from ..evals.segmentation.data import detect_layout
+
+        if args.data is None or detect_layout(args.data) == "datasets":
+            raise AttnpatchError(f"--data {args.data}: --target seg-agreement reads a VOC or ADE20k segmentation folder "
+                                 "(JPEGImages/ + SegmentationClass/, or ADEChallengeData2016/); for a datasets dataset "
+                                 "with image and mask columns, use attnpatch eval segmentation")
         data = load_segmentation_set(args.data)  # every file checked before the model loads
         n_val = len(data.val)
         n_cal = args.calibration_given if args.calibration_given is not None else n_val // 2
@@ -322,27 +334,7 @@ def _cmd_tune_agreement(args, kind: str, method: str) -> int:
     md = _print_rows(rows, title)
     if wins:
         md += "\n\n" + _print_rows(wins, "each family's cheapest setting that meets the target, timed beside dense")
-    h = result["held_out_result"]
-    unit = "samples" if causal else "images"
-    if chosen.get("exact"):
-        line = "chosen: exact (unpatched): no setting met the target faster than the unpatched model on this machine"
-    else:
-        line = (f"chosen: {short_setting(chosen['shown'])} ({chosen['speedup']:.2f}x, agreement {chosen['agreement']:.4f} on "
-                f"the calibration split); held-out ({result['held_out']} {unit}): ")
-        if h is None:
-            line += "not run (--holdout 0)"
-        elif causal:
-            line += (f"scores as dense's {_pct(h['agreement'])}, accuracy dense {_pct(h['dense_acc'])} tuned "
-                     f"{_pct(h['tuned_acc'])}, prefill {', '.join(_fmt(x, '.2f') + 'x' for x in h['prefill_speedup'])}")
-        elif key == "seg-agreement":
-            d = h["miou_delta"]["delta"]
-            line += (f"agreement {_pct(h['agreement'])}, mIoU dense {_pct(h['dense_miou'])} tuned {_pct(h['miou'])} "
-                     f"({'-' if d is None else f'{100 * d:+.2f}'} points)")
-        else:
-            line += (f"k-NN agreement {_pct(h['knn_agreement'])}, top-1 dense {_pct(h['dense_knn_top1'])} tuned "
-                     f"{_pct(h['knn_top1'])}")
-        if h is not None and not causal:
-            line += f", speed {_fmt(h['speedup'], '.2f')}x"
+    line = agreement_line(result, key)
     print(line)
     print(f"wrote {out}  (use: -o config={out})")
     print(f"wrote {report}")
@@ -408,10 +400,12 @@ def add_parser(sub) -> None:
     p.add_argument("--markdown", help="also write the tables as Markdown here")
     p.add_argument("--plot", metavar="PATH", help="PNG path (default: next to the JSON, <json stem>.png): each candidate's "
                    "score vs speed-up, the target, the chosen one")
-    p.add_argument("--target", metavar="KEY=X", help="ViT: tune on downstream agreement instead of the CLS cosine: "
-                   "knn-agreement=X (k-NN top-1 agreement with the unpatched model; --data an image set) or seg-agreement=X "
-                   "(segmentation prediction agreement, linear read-out; --data a segmentation set), on a seeded "
-                   "calibration split, reported on the held-out rest; searches the method's knob per layer")
+    p.add_argument("--target", metavar="KEY=X", action=OneSetting, hint="tune for one target per run",
+                   help="tune on downstream agreement: ViT knn-agreement=X (k-NN top-1 agreement with the unpatched "
+                   "model; --data an image set) or seg-agreement=X (segmentation prediction agreement, linear read-out; "
+                   "--data a VOC / ADE20k segmentation set); causal LM ruler-agreement=X (share of RULER samples scored "
+                   "as dense scores them); on a seeded calibration split, reported on the held-out rest; the method's "
+                   "knob searched per layer (ViT) or on every layer (causal LM)")
     p.add_argument("-o", "--option", action="append", default=[], metavar="NAME=VALUE",
                    help="with --target: an option every candidate keeps (e.g. -o s=64 for tome+fna)")
     p.add_argument("--max-candidates", type=positive_int, default=24,

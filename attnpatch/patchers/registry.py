@@ -155,10 +155,13 @@ def write_config(path: str | Path, method: Method | str, options: dict[str, Any]
 
     Raises:
         UnknownMethodError: ``method`` is a name no method is registered under.
-        OptionError: an option is invalid.
+        OptionError: an option is invalid, or (with ``geometry``) does not fit the model (a layer it lacks, a
+            per-layer schedule of another length).
     """
     if isinstance(method, str):
         method = get_method(method)
     full = validate_options(method, options)
     full.pop("config", None)
+    if geometry is not None and method.check is not None:  # what patch() would refuse on this model, refused now
+        method.check(method.make_config(full), geometry)
     return save_config(path, method.name, full, geometry, **extra)

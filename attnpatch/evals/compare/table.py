@@ -16,6 +16,8 @@ __all__ = ["compare_rows", "compare_columns", "pareto_front", "front_of", "plot_
 
 
 def _fmt_value(v: Any) -> str:
+    if isinstance(v, (tuple, list)):  # a per-layer schedule, as it is written: 0/0/8/8
+        return "/".join(str(x) for x in v)
     return f"{v:g}" if isinstance(v, float) else str(v)
 
 

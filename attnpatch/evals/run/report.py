@@ -191,6 +191,8 @@ _DENSE_WHY = {
     "dense:layer": "dense_layers",
     "dense:s>=N": "every token is a landmark (s >= N)",
     "dense:no-sinks": "no sink token was found, so sink_mask masked nothing",
+    "dense:r=0": "r = 0: nothing merged (tome)",
+    "dense:schedule": "the per-layer schedule leaves the layer exact (0)",
 }
 
 

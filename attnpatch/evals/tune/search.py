@@ -28,8 +28,8 @@ from ...patchers.api import patched
 from ...patchers.registry import get_method, validate_options
 from ...timing import interleaved_speedup, quietly
 
-__all__ = ["Family", "families_of", "search_agreement", "choose", "searchable_methods", "DEFAULT_DEPTHS", "TARGETS",
-           "parse_target", "agreement_tables", "short_setting"]
+__all__ = ["Family", "families_of", "check_given", "search_agreement", "choose", "searchable_methods", "DEFAULT_DEPTHS", "TARGETS",
+           "parse_target", "agreement_tables", "agreement_line", "short_setting"]
 
 #: Start layers of the families, as fractions of the depth: the knob on every layer, from a quarter, from half.
 DEFAULT_DEPTHS = (0.0, 0.25, 0.5)
@@ -74,7 +74,8 @@ def families_of(method: str, layers: int, tokens: int, given: dict[str, Any] | N
     every layer.
 
     Raises:
-        OptionError: a method without a knob, or (``per_layer``) whose knob turns no per-layer option.
+        OptionError: a method without a knob, or (``per_layer``) whose knob turns no per-layer option; ``given``
+            naming an option the search sets (the knob's; ``sample_layer`` with per-layer families).
     """
     meth = get_method(method)
     if meth.knob is None:
@@ -86,7 +87,9 @@ def families_of(method: str, layers: int, tokens: int, given: dict[str, Any] | N
     elif not any(meth.options[k].kind == "int_schedule" for k in keys):
         raise OptionError(f"method {method!r}: its knob ({', '.join(sorted(keys))}) has no per-layer schedule; the agreement "
                           f"search runs on: {', '.join(searchable_methods())}")
-    base = dict(given or {})
+    given = dict(given or {})
+    typed = check_given(method, given, tokens, per_layer)
+    base = {k: typed.get(k, v) for k, v in given.items()}
     for floor in ("min_tokens", "min_len"):
         if floor in meth.options:
             base.setdefault(floor, 0)  # approximate at the calibration size; the exact model is measured beside
@@ -101,6 +104,24 @@ def families_of(method: str, layers: int, tokens: int, given: dict[str, Any] | N
 
         out.append(Family(f"{meth.knob.text.split(',')[0]} from layer {d}", d, options, shown))
     return out
+
+
+def check_given(method: str, given: dict[str, Any], tokens: int = 1025, per_layer: bool = True) -> dict[str, Any]:
+    """The options every candidate keeps, validated (a command line checks them before anything loads); returns them
+    with the method's defaults filled.
+
+    Raises:
+        OptionError: a bad option, or one the search sets itself (the knob's; ``sample_layer`` with per-layer families).
+    """
+    meth = get_method(method)
+    typed = validate_options(meth, dict(given))
+    keys = set(meth.knob.at(0.0, tokens)) if meth.knob is not None else set()
+    searched = keys | ({"sample_layer"} if per_layer and "sample_layer" in meth.options else set())
+    clash = sorted(set(given) & searched)
+    if clash:
+        raise OptionError(f"{', '.join(f'{k}={given[k]}' for k in clash)}: the search sets {', '.join(sorted(searched))} "
+                          "itself (per family); give only the options every candidate keeps")
+    return typed
 
 
 def searchable_methods() -> list[str]:
@@ -257,3 +278,29 @@ def agreement_tables(result: dict[str, Any]) -> tuple[list[dict[str, Any]], list
              "speed-up [middle half]": f"{w['speedup']:.2f}x [{w['spread'][0]:.2f}-{w['spread'][1]:.2f}]",
              "chosen": "<-" if w is result["chosen"] else ""} for w in result["winners"]]
     return rows, wins
+
+
+def agreement_line(result: dict[str, Any], key: str) -> str:
+    """One line on the chosen setting: its speed-up and agreement on the calibration split, and what the held-out
+    split measured (``key``: the ``--target`` key, which says what was measured there)."""
+    chosen, h = result["chosen"], result["held_out_result"]
+    if chosen.get("exact"):
+        return "chosen: exact (unpatched): no setting met the target faster than the unpatched model on this machine"
+    unit = "samples" if key == "ruler-agreement" else "images"
+    line = (f"chosen: {short_setting(chosen['shown'])} ({chosen['speedup']:.2f}x, agreement {chosen['agreement']:.4f} on "
+            f"the calibration split); held-out ({result['held_out']} {unit}): ")
+    if h is None:
+        return line + "not run (--holdout 0)"
+    pct = (lambda v: "-" if v is None else f"{100 * v:.1f}%")  # noqa: E731
+    if key == "ruler-agreement":
+        return line + (f"scores as dense's {pct(h['agreement'])}, accuracy dense {pct(h['dense_acc'])} tuned "
+                       f"{pct(h['tuned_acc'])}, prefill "
+                       + ", ".join("-" if x is None else f"{x:.2f}x" for x in h["prefill_speedup"]))
+    if key == "seg-agreement":
+        d = h["miou_delta"]["delta"]
+        line += (f"agreement {pct(h['agreement'])}, mIoU dense {pct(h['dense_miou'])} tuned {pct(h['miou'])} "
+                 f"({'-' if d is None else f'{100 * d:+.2f}'} points)")
+    else:
+        line += (f"k-NN agreement {pct(h['knn_agreement'])}, top-1 dense {pct(h['dense_knn_top1'])} tuned "
+                 f"{pct(h['knn_top1'])}")
+    return line + ("" if h.get("speedup") is None else f", speed {h['speedup']:.2f}x")

@@ -390,7 +390,8 @@ def exact_note(modes) -> str | None:
     modes = exact_modes(modes)
     if not modes:
         return None
-    why = {"dense:s>=N": "s >= N tokens", "dense:short": "N below min_tokens (the break-even length)"}
+    why = {"dense:s>=N": "s >= N tokens", "dense:short": "N below min_tokens (the break-even length)",
+           "dense:r=0": "r = 0 (nothing merged)", "dense:schedule": "every layer 0 in the schedule"}
     return "exact attention: " + "; ".join(why.get(m, m.removeprefix("dense:")) for m in modes)
 
 

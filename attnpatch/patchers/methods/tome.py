@@ -31,7 +31,7 @@ from ..contract import ExactLimit, Knob, Method, ModelGeometry
 from ..registry import register_method
 from ..state import LayerContext, LayerRecord
 
-__all__ = ["ToMeConfig", "tome_forward", "tome_block", "check_tome", "current_sizes", "TOME"]
+__all__ = ["ToMeConfig", "tome_forward", "tome_block", "tome_mode", "check_tome", "current_sizes", "TOME"]
 
 
 @dataclass(frozen=True)
@@ -91,13 +91,19 @@ def current_sizes(cfg: ToMeConfig, k: torch.Tensor, ctx: LayerContext) -> torch.
     return size
 
 
+def tome_mode(cfg: ToMeConfig, size: torch.Tensor | None, ctx: LayerContext) -> str:
+    """The record mode of a ToMe block: ``"dense:r=0"`` where it merges nothing and no earlier block merged (the
+    block is the model's own), else ``"tome"``."""
+    return "dense:r=0" if size is None and cfg.r_at(ctx.layer) == 0 else "tome"
+
+
 def tome_forward(cfg: ToMeConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: LayerContext):
     """One block's attention under ToMe: proportional attention over the current (merged) tokens,
     and the block's keys averaged over heads kept as the merge metric for :func:`tome_block`."""
     b, h, n, _ = q.shape
     size = current_sizes(cfg, k, ctx)
     out = proportional_attention(q, repeat_kv(k, h), repeat_kv(v, h), size if cfg.proportional else None, scale=ctx.scale)
-    rec = LayerRecord(ctx.layer, "tome", n, n)
+    rec = LayerRecord(ctx.layer, tome_mode(cfg, size, ctx), n, n)
     if ctx.record:
         n0 = int(ctx.shared("tome")["n0"])
         rec.causal_pairs = torch.full((b, h), float(n0 * n0), dtype=torch.float64)

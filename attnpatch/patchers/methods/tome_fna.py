@@ -28,7 +28,7 @@ from ..contract import ExactLimit, Knob, Method, ModelGeometry
 from ..registry import register_method
 from ..state import LayerContext, LayerRecord
 from .fna import FNA, FNAConfig, check_fna, exact_reason, fna_core, prepare_fna
-from .tome import TOME, ToMeConfig, check_tome, current_sizes, tome_block
+from .tome import TOME, ToMeConfig, check_tome, current_sizes, tome_block, tome_mode
 
 __all__ = ["TOME_FNA", "ToMeFNAConfig", "tome_fna_forward", "tome_fna_block"]
 
@@ -61,19 +61,19 @@ def _check(cfg: ToMeFNAConfig, geo: ModelGeometry) -> None:
 
 def tome_fna_forward(cfg: ToMeFNAConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: LayerContext):
     """One block's attention: FNA with the ``log(size)`` key bias where the block's tokens still exceed FNA's limits
-    (recorded ``"tome+fna"``), ToMe's exact proportional attention elsewhere (recorded ``"tome"``, as ``tome`` does);
+    (recorded ``"tome+fna"``), ToMe's exact proportional attention elsewhere (recorded as ``tome`` records it);
     keeps the block's merge metric for :func:`tome_fna_block`."""
     b, h, n, _ = q.shape
     size = current_sizes(cfg.tome, k, ctx)
     out = None
     # once tokens are merged, blocks falling below s is what merging does: said only before any merge
-    if exact_reason(cfg.fna, q, k, ctx, say=size is None) is None:
+    if exact_reason(cfg.fna, q, k, ctx, say=size is None, name="tome+fna") is None:
         bias = None if size is None or not cfg.tome.proportional else size.float().log().to(q.dtype)
         out, rec = fna_core(cfg.fna, q, k, v, ctx, mode="tome+fna", key_bias=bias)
     if out is None:
         out = proportional_attention(q, repeat_kv(k, h), repeat_kv(v, h), size if cfg.tome.proportional else None,
                                      scale=ctx.scale)
-        rec = LayerRecord(ctx.layer, "tome", n, n)
+        rec = LayerRecord(ctx.layer, tome_mode(cfg.tome, size, ctx), n, n)
         if ctx.record:
             rec.kept_pairs = torch.full((b, h), float(n * n), dtype=torch.float64)
     if ctx.record:
@@ -123,7 +123,7 @@ TOME_FNA = register_method(
         key_padding=False,
         token_roles=TOME.token_roles | FNA.token_roles,
         exact_limit_decl=ExactLimit(_exact, at_least=("s",), text="r = 0 and s >= N",
-                                    everywhere={"min_tokens": 2**31 - 1}),
+                                    everywhere={"r": 0, "min_tokens": 2**31 - 1}),
         token_map=True,
         knob=Knob("r, N/8 down to 0 tokens per block (FNA's options as given)", _knob),
         small_settings={"vision": dict(r=2, s=6, sample_layer=0, min_tokens=0)},

@@ -64,6 +64,10 @@ def _fna_landmarks(cfg: FNAConfig, k: torch.Tensor, ctx: LayerContext) -> tuple[
         st["landmarks"] = torch.zeros(b, _sampled(cfg, k.shape[2]), dtype=torch.long, device=k.device)
         st["sampled_at"] = torch.full((b,), -1, dtype=torch.long)
         st["all_active"] = False
+    width = _sampled(cfg, k.shape[2])
+    if st["landmarks"].shape[1] > width:
+        # fewer tokens than when the buffer was made (a merge ran since): the first landmarks, an FPS sample of that size
+        st["landmarks"] = st["landmarks"][:, :width].contiguous()
     if st["all_active"] and not cfg.resample:
         return st["landmarks"], active.clone(), True
     if cfg.sample_layer != "auto" and not cfg.resample:  # every row samples at sample_layer, at once
@@ -96,7 +100,8 @@ def _fna_landmarks(cfg: FNAConfig, k: torch.Tensor, ctx: LayerContext) -> tuple[
     return (st["landmarks"] if every or bool(active.any()) else None), active.clone(), every
 
 
-def exact_reason(cfg: FNAConfig, q: torch.Tensor, k: torch.Tensor, ctx: LayerContext, say: bool = True) -> str | None:
+def exact_reason(cfg: FNAConfig, q: torch.Tensor, k: torch.Tensor, ctx: LayerContext, say: bool = True,
+                 name: str = "fna") -> str | None:
     """Why a call on ``q`` ``[B, H, N, D]`` runs exact attention whatever the layer (``"dense:short"``: below
     ``min_tokens``, :func:`min_tokens_for`; ``"dense:s>=N"``: every token would be a landmark, said once;
     ``"dense:schedule"``: a per-layer ``s`` of 0), or ``None``; shared with ``fna+sink_mask`` and ``tome+fna``."""
@@ -104,11 +109,15 @@ def exact_reason(cfg: FNAConfig, q: torch.Tensor, k: torch.Tensor, ctx: LayerCon
     s = cfg.s_at(ctx.layer)
     if s == 0:
         return "dense:schedule"
+    if s < ctx.prefix_tokens:
+        raise OptionError(f"{name}: s={s} at layer {ctx.layer}: below this model's {ctx.prefix_tokens} prefix tokens (CLS "
+                          "and registers), which are always landmarks; give s >= the prefix tokens, or 0 to leave the "
+                          "layer exact")
     if n < min_tokens_for(cfg, q, k):
         return "dense:short"
     if s >= n:
         if say:
-            ctx.say(f"fna: s={s} >= N={n} tokens, so Nyström attention is exact attention; running exact attention")
+            ctx.say(f"{name}: s={s} >= N={n} tokens, so Nyström attention is exact attention; running exact attention")
         return "dense:s>=N"
     return None
 
