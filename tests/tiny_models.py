@@ -182,3 +182,46 @@ def timm_vit_tiny(*, seed: int | None = 0, **overrides: Any):
     if seed is not None:
         torch.manual_seed(seed)
     return timm.create_model("vit_tiny_patch16_224", **{"pretrained": False, "img_size": 64, "num_classes": 0, **overrides}).eval()
+
+
+# --------------------------------------------------------------------------- vision-language models
+
+#: The language model of every tiny VLM: a 2-layer Llama-shaped decoder, hidden 64, 4 heads (2 KV heads), vocab 256.
+VLM_TEXT = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=512)
+#: The vision tower of the CLIP-tower VLMs (LLaVA, LLaVA-NeXT) and of Idefics3 / SmolVLM: 2 layers, hidden 32, 2 heads,
+#: 32 px at patch 8 (16 patches).
+VLM_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=32, patch_size=8)
+VLM_FAMILIES = ("llava", "llava_next", "idefics3", "smolvlm", "qwen2_vl")
+
+
+def tiny_vlm(family: str, *, seed: int | None = 0):
+    """A random tiny VLM of ``family`` (:data:`VLM_FAMILIES`), in eval mode: its language model :data:`VLM_TEXT`
+    (Qwen2-VL: the same sizes with M-RoPE), its vision tower :data:`VLM_VISION` (Qwen2-VL: depth 2, width 32, patch 8,
+    2x2 merge); image token id 255."""
+    import transformers as tf
+
+    if seed is not None:
+        torch.manual_seed(seed)
+    text = tf.LlamaConfig(**VLM_TEXT).to_dict()
+    if family == "llava":
+        cfg = tf.LlavaConfig(vision_config=tf.CLIPVisionConfig(**VLM_VISION).to_dict(), text_config=text,
+                             image_token_index=255, vision_feature_layer=-1)
+        return tf.LlavaForConditionalGeneration(cfg).eval()
+    if family == "llava_next":
+        cfg = tf.LlavaNextConfig(vision_config=tf.CLIPVisionConfig(**VLM_VISION).to_dict(), text_config=text,
+                                 image_token_index=255, vision_feature_layer=-1, image_grid_pinpoints=[[32, 32], [32, 64]])
+        return tf.LlavaNextForConditionalGeneration(cfg).eval()
+    if family in ("idefics3", "smolvlm"):
+        cls_cfg, cls = ((tf.Idefics3Config, tf.Idefics3ForConditionalGeneration) if family == "idefics3"
+                        else (tf.SmolVLMConfig, tf.SmolVLMForConditionalGeneration))
+        return cls(cls_cfg(vision_config=dict(VLM_VISION), text_config=text, image_token_id=255, scale_factor=2)).eval()
+    if family == "qwen2_vl":
+        cfg = tf.Qwen2VLConfig(
+            vision_config=dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, patch_size=8, spatial_merge_size=2,
+                               in_chans=3, temporal_patch_size=2),
+            text_config={**{k: v for k, v in VLM_TEXT.items() if k != "max_position_embeddings"},
+                         "rope_scaling": {"type": "mrope", "mrope_section": [2, 2, 4]}, "bos_token_id": 0, "eos_token_id": 1},
+            image_token_id=255, video_token_id=254, vision_start_token_id=253)
+        return tf.Qwen2VLForConditionalGeneration(cfg).eval()
+    raise ValueError(f"family={family!r}: one of {', '.join(VLM_FAMILIES)}")

@@ -110,19 +110,18 @@ def block_of(model: torch.nn.Module, name: str) -> torch.nn.Module | None:
 def prefix_tokens(model: torch.nn.Module, kind: str) -> int:
     """CLS + register tokens of a Hugging Face ViT encoder (token roles FNA and sink masking need); 0 for causal LMs and text towers.
 
-    A vision tower without a class token (SigLIP: ``*.embeddings`` holds no ``cls_token`` /
-    ``class_embedding``; it pools with an attention head) has no CLS prefix.
+    Read from the model's structure, never assumed: a class token is a ``cls_token`` / ``class_embedding`` parameter
+    (DINOv2, ViT, CLIP); registers are the vision config's ``num_register_tokens``.  A vision tower without a class
+    token (SigLIP, which pools with an attention head; the vision towers of Qwen2-VL and Idefics3 / SmolVLM, which
+    hand every patch to the language model) has none.
     """
     if kind != "vision":
         return 0
     cfg = model.config
     vcfg = getattr(cfg, "vision_config", None) or cfg
     registers = int(getattr(vcfg, "num_register_tokens", 0) or 0)
-    names = [n for n, _ in model.named_parameters() if not n.startswith("text_model.")]
-    has_cls = any(n.endswith(("cls_token", "class_embedding")) for n in names)
-    if not has_cls and "siglip" in str(getattr(vcfg, "model_type", "")):
-        return registers
-    return 1 + registers
+    has_cls = any(n.endswith(("cls_token", "class_embedding")) for n, _ in model.named_parameters())
+    return int(has_cls) + registers
 
 
 def vision_config(model: torch.nn.Module) -> Any:
