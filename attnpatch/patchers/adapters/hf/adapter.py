@@ -19,7 +19,8 @@ from .attention import ATTN_NAME, forget_eager_config, register_attention, remem
 from .blocks import HF_TOKEN_READOUT_MODELS, hf_block_forwards
 from .images import hf_image_pipeline, image_processor_config, interpolate_kwargs, pooled, vision_patch_tokens
 from .modules import (
-    attention_modules, block_of, prefix_tokens, routed_in, routed_modules, stack_of, sub_config_key, tower_kind, towers_of, vision_config,
+    attention_modules, block_of, prefix_tokens, routed_in, routed_modules, stack_of, sub_config_key, tower_kind, towers_of,
+    check_dispatch, vision_config,
 )
 
 __all__ = ["HFAdapter"]
@@ -66,6 +67,7 @@ class HFAdapter:
             return None
         mods = attention_modules(model)
         if not mods:
+            check_dispatch(model, [])  # attention it cannot route is refused by name, not passed over
             return None
         causal = {bool(getattr(m, "is_causal", False)) for _, m in mods}
         return "causal_lm" if causal == {True} else "vision"
@@ -147,19 +149,18 @@ class HFAdapter:
 
     @staticmethod
     def check(handle: PatchHandle) -> None:
-        """For a method with a block hook (ToMe): the model must read its output from the class token
-        (:data:`HF_TOKEN_READOUT_MODELS`) and every routed block
-        be one the patch can split; nothing else beyond what :meth:`apply` verifies (the method checks
-        its own options against :meth:`geometry`).
+        """Every attention of the routed blocks must dispatch through transformers (:func:`~.modules.check_dispatch`).
+        For a method with a block hook (ToMe): the model must read its output from the class token
+        (:data:`HF_TOKEN_READOUT_MODELS`) and every routed block be one the patch can split.
 
         Raises:
-            UnsupportedModelError: another model class (e.g. ``Dinov2ForImageClassification``, which
-                averages the patch tokens) or block class.
+            UnsupportedModelError: attention that does not dispatch; another model class (e.g.
+                ``Dinov2ForImageClassification``, which averages the patch tokens) or block class.
         """
+        model, name = handle.model, type(handle.model).__name__
+        check_dispatch(model, routed_modules(handle))
         if handle.method.block_hook is None:
             return
-        model = handle.model
-        name = type(model).__name__
         if name not in HF_TOKEN_READOUT_MODELS:
             raise UnsupportedModelError(
                 f"method {handle.method.name!r} merges tokens, so a model's read-out must take the class token (or every "

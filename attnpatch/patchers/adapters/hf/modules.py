@@ -1,7 +1,11 @@
 """Where a Hugging Face model's attention lives: its attention modules, towers, blocks and prefix tokens.
 
-An attention module is one whose ``forward`` dispatches through ``ALL_ATTENTION_FUNCTIONS.get_interface``
-(read from its source once per class).  Towers: a module whose config is a ``vision_config`` /
+An attention module is one whose ``forward`` calls transformers' attention dispatch: it loads the global
+``ALL_ATTENTION_FUNCTIONS`` (``ALL_ATTENTION_FUNCTIONS.get_interface(...)`` or ``ALL_ATTENTION_FUNCTIONS[...]``), read
+from the compiled code of the (unwrapped) ``forward`` and the functions it defines, once per class: what the code
+calls, not how its source is worded.  A module that looks like attention (query, key and value projections) but does
+not dispatch is listed by :func:`undispatched_attention`, so a patch can refuse it by name instead of skipping it.
+Towers: a module whose config is a ``vision_config`` /
 ``text_config`` sub-config (``config.base_config_key``) belongs to the ``"vision"`` / ``"text"`` tower;
 any other to ``"text"`` if causal and to ``"vision"`` otherwise (ViTs).
 """
@@ -16,21 +20,55 @@ import torch
 from ...runtime import PatchHandle
 
 __all__ = [
-    "attention_modules", "towers_of", "tower_kind", "routed_in", "routed_modules", "sub_config_key", "stack_of", "block_of",
+    "attention_modules", "undispatched_attention", "check_dispatch", "towers_of", "tower_kind", "routed_in", "routed_modules", "sub_config_key", "stack_of", "block_of",
     "prefix_tokens", "vision_config",
 ]
 
 _DISPATCH_CLASSES: dict[type, bool] = {}
+#: The global transformers' attention modules dispatch through (``AttentionInterface``'s mapping).
+DISPATCH_NAME = "ALL_ATTENTION_FUNCTIONS"
+#: Child names of query / key / value projections (fused or not), across the model families.
+_PROJECTIONS = ({"q_proj", "k_proj", "v_proj"}, {"query", "key", "value"}, {"qkv"}, {"qkv_proj"}, {"in_proj"},
+                {"to_q", "to_k", "to_v"}, {"c_attn"}, {"Wqkv"}, {"query_key_value"})
+
+
+def _names_loaded(code) -> set[str]:
+    """Global and attribute names a code object and the code objects it defines (closures, comprehensions) load."""
+    out = set(code.co_names)
+    for const in code.co_consts:
+        if inspect.iscode(const):
+            out |= _names_loaded(const)
+    return out
 
 
 def _dispatches_through_interface(cls: type) -> bool:
     if cls not in _DISPATCH_CLASSES:
-        try:
-            src = inspect.getsource(cls.forward)
-        except (OSError, TypeError):
-            src = ""
-        _DISPATCH_CLASSES[cls] = "get_interface(" in src and "ALL_ATTENTION_FUNCTIONS" in src
+        fn = inspect.unwrap(getattr(cls, "forward", None) or (lambda: None))
+        code = getattr(fn, "__code__", None)
+        _DISPATCH_CLASSES[cls] = code is not None and DISPATCH_NAME in _names_loaded(code)
     return _DISPATCH_CLASSES[cls]
+
+
+def _looks_like_attention(module: torch.nn.Module) -> bool:
+    """Query, key and value projections among the module's direct children (any family's names)."""
+    names = {n for n, c in module.named_children() if isinstance(c, torch.nn.Linear)}
+    return any(p <= names for p in _PROJECTIONS)
+
+
+def undispatched_attention(model: torch.nn.Module, routed: list[tuple[str, torch.nn.Module]]) -> list[tuple[str, type]]:
+    """``(name, class)`` of the modules in the routed attention modules' blocks that look like attention (query, key
+    and value projections) but do not call transformers' attention dispatch: their attention would not be routed,
+    so a patch refuses them naming the class rather than leaving them exact without a word."""
+    blocks = {id(b): b for b in (block_of(model, n) for n, _ in routed) if b is not None}
+    blocks = blocks or {id(model): model}  # no block found: the whole model
+    seen = {id(m) for _, m in routed}
+    out = []
+    for n, m in model.named_modules():
+        if id(m) in seen or _dispatches_through_interface(type(m)) or not _looks_like_attention(m):
+            continue
+        if any(m is sub for b in blocks.values() for sub in b.modules()):
+            out.append((n, type(m)))
+    return out
 
 
 def attention_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
@@ -51,6 +89,23 @@ def _tower_of(module: torch.nn.Module, image_model: bool) -> str:
     if bool(getattr(module, "is_causal", False)):
         return "text"
     return "vision" if image_model else "text"
+
+
+def check_dispatch(model: torch.nn.Module, routed: list[tuple[str, torch.nn.Module]]) -> None:
+    """Refuse a model whose routed blocks hold attention the patch cannot route (:func:`undispatched_attention`).
+
+    Raises:
+        UnsupportedModelError: naming the class, one of its modules, and what is supported.
+    """
+    stray = undispatched_attention(model, routed)
+    if stray:
+        from ....errors import UnsupportedModelError
+
+        classes = sorted({c.__name__ for _, c in stray})
+        raise UnsupportedModelError(
+            f"{type(model).__name__}: {', '.join(classes)} ({stray[0][0]}{' and others' if len(stray) > 1 else ''}) has "
+            f"query, key and value projections but does not call transformers' attention dispatch ({DISPATCH_NAME}), "
+            "so the patch cannot route its attention; supported are attention modules that dispatch through it")
 
 
 def towers_of(model: torch.nn.Module) -> dict[str, list[tuple[str, torch.nn.Module]]]:
