@@ -1,4 +1,4 @@
-"""Command line: ``attnpatch methods``, ``models``, ``eval ruler``, ``eval {fidelity,knn,linear-probe,retrieval}``,
+"""Command line: ``attnpatch methods``, ``models``, ``eval ruler``, ``eval generate``, ``eval {fidelity,knn,linear-probe,retrieval}``,
 ``eval {zeroshot,clip-retrieval}`` (CLIP), ``eval segmentation``,
 ``eval {lm-eval,clip-benchmark}`` (the harnesses), ``sinks``, ``bench {attention,capture,model}``, ``compare``, ``tune``.
 
@@ -25,7 +25,7 @@ from .bench import cmd_bench_attention, cmd_bench_capture, cmd_bench_model  # no
 from .clip import cmd_eval_clip  # noqa: F401
 from .methods import cmd_methods, cmd_models  # noqa: F401
 from .output import check_outputs, slug  # noqa: F401
-from .ruler import cmd_eval_ruler  # noqa: F401
+from .ruler import cmd_eval_generate, cmd_eval_ruler  # noqa: F401
 from .runtime import resolve_device  # noqa: F401
 from .sinks import cmd_sinks  # noqa: F401
 from .vision import VISION_EVALS, cmd_eval_vision  # noqa: F401
@@ -41,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     pe = sub.add_parser("eval", help="run an eval, dense vs patched")
     esub = pe.add_subparsers(dest="eval", required=True)
     ruler.add_parser(esub)
+    ruler.add_generate_parser(esub)  # generate: greedy generations, dense vs patched
     vision.add_parser(esub)  # fidelity, knn, linear-probe, retrieval, segmentation
     clip.add_parser(esub)  # zeroshot, clip-retrieval
     harness.add_parser(esub)  # lm-eval, clip-benchmark

@@ -242,3 +242,87 @@ def causal_prompts(args, tok, prompt_files) -> tuple[list, str]:
         s = ruler_tasks.make_samples(task, tok, args.length, 1, seed=CALIBRATION_SEED + i)[0]
         out.append(torch.tensor([build_input_ids(tok, s)]))
     return out, f"{len(out)} embedded NIAH prompt(s) of {args.length} tokens (seeds {CALIBRATION_SEED}+)"
+
+
+def cmd_eval_generate(args) -> int:
+    """``attnpatch eval generate``: greedy generations dense and under each setting on the same prompts."""
+    import time
+
+    import torch
+
+    from ..checkpoints import check_lengths, load_causal_lm
+    from ..evals.generate import run_generate, text_inputs
+    from ..evals.generate.table import GENERATE_COLUMNS, generate_rows, plot_generate
+    from ..evals.run.plots import plot_path
+    from ..evals.run.report import machine_info, print_table, rows_to_markdown, write_json, write_text
+    from ..evals.ruler import tasks as ruler_tasks
+    from ..evals.ruler.text import build_input_ids
+    from .args import unique_settings
+
+    t0 = time.perf_counter()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    settings = unique_settings(args.method, args.option)
+    for m, _ in settings:
+        check_fits(m, "causal_lm")
+    from ..patchers.registry import get_method, validate_options
+
+    for m, o in settings:
+        validate_options(get_method(m), o)  # before loading
+    files = read_prompt_files(args.prompts) if args.prompts else None
+    if files is None:
+        check_lengths(args.model, [args.length], "--length")
+    path = args.json or f"generate_{slug(args.model)}.json"
+    png = str(plot_path(path, args.plot))
+    check_outputs(("--json", path), ("--plot", png), ("--markdown", args.markdown))
+    model, tok = load_causal_lm(args.model)
+    if files is not None:
+        inputs = text_inputs(tok, [t for _, t in files], [str(f) for f, _ in files])
+        source = f"{len(inputs)} prompt file(s) from {args.prompts}"
+    else:
+        from ..evals.generate import GenerationInput
+
+        inputs = []
+        for i in range(args.samples):
+            task = NIAH_TASKS[i % len(NIAH_TASKS)]
+            s = ruler_tasks.make_samples(task, tok, args.length, 1, seed=args.seed + i)[0]
+            ids = torch.tensor([build_input_ids(tok, s)])
+            inputs.append(GenerationInput(f"{task} seed {args.seed + i}", {"input_ids": ids, "attention_mask": torch.ones_like(ids)}))
+        source = f"{len(inputs)} NIAH prompt(s) of {args.length} tokens (seeds {args.seed}+)"
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    result = run_generate(model, inputs, settings=settings, max_new_tokens=args.max_new_tokens, pad_token_id=pad,
+                          decode=lambda ids: tok.decode(ids, skip_special_tokens=True),
+                          progress=lambda d, t: print(f"[{d}/{t}] prompts", file=sys.stderr, flush=True))
+    result.update(model=args.model, source=source, machine=machine_info(), wall_s=time.perf_counter() - t0)
+    title = f"generation agreement — {args.model} — {source}, {args.max_new_tokens} new tokens, greedy"
+    rows = generate_rows(result)
+    print_table(rows, GENERATE_COLUMNS, title=title)
+    write_json(path, result)
+    print(f"wrote {path}")
+    drawn = plot_generate(result, png, title)
+    if drawn:
+        print(f"wrote {drawn}")
+    if args.markdown:
+        write_text(args.markdown, f"### {title}\n\n" + rows_to_markdown(rows, GENERATE_COLUMNS) + "\n")
+        print(f"wrote {args.markdown}")
+    return 0
+
+
+def add_generate_parser(esub) -> None:
+    """Register ``eval generate`` on the ``eval`` subparsers."""
+    p = esub.add_parser("generate", help="greedy generations dense vs patched: token agreement, first divergence, exact "
+                        "match, time to first token, decode speed")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="catalogue name, local directory or hub id (default: %(default)s)")
+    p.add_argument("--method", nargs="+", action=Repeatable, required=True, metavar="METHOD[:NAME=VALUE,...]",
+                   help="settings compared with dense (e.g. anchor_attention:preset=accurate)")
+    p.add_argument("-o", "--option", action="append", default=[], metavar="NAME=VALUE", help="option for every method")
+    p.add_argument("--prompts", help="a .txt file or a folder of .txt files, one prompt each (default: NIAH prompts of --length tokens)")
+    p.add_argument("--length", type=positive_int, default=4096, help="tokens of the default NIAH prompts (default: %(default)s)")
+    p.add_argument("--samples", type=positive_int, default=4, help="default NIAH prompts, the four NIAH tasks cycled (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-new-tokens", type=positive_int, default=32, help="greedy generation budget per prompt (default: %(default)s)")
+    p.add_argument("--json", help="result JSON (default: generate_<model>.json)")
+    p.add_argument("--plot", metavar="PATH", help="agreement vs time-to-first-token speed-up PNG (default: next to the JSON)")
+    p.add_argument("--markdown", help="also write the table as Markdown here")
+    p.add_argument("--threads", type=positive_int, help="torch CPU threads")
+    p.set_defaults(func=cmd_eval_generate)
