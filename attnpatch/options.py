@@ -87,7 +87,7 @@ class Option:
         """
         value = self._typed(value)
         if value is not None and not isinstance(value, str) and not self.in_range(value):
-            shown = list(value) if isinstance(value, tuple) else value
+            shown = list(value) if isinstance(value, tuple) and self.kind == "int_schedule" else value
             raise OptionError(f"{self.name}={shown!r}: {self.rule or 'must be ' + (self.range_text() or 'a number, not NaN')}")
         return value
 
