@@ -9,7 +9,7 @@ from typing import Any, Sequence
 from ..errors import AttnpatchError
 
 __all__ = [
-    "DEFAULT_MODEL", "DEFAULT_VISION_MODEL", "DEFAULT_CLIP_MODEL", "parse_options", "method_spec", "unique_settings",
+    "DEFAULT_MODEL", "DEFAULT_VISION_MODEL", "DEFAULT_CLIP_MODEL", "parse_options", "method_spec", "unique_settings", "checked_settings",
     "check_fits", "Parser", "OneSetting",
     "Repeatable", "positive_int", "nonnegative_int", "fraction", "positive_seconds",
 ]
@@ -51,6 +51,18 @@ def unique_settings(specs: Sequence[str], common: Sequence[str]) -> list[tuple[s
             raise AttnpatchError(f"--method {m} with options {o or '{}'} is given twice")
         seen.add(key)
     return out
+
+
+def checked_settings(specs: Sequence[str], common: Sequence[str], kind: str) -> list[tuple[str, dict[str, Any]]]:
+    """:func:`unique_settings`, each method checked to fit ``kind`` (:func:`check_fits`) and its options validated, before
+    any model loads (the options are kept as given)."""
+    from ..patchers.registry import get_method, validate_options
+
+    settings = unique_settings(specs, common)
+    for m, o in settings:
+        check_fits(m, kind)
+        validate_options(get_method(m), o)
+    return settings
 
 
 def check_fits(method: str, kind: str) -> None:

@@ -257,18 +257,12 @@ def cmd_eval_generate(args) -> int:
     from ..evals.run.report import machine_info, print_table, rows_to_markdown, write_json, write_text
     from ..evals.ruler import tasks as ruler_tasks
     from ..evals.ruler.text import build_input_ids
-    from .args import unique_settings
+    from .args import checked_settings
 
     t0 = time.perf_counter()
     if args.threads:
         torch.set_num_threads(args.threads)
-    settings = unique_settings(args.method, args.option)
-    for m, _ in settings:
-        check_fits(m, "causal_lm")
-    from ..patchers.registry import get_method, validate_options
-
-    for m, o in settings:
-        validate_options(get_method(m), o)  # before loading
+    settings = checked_settings(args.method, args.option, "causal_lm")  # before loading
     files = read_prompt_files(args.prompts) if args.prompts else None
     if files is None:
         check_lengths(args.model, [args.length], "--length")

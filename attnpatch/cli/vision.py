@@ -3,7 +3,7 @@ segmentation``: semantic segmentation on frozen patch features."""
 
 from __future__ import annotations
 
-from .args import DEFAULT_VISION_MODEL, Repeatable, check_fits, method_spec, nonnegative_int, positive_float, positive_int, unique_settings
+from .args import DEFAULT_VISION_MODEL, Repeatable, checked_settings, method_spec, nonnegative_int, positive_float, positive_int
 from .output import check_outputs, image_progress, json_path, plot_file, report, report_interrupted, world_note
 from .runtime import load_kwargs, open_store, other_process_exit, rank_log, scale_out_args
 
@@ -146,15 +146,11 @@ def cmd_eval_segmentation(args) -> int:
     from ..evals.segmentation.table import segmentation_columns, segmentation_rows
     from ..evals.vision.preprocess import fit_resolution
     from ..patchers.adapters import adapter_for
-    from ..patchers.registry import get_method, validate_options
 
     t0 = time.perf_counter()
     if args.threads:
         torch.set_num_threads(args.threads)
-    settings = unique_settings(args.method, args.option)
-    for m, o in settings:
-        check_fits(m, "vision")
-        validate_options(get_method(m), o)  # fail before loading anything
+    settings = checked_settings(args.method, args.option, "vision")  # fail before loading anything
     check_dense_methods([m for m, _ in settings])
     if args.head:
         from ..evals.segmentation.heads import read_head
