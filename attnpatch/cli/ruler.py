@@ -253,11 +253,11 @@ def cmd_eval_generate(args) -> int:
     from ..checkpoints import check_lengths, load_causal_lm
     from ..evals.generate import run_generate, text_inputs
     from ..evals.generate.table import GENERATE_COLUMNS, generate_rows, plot_generate
-    from ..evals.run.plots import plot_path
-    from ..evals.run.report import machine_info, print_table, rows_to_markdown, write_json, write_text
+    from ..evals.run.report import machine_info
     from ..evals.ruler import tasks as ruler_tasks
     from ..evals.ruler.text import build_input_ids
     from .args import checked_settings
+    from .output import json_path, plot_file, report
 
     t0 = time.perf_counter()
     if args.threads:
@@ -266,9 +266,7 @@ def cmd_eval_generate(args) -> int:
     files = read_prompt_files(args.prompts) if args.prompts else None
     if files is None:
         check_lengths(args.model, [args.length], "--length")
-    path = args.json or f"generate_{slug(args.model)}.json"
-    png = str(plot_path(path, args.plot))
-    check_outputs(("--json", path), ("--plot", png), ("--markdown", args.markdown))
+    check_outputs(("--json", json_path(args)), ("--plot", plot_file(args)), ("--markdown", args.markdown))
     model, tok = load_causal_lm(args.model)
     if files is not None:
         inputs = text_inputs(tok, [t for _, t in files], [str(f) for f, _ in files])
@@ -289,17 +287,7 @@ def cmd_eval_generate(args) -> int:
                           progress=lambda d, t: print(f"[{d}/{t}] prompts", file=sys.stderr, flush=True))
     result.update(model=args.model, source=source, machine=machine_info(), wall_s=time.perf_counter() - t0)
     title = f"generation agreement — {args.model} — {source}, {args.max_new_tokens} new tokens, greedy"
-    rows = generate_rows(result)
-    print_table(rows, GENERATE_COLUMNS, title=title)
-    write_json(path, result)
-    print(f"wrote {path}")
-    drawn = plot_generate(result, png, title)
-    if drawn:
-        print(f"wrote {drawn}")
-    if args.markdown:
-        write_text(args.markdown, f"### {title}\n\n" + rows_to_markdown(rows, GENERATE_COLUMNS) + "\n")
-        print(f"wrote {args.markdown}")
-    return 0
+    return report(args, title, generate_rows(result), GENERATE_COLUMNS, result, plot=plot_generate)
 
 
 def add_generate_parser(esub) -> None:
@@ -315,7 +303,7 @@ def add_generate_parser(esub) -> None:
     p.add_argument("--samples", type=positive_int, default=4, help="default NIAH prompts, the four NIAH tasks cycled (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-new-tokens", type=positive_int, default=32, help="greedy generation budget per prompt (default: %(default)s)")
-    p.add_argument("--json", help="result JSON (default: generate_<model>.json)")
+    p.add_argument("--json", help="result JSON (default: generate_<model>_<methods>.json)")
     p.add_argument("--plot", metavar="PATH", help="agreement vs time-to-first-token speed-up PNG (default: next to the JSON)")
     p.add_argument("--markdown", help="also write the table as Markdown here")
     p.add_argument("--threads", type=positive_int, help="torch CPU threads")
