@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 
+from attnpatch.patchers import handle_of
 from attnpatch import ModelNotFoundError, OptionError, UnsupportedModelError, is_patched, patch, patch_info, patched, record_stats, unpatch
 from attnpatch.cli import main
 from attnpatch.clip_models import ClipBundle, hf_clip_tokenizer_from_open_clip, load_clip, open_clip_to_hf
@@ -191,7 +192,7 @@ def test_one_forward_state_per_call(tiny_pair):
         assert all(torch.equal(f[li].landmarks, lm) for li in (2, 3))  # sampled once, reused
     _, hf, proc = tiny_pair
     with patched(hf, "fna", s=9, sample_layer=1), record_stats(hf) as rec:
-        assert hf._attnpatch_handle.prefix_tokens == 1
+        assert handle_of(hf).prefix_tokens == 1
         with torch.no_grad():
             hf.get_image_features(pixel_values=X64)
             hf.vision_model(pixel_values=X64)
@@ -281,7 +282,7 @@ def test_siglip_vision_tower_has_no_cls_prefix():
     with torch.no_grad():
         ref, ref_t = model.get_image_features(pixel_values=X64).pooler_output, model.get_text_features(input_ids=ids).pooler_output
     with pytest.warns(UserWarning, match="s=64 >= N=64"), patched(model, "fna", s=64):
-        h = model._attnpatch_handle
+        h = handle_of(model)
         assert h.prefix_tokens == 0 and h.tower_kinds == {"text": "text", "vision": "vision"} and h.towers == ("vision",)
         with torch.no_grad():
             torch.testing.assert_close(model.get_image_features(pixel_values=X64).pooler_output, ref, rtol=1e-4, atol=1e-4)
@@ -301,7 +302,7 @@ def test_single_tower_models_keep_their_towers():
         patch(lm, "anchor_attention", towers="vision")
     vit = tiny_dinov2(seed=None, hidden_size=32, num_hidden_layers=2, intermediate_size=64, image_size=28)
     with patched(vit, "fna", s=3):
-        assert patch_info(vit)["towers"] == ["vision"] and vit._attnpatch_handle.prefix_tokens == 1
+        assert patch_info(vit)["towers"] == ["vision"] and handle_of(vit).prefix_tokens == 1
 
 
 # --------------------------------------------------------------------------- load_clip

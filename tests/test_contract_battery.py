@@ -44,7 +44,8 @@ import pytest
 import torch
 
 from attnpatch import OptionError, UnsupportedModelError, is_patched, patch, patched, record_stats, unpatch
-from attnpatch.patchers.api import _tower_kinds, find_adapter
+from attnpatch.patchers.adapter import tower_kinds as adapter_tower_kinds
+from attnpatch.patchers.api import find_adapter
 from attnpatch.patchers.methods import discover
 from attnpatch.patchers.contract import Method
 from attnpatch.patchers.registry import METHODS, get_method
@@ -205,7 +206,7 @@ def tower_kinds(name: str) -> dict[str, str]:
     """Tower -> kind, as the model's adapter reports it (what ``patch()`` checks methods against)."""
     model = built(name).model
     adapter, kind = find_adapter(model)
-    return dict(_tower_kinds(adapter, model, kind))
+    return dict(adapter_tower_kinds(adapter, model, kind))
 
 
 def battery_cases(fitting: bool = True) -> list[tuple[str, str, str]]:

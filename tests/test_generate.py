@@ -80,3 +80,65 @@ def test_eval_generate_cli_on_prompt_files(tiny_lm_dir, tmp_path, capsys):
     assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
     rc = main(["eval", "generate", "--model", str(tiny_lm_dir), "--method", "fna"])
     assert rc != 0
+
+
+def _tiny_llava_folder(tmp_path):
+    """A tiny random LLaVA saved with a processor built here (a word-level tokenizer whose ``<image>`` is id 255, a
+    32 px CLIP image processor): what ``load_vlm`` reads, without any hub."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import CLIPImageProcessor, LlavaProcessor, PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, 255)}, "<image>": 255}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                                   pad_token="</s>", extra_special_tokens={"image_token": "<image>"})
+    fast.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    assert fast.convert_tokens_to_ids("<image>") == 255
+    images = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    processor = LlavaProcessor(image_processor=images, tokenizer=fast, patch_size=8, vision_feature_select_strategy="default",
+                               image_token="<image>", num_additional_image_tokens=1)
+    folder = tmp_path / "tiny-llava"
+    tiny_vlm("llava").save_pretrained(folder)
+    processor.save_pretrained(folder)
+    return folder
+
+
+def test_eval_generate_cli_on_a_vlm_with_one_method_per_tower(tmp_path, capsys):
+    import json
+
+    import numpy as np
+    from PIL import Image
+
+    from attnpatch.cli import main
+
+    folder = _tiny_llava_folder(tmp_path)
+    data = tmp_path / "images" / "any"
+    data.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for i in range(2):
+        Image.fromarray(rng.integers(0, 255, (40, 48, 3), dtype=np.uint8)).save(data / f"{i}.png")
+    out = tmp_path / "gen.json"
+    vision = "vision=fna:s=4,sample_layer=0,min_tokens=0"
+    text = "text=anchor_attention:block_size=16,init_block=16,local_window=16,min_len=0,theta=-1e9"
+    rc = main(["eval", "generate", "--model", str(folder), "--images", str(tmp_path / "images"), "--samples", "2",
+               "--max-new-tokens", "3", "--method", vision, f"{vision}+{text}", "--json", str(out),
+               "--markdown", str(tmp_path / "gen.md")])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert res["n_inputs"] == 2 and all(t > 16 for t in res["prompt_tokens"])  # 16 image tokens + the question
+    only_vision, both = res["runs"]
+    assert only_vision["per_tower"] == {"vision": "fna"} and both["per_tower"] == {"vision": "fna", "text": "anchor_attention"}
+    assert "fna" in only_vision["modes"] and {"fna", "sparse"} <= set(both["modes"])
+    table = (tmp_path / "gen.md").read_text()
+    assert "| vision=fna (s=4, sample_layer=0, min_tokens=0) + text=anchor_attention (block_size=16, " in table
+
+
+def test_eval_generate_cli_refuses_a_bad_tower_setting_before_loading(tmp_path, capsys):
+    from attnpatch.cli import main
+
+    for bad, words in [("eyes=fna", "'eyes' is not a tower; a VLM's towers are vision, text"),
+                       ("vision=anchor_attention", "method 'anchor_attention' does not fit a vision model"),
+                       ("vision=fna+vision=nystromformer", "the vision tower is given twice")]:
+        rc = main(["eval", "generate", "--model", str(tmp_path / "none"), "--images", str(tmp_path), "--method", bad])
+        assert rc != 0 and words in capsys.readouterr().err, bad

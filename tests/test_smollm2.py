@@ -21,7 +21,7 @@ def test_niah_single_2k_patched_not_below_dense(smollm2):
     assert cell["patched_acc"] >= cell["dense_acc"]
     assert 0.02 < cell["sparsity"] < 1.0  # the preset really skips work (4.2 % at 2k with pool_stride=2)
     assert 0.9 < cell["recall_mean"] <= 1.0
-    assert not hasattr(model, "_attnpatch_handle")  # left unpatched
+    assert not hasattr(model, "_attnpatch_patches")  # left unpatched
 
 
 def test_defaults_run_the_models_own_attention_below_the_break_even_length(smollm2):

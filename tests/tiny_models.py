@@ -225,3 +225,39 @@ def tiny_vlm(family: str, *, seed: int | None = 0):
             image_token_id=255, video_token_id=254, vision_start_token_id=253)
         return tf.Qwen2VLForConditionalGeneration(cfg).eval()
     raise ValueError(f"family={family!r}: one of {', '.join(VLM_FAMILIES)}")
+
+
+def vlm_inputs(family: str, model, *, text: int = 40, seed: int = 0, padded: bool = False) -> dict:
+    """One prompt for :func:`tiny_vlm` ``family``: ``text`` random text tokens around one 32 px image's tokens (as many
+    as the model's own ``get_image_features`` gives), with the family's pixel inputs (LLaVA-NeXT: 2 tiles and
+    ``image_sizes``; Idefics3 / SmolVLM: ``[1, 1, 3, 32, 32]``, and with ``padded`` a ``pixel_attention_mask`` whose
+    right half is padding; Qwen2-VL: 16 flattened patches, ``image_grid_thw`` and ``mm_token_type_ids``)."""
+    g = torch.Generator().manual_seed(seed)
+    inner = model.model
+    extra: dict = {}
+    if family == "llava":
+        extra["pixel_values"] = torch.randn(1, 3, 32, 32, generator=g)
+    elif family == "llava_next":
+        extra.update(pixel_values=torch.randn(1, 2, 3, 32, 32, generator=g), image_sizes=torch.tensor([[32, 32]]))
+    elif family in ("idefics3", "smolvlm"):
+        extra["pixel_values"] = torch.randn(1, 1, 3, 32, 32, generator=g)
+        if padded:
+            mask = torch.ones(1, 1, 32, 32, dtype=torch.bool)
+            mask[..., 16:] = False
+            extra["pixel_attention_mask"] = mask
+    elif family == "qwen2_vl":
+        extra.update(pixel_values=torch.randn(16, 3 * 2 * 8 * 8, generator=g), image_grid_thw=torch.tensor([[1, 4, 4]]))
+    else:
+        raise ValueError(f"family={family!r}: one of {', '.join(VLM_FAMILIES)}")
+    with torch.no_grad():
+        out = inner.get_image_features(**extra)
+    feats = out.pooler_output if getattr(out, "pooler_output", None) is not None else out
+    feats = list(feats) if isinstance(feats, (list, tuple)) else [feats]
+    count = sum(f.shape[:-1].numel() for f in feats)
+    ids = torch.randint(3, 250, (1, text), generator=g)
+    image = torch.full((1, count), 255)
+    start = torch.tensor([[253]]) if family == "qwen2_vl" else torch.empty(1, 0, dtype=torch.long)
+    ids = torch.cat([ids[:, :2], start, image, ids[:, 2:]], 1)
+    if family == "qwen2_vl":
+        extra["mm_token_type_ids"] = (ids == 255).long()
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), **extra}

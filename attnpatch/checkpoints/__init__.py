@@ -67,7 +67,7 @@ from .from_onnx import (
     dinov2_image_processor,
     dinov2_state_dict_from_onnx,
 )
-from .load import BACKENDS, load_causal_lm, load_vision_model, prepare
+from .load import BACKENDS, load_causal_lm, load_vision_model, load_vlm, prepare
 from .timm_dinov2 import TIMM_DINOV2_SMALL, timm_pos_embed_plain_bicubic, dinov2_hf_to_timm_state_dict
 
 __all__ = [
@@ -94,6 +94,7 @@ __all__ = [
     "dinov2_state_dict_from_onnx",
     "load_causal_lm",
     "load_vision_model",
+    "load_vlm",
     "model_context",
     "model_dir",
     "onnx_path",

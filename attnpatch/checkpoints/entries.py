@@ -173,7 +173,7 @@ def catalogue_names(kind: str) -> list[str]:
     return [n for n, e in CATALOGUE.items() if e.kind == kind]
 
 
-LOADER = {"causal_lm": "load_causal_lm", "vision": "load_vision_model"}
+LOADER = {"causal_lm": "load_causal_lm", "vision": "load_vision_model", "vlm": "load_vlm"}
 
 
 def check_kind(name: str, kind: str) -> None:

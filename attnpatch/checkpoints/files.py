@@ -196,6 +196,7 @@ _KIND_WORDS = {
     "causal_lm": ("a causal LM", "load_causal_lm (CLI: attnpatch eval ruler)"),
     "vision": ("a ViT image encoder", "load_vision_model (CLI: attnpatch eval fidelity|knn|linear-probe|retrieval)"),
     "clip": ("a CLIP-style dual encoder", "attnpatch.clip_models.load_clip (CLI: attnpatch eval zeroshot|clip-retrieval)"),
+    "vlm": ("a vision-language model", "load_vlm (CLI: attnpatch eval generate --images)"),
 }
 
 
@@ -256,7 +257,8 @@ def check_model_files(folder: str | os.PathLike, fix: str = "re-save or re-downl
 
 def config_kind(folder: Path) -> tuple[str | None, str]:
     """``(kind, architecture)`` a saved model's ``config.json`` declares: ``"clip"`` (a dual encoder),
-    ``"causal_lm"``, ``"vision"`` (a ViT image encoder), or ``None`` when it cannot tell."""
+    ``"causal_lm"``, ``"vision"`` (a ViT image encoder), ``"vlm"`` (a vision-language model: an image-text-to-text
+    ``...ForConditionalGeneration`` with a vision and a text config), or ``None`` when it cannot tell."""
     try:
         cfg = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -268,6 +270,8 @@ def config_kind(folder: Path) -> tuple[str | None, str]:
     arch = archs[0] if archs else (mtype or "?")
     if mtype.endswith("_vision_model") or any(a.endswith(("VisionModel", "VisionModelWithProjection")) for a in archs):
         return "vision", arch  # e.g. CLIPVisionModel: the image tower alone is a ViT image encoder
+    if "vision_config" in cfg and "text_config" in cfg and any(a.endswith("ForConditionalGeneration") for a in archs):
+        return "vlm", arch
     if mtype in _CLIP_TYPES or ("vision_config" in cfg and "text_config" in cfg) or any("CLIP" in a or "Siglip" in a for a in archs):
         return "clip", arch
     if any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs):

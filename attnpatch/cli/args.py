@@ -10,7 +10,7 @@ from ..errors import AttnpatchError
 
 __all__ = [
     "DEFAULT_MODEL", "DEFAULT_VISION_MODEL", "DEFAULT_CLIP_MODEL", "parse_options", "method_spec", "unique_settings", "checked_settings",
-    "check_fits", "Parser", "OneSetting",
+    "tower_settings", "check_fits", "Parser", "OneSetting",
     "Repeatable", "positive_int", "nonnegative_int", "fraction", "positive_seconds",
 ]
 
@@ -63,6 +63,54 @@ def checked_settings(specs: Sequence[str], common: Sequence[str], kind: str) -> 
         check_fits(m, kind)
         validate_options(get_method(m), o)
     return settings
+
+
+#: The towers of a VLM a per-tower setting names, and the kind of model each is.
+VLM_TOWERS = {"vision": "vision", "text": "causal_lm"}
+
+
+def tower_settings(specs: Sequence[str], common: Sequence[str]) -> list[tuple[Any, dict[str, Any]]]:
+    """Settings for a VLM, checked before it loads: ``vision=fna:s=32+text=anchor_attention:preset=accurate`` is one
+    setting with one method per tower (``TOWER=METHOD[:NAME=VALUE,...]`` parts joined by ``+``; ``-o`` options are not
+    applied to them), returned as ``({tower: (method, options)}, {})``; a plain ``METHOD[:...]`` routes the tower its
+    method fits (a vision method the vision tower, a causal-LM method the language model).
+
+    Raises:
+        AttnpatchError: an unknown tower, a tower named twice, a method that does not fit its tower, a setting given twice.
+        UnknownMethodError / OptionError: an unknown method or a bad option.
+    """
+    import re
+
+    from ..patchers.registry import get_method, validate_options
+
+    out, seen = [], set()
+    for spec in specs:
+        if re.match(r"^[A-Za-z_]+=", spec):
+            per: dict[str, tuple[str, dict[str, Any]]] = {}
+            for part in re.split(r"\+(?=[A-Za-z_]+=)", spec):
+                tower, _, rest = part.partition("=")
+                if tower not in VLM_TOWERS:
+                    raise AttnpatchError(f"--method {spec}: {tower!r} is not a tower; a VLM's towers are "
+                                         f"{', '.join(VLM_TOWERS)} (TOWER=METHOD[:NAME=VALUE,...], joined by '+')")
+                if tower in per:
+                    raise AttnpatchError(f"--method {spec}: the {tower} tower is given twice")
+                m, o = method_spec(rest, [])
+                check_fits(m, VLM_TOWERS[tower])
+                validate_options(get_method(m), o)
+                per[tower] = (m, o)
+            setting: tuple[Any, dict[str, Any]] = ({t: per[t] for t in VLM_TOWERS if t in per}, {})
+        else:
+            m, o = method_spec(spec, common)
+            tower = "vision" if get_method(m).fits("vision") else "text"
+            check_fits(m, VLM_TOWERS[tower])
+            validate_options(get_method(m), o)
+            setting = ({tower: (m, o)}, {})
+        key = repr(sorted((t, m, sorted(o.items())) for t, (m, o) in setting[0].items()))
+        if key in seen:
+            raise AttnpatchError(f"--method {spec}: the same setting is given twice")
+        seen.add(key)
+        out.append(setting)
+    return out
 
 
 def check_fits(method: str, kind: str) -> None:

@@ -192,6 +192,8 @@ def add_parser(esub) -> None:
 CALIBRATION_SEED = 1000
 #: The tasks of the embedded calibration prompts (cycled) and of the held-out check.
 NIAH_TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery")
+#: The question ``eval generate --images`` asks of each image without ``--prompts``.
+DEFAULT_QUESTION = "Describe this image in one sentence."
 
 
 def read_prompt_files(path: str) -> list[tuple[Path, str]]:
@@ -256,24 +258,37 @@ def cmd_eval_generate(args) -> int:
     from ..evals.run.report import machine_info
     from ..evals.ruler import tasks as ruler_tasks
     from ..evals.ruler.text import build_input_ids
-    from .args import checked_settings
+    from .args import checked_settings, tower_settings
     from .output import json_path, plot_file, report
 
     t0 = time.perf_counter()
     if args.threads:
         torch.set_num_threads(args.threads)
-    settings = checked_settings(args.method, args.option, "causal_lm")  # before loading
+    vlm = args.images is not None
+    # before loading; a VLM's settings name their towers (tower_settings)
+    settings = tower_settings(args.method, args.option) if vlm else checked_settings(args.method, args.option, "causal_lm")
     files = read_prompt_files(args.prompts) if args.prompts else None
-    if files is None:
+    if files is None and not vlm:
         check_lengths(args.model, [args.length], "--length")
     check_outputs(("--json", json_path(args)), ("--plot", plot_file(args)), ("--markdown", args.markdown))
-    model, tok = load_causal_lm(args.model)
-    if files is not None:
+    if vlm:
+        from ..checkpoints import load_vlm
+        from ..evals.generate import image_inputs, load_images
+
+        images = load_images(args.images, args.samples)  # a bad folder fails before the model loads
+        model, processor = load_vlm(args.model)
+        tok = processor.tokenizer
+        prompts = [t for _, t in files] if files else [DEFAULT_QUESTION]
+        inputs = image_inputs(processor, [im for _, im in images], prompts, [n for n, _ in images])
+        source = f"{len(inputs)} image(s) from {args.images}, " + (f"{len(prompts)} prompt file(s)" if files else repr(DEFAULT_QUESTION))
+    elif files is not None:
+        model, tok = load_causal_lm(args.model)
         inputs = text_inputs(tok, [t for _, t in files], [str(f) for f, _ in files])
         source = f"{len(inputs)} prompt file(s) from {args.prompts}"
     else:
         from ..evals.generate import GenerationInput
 
+        model, tok = load_causal_lm(args.model)
         inputs = []
         for i in range(args.samples):
             task = NIAH_TASKS[i % len(NIAH_TASKS)]
@@ -298,9 +313,14 @@ def add_generate_parser(esub) -> None:
     p.add_argument("--method", nargs="+", action=Repeatable, required=True, metavar="METHOD[:NAME=VALUE,...]",
                    help="settings compared with dense (e.g. anchor_attention:preset=accurate)")
     p.add_argument("-o", "--option", action="append", default=[], metavar="NAME=VALUE", help="option for every method")
-    p.add_argument("--prompts", help="a .txt file or a folder of .txt files, one prompt each (default: NIAH prompts of --length tokens)")
+    p.add_argument("--prompts", help="a .txt file or a folder of .txt files, one prompt each (default: NIAH prompts of --length "
+                   "tokens; with --images one question, asked of each image)")
+    p.add_argument("--images", metavar="DIR", help="a VLM run: the first --samples images of this imagefolder, one input each "
+                   "(--model a saved VLM and its processor); a --method may then name its towers: "
+                   "vision=fna+text=anchor_attention:preset=accurate")
     p.add_argument("--length", type=positive_int, default=4096, help="tokens of the default NIAH prompts (default: %(default)s)")
-    p.add_argument("--samples", type=positive_int, default=4, help="default NIAH prompts, the four NIAH tasks cycled (default: %(default)s)")
+    p.add_argument("--samples", type=positive_int, default=4, help="default NIAH prompts, the four NIAH tasks cycled; with --images, "
+                   "the images (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-new-tokens", type=positive_int, default=32, help="greedy generation budget per prompt (default: %(default)s)")
     p.add_argument("--json", help="result JSON (default: generate_<model>_<methods>.json)")

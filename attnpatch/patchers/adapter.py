@@ -20,11 +20,13 @@ from typing import TYPE_CHECKING, Any, Protocol, Sequence, runtime_checkable
 
 import torch
 
+from ..errors import OptionError
+
 if TYPE_CHECKING:  # annotations only: no import at run time
     from .contract import ModelGeometry
     from .runtime import PatchHandle
 
-__all__ = ["Adapter", "PreprocessConfig"]
+__all__ = ["Adapter", "PreprocessConfig", "KIND_NOTE", "tower_kinds", "routed_kind", "choose_towers"]
 
 
 @dataclass(frozen=True)
@@ -148,3 +150,56 @@ class Adapter(Protocol):
 
     def embed_text(self, model: torch.nn.Module, tokens: Any) -> torch.Tensor:
         """Projected text embeddings ``[T, D]`` of a dual encoder (not normalised); raises ``UnsupportedModelError`` otherwise."""
+
+
+# --------------------------------------------------------------------------- towers (what patch() routes)
+
+KIND_NOTE = {
+    "vision": " (bidirectional attention; this method is causal-only)",
+    "text": (
+        " (a text encoder: BERT-style bidirectional, or CLIP's / SigLIP's text transformer; the approximate methods "
+        "are built for ViT image tokens (CLS + patches) and causal LM prefill, so only 'dense' fits it)"
+    ),
+}
+
+
+def tower_kinds(adapter: "Adapter", model: torch.nn.Module, kind: str) -> dict[str, str]:
+    """Every tower of ``model`` and its kind, in model order (one tower of the detected kind if the adapter lists none)."""
+    kinds = dict(adapter.towers(model))
+    return kinds or {("vision" if kind == "vision" else "text"): kind}
+
+
+def routed_kind(kinds: dict[str, str], chosen: tuple[str, ...]) -> str:
+    """The kind of the routed towers: the model's one kind, or the chosen towers' kinds joined by ``+`` (``"vision+text"``)."""
+    if len(kinds) == 1:
+        (only,) = kinds.values()
+        return only
+    return "+".join(dict.fromkeys(kinds[t] for t in chosen))
+
+
+def choose_towers(model: torch.nn.Module, adapter: "Adapter", kinds: dict[str, str], towers: Any) -> tuple[str, ...]:
+    """Validate ``towers`` (``None``, ``"all"``, a name, or a sequence of names) against ``kinds``.
+
+    Raises:
+        OptionError: an empty selection, a value that is not a tower name, or a tower the model lacks.
+    """
+    default = tuple(adapter.default_towers(model))
+    allowed = ", ".join(map(repr, kinds))
+    where = f"{type(model).__name__} has the tower(s) {allowed} (default: {', '.join(map(repr, default))}; 'all' = every tower)"
+    if towers is None:
+        return default
+    names = [towers] if isinstance(towers, str) else towers
+    try:
+        names = list(names)
+    except TypeError:
+        raise OptionError(f"towers={towers!r}: expected a tower name or a sequence of names; {where}") from None
+    if any(not isinstance(t, str) for t in names):
+        raise OptionError(f"towers={towers!r}: tower names must be strings; {where}")
+    if names == ["all"]:
+        return tuple(kinds)
+    if not names:
+        raise OptionError(f"towers={towers!r}: empty; {where}")
+    bad = [t for t in names if t not in kinds]
+    if bad:
+        raise OptionError(f"towers={towers!r}: {', '.join(map(repr, bad))} is not a tower of this model; {where}")
+    return tuple(t for t in kinds if t in names)  # model order, no duplicates

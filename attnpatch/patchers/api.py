@@ -10,18 +10,19 @@ adapters, the runtime and the methods never import it.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
 from typing import Any, Callable, Iterator
 
 import torch
 
 from ..errors import OptionError, PatchStateError, UnsupportedModelError
-from .adapter import Adapter
+from .adapter import KIND_NOTE, Adapter, choose_towers, routed_kind, tower_kinds
 from .adapters import detect, supported_text
 from .config_file import check_config_geometry
 from .contract import MODEL_FEATURES, Method, ModelGeometry
 from .registry import get_method, resolve_options
-from .runtime import HANDLE_ATTR, PatchHandle, Recorder, handle_on
-from .state import ForwardState, LayerRecord
+from .runtime import PatchHandle, Recorder, handle_on, handles_on
+from .state import GROUP_ATTR, ForwardState, LayerRecord, PatchGroup
 
 __all__ = [
     "PatchHandle",
@@ -67,59 +68,6 @@ def prefix_tokens(model: torch.nn.Module, kind: str | None = None) -> int:
     return int(adapter.prefix_tokens(model, kind or detected))
 
 
-# --------------------------------------------------------------------------- towers
-
-_KIND_NOTE = {
-    "vision": " (bidirectional attention; this method is causal-only)",
-    "text": (
-        " (a text encoder: BERT-style bidirectional, or CLIP's / SigLIP's text transformer; the approximate methods "
-        "are built for ViT image tokens (CLS + patches) and causal LM prefill, so only 'dense' fits it)"
-    ),
-}
-
-
-def _tower_kinds(adapter: Adapter, model: torch.nn.Module, kind: str) -> dict[str, str]:
-    """Every tower of ``model`` and its kind, in model order (one tower of the detected kind if the adapter lists none)."""
-    kinds = dict(adapter.towers(model))
-    return kinds or {("vision" if kind == "vision" else "text"): kind}
-
-
-def _routed_kind(kinds: dict[str, str], chosen: tuple[str, ...]) -> str:
-    """The kind of the routed towers: the model's one kind, or the chosen towers' kinds joined by ``+`` (``"vision+text"``)."""
-    if len(kinds) == 1:
-        (only,) = kinds.values()
-        return only
-    return "+".join(dict.fromkeys(kinds[t] for t in chosen))
-
-
-def _choose_towers(model: torch.nn.Module, adapter: Adapter, kinds: dict[str, str], towers: Any) -> tuple[str, ...]:
-    """Validate ``towers`` (``None``, ``"all"``, a name, or a sequence of names) against ``kinds``.
-
-    Raises:
-        OptionError: an empty selection, a value that is not a tower name, or a tower the model lacks.
-    """
-    default = tuple(adapter.default_towers(model))
-    allowed = ", ".join(map(repr, kinds))
-    where = f"{type(model).__name__} has the tower(s) {allowed} (default: {', '.join(map(repr, default))}; 'all' = every tower)"
-    if towers is None:
-        return default
-    names = [towers] if isinstance(towers, str) else towers
-    try:
-        names = list(names)
-    except TypeError:
-        raise OptionError(f"towers={towers!r}: expected a tower name or a sequence of names; {where}") from None
-    if any(not isinstance(t, str) for t in names):
-        raise OptionError(f"towers={towers!r}: tower names must be strings; {where}")
-    if names == ["all"]:
-        return tuple(kinds)
-    if not names:
-        raise OptionError(f"towers={towers!r}: empty; {where}")
-    bad = [t for t in names if t not in kinds]
-    if bad:
-        raise OptionError(f"towers={towers!r}: {', '.join(map(repr, bad))} is not a tower of this model; {where}")
-    return tuple(t for t in kinds if t in names)  # model order, no duplicates
-
-
 def _check_features(model: torch.nn.Module, method: Method, adapter: Adapter, handle: PatchHandle) -> None:
     """Refuse a model whose routed attention uses a feature (sliding windows, soft-capping, ...) the method lacks."""
     lacking = method.lacks(adapter.features(handle))
@@ -133,12 +81,15 @@ def _check_features(model: torch.nn.Module, method: Method, adapter: Adapter, ha
         )
 
 
-def patch(model: torch.nn.Module, method: str = "anchor_attention", *, towers: Any = None, **options: Any) -> torch.nn.Module:
-    """Replace ``model``'s attention with ``method``, in place.
+def patch(model: torch.nn.Module, method: Any = "anchor_attention", *, towers: Any = None, **options: Any) -> torch.nn.Module:
+    """Replace ``model``'s attention with ``method``, in place; one method per tower by calling it once per tower.
 
     Args:
         model: a supported model (see :func:`attnpatch.list_methods` for methods and the model kinds each fits).
-        method: a registered method name, e.g. ``"anchor_attention"`` or ``"dense"``.
+        method: a registered method name, e.g. ``"anchor_attention"`` or ``"dense"``; or a mapping tower -> method
+            (``{"vision": "fna", "text": ("anchor_attention", {"preset": "accurate"})}``: a name, or ``(name,
+            options)``) that patches each tower with its method in one call (all or none: a refusal of one tower
+            leaves the model as it was); ``towers`` and ``**options`` are not taken beside a mapping.
         towers: which towers of a multi-tower model to route (keyword only): a tower name, a
             sequence of names, ``"all"``, or ``None`` for the adapter's default. Dual-tower
             models (Hugging Face ``CLIPModel`` / ``SiglipModel``, open_clip ``CLIP``) have the
@@ -162,24 +113,30 @@ def patch(model: torch.nn.Module, method: str = "anchor_attention", *, towers: A
         UnsupportedModelError: no adapter handles this model class, or the method does not fit
             the model or one of the chosen towers (e.g. a causal-only method on a bidirectional
             vision encoder, or ``fna`` on CLIP's causal text tower).
-        PatchStateError: ``model`` is already patched (call :func:`unpatch` first).
+        PatchStateError: a chosen tower is already patched (the message names the tower and its method; a model
+            patched on its vision tower takes another patch on its text tower, and the reverse).
     """
+    if isinstance(method, Mapping):
+        return _patch_towers(model, method, towers, options)
     m = get_method(method)
     full, saved = resolve_options(m, options)  # a config file is read here, once
-    cur = handle_on(model)
-    if cur is not None:
-        raise PatchStateError(
-            f"{type(model).__name__} is already patched with {cur.method.name!r}; call attnpatch.unpatch(model) first"
-        )
     adapter, kind = find_adapter(model)
-    kinds = _tower_kinds(adapter, model, kind)
-    chosen = _choose_towers(model, adapter, kinds, towers)
+    kinds = tower_kinds(adapter, model, kind)
+    chosen = choose_towers(model, adapter, kinds, towers)
+    taken = {t: h for h in handles_on(model) for t in h.towers}
+    clash = [t for t in chosen if t in taken]
+    if clash:
+        t = clash[0]
+        raise PatchStateError(
+            f"{type(model).__name__}: its {t!r} tower is already patched with {taken[t].method.name!r}; call "
+            f"attnpatch.unpatch(model, towers={t!r}) first (attnpatch.unpatch(model) restores every tower)"
+        )
     if len(kinds) == 1:
         (only,) = kinds.values()
         if not m.fits(only):
             raise UnsupportedModelError(
                 f"method {m.name!r} fits model kinds {sorted(m.model_kinds)}, but {type(model).__name__} is a {only!r} model"
-                + _KIND_NOTE.get(only, "")
+                + KIND_NOTE.get(only, "")
             )
     else:
         for t in chosen:
@@ -187,11 +144,11 @@ def patch(model: torch.nn.Module, method: str = "anchor_attention", *, towers: A
                 fitting = [n for n in kinds if m.fits(kinds[n])]
                 raise UnsupportedModelError(
                     f"method {m.name!r} does not fit the {t!r} tower of {type(model).__name__}: that tower is a "
-                    f"{kinds[t]!r} tower{_KIND_NOTE.get(kinds[t], '')}, and {m.name!r} fits kinds {sorted(m.model_kinds)}. "
+                    f"{kinds[t]!r} tower{KIND_NOTE.get(kinds[t], '')}, and {m.name!r} fits kinds {sorted(m.model_kinds)}. "
                     + (f"Route only {', '.join(map(repr, fitting))} (towers={tuple(fitting)!r})" if fitting else "No tower of this model fits it")
                     + f"; the default is towers={tuple(adapter.default_towers(model))!r}"
                 )
-    kind = _routed_kind(kinds, chosen)
+    kind = routed_kind(kinds, chosen)
     handle = PatchHandle(model, m, full, adapter, kind, towers=chosen, tower_kinds=kinds)
     adapter.check(handle)
     _check_features(model, m, adapter, handle)
@@ -213,14 +170,47 @@ def patch(model: torch.nn.Module, method: str = "anchor_attention", *, towers: A
             except OptionError as e:  # an option the model's device or dtype cannot run: say which model
                 raise OptionError(f"{type(model).__name__} ({param.dtype} on {param.device.type}): {e}") from None
     handle.install()
-    object.__setattr__(model, HANDLE_ATTR, handle)
+    group = getattr(model, GROUP_ATTR, None)
+    if group is None:
+        group = PatchGroup(model)
+        object.__setattr__(model, GROUP_ATTR, group)
+    group.add(handle, list(kinds))
+    return model
+
+
+def _patch_towers(model: torch.nn.Module, methods: Mapping, towers: Any, options: dict[str, Any]) -> torch.nn.Module:
+    """``patch(model, {tower: method or (method, options)})``: each tower its method, all or none."""
+    if towers is not None or options:
+        raise OptionError(
+            f"patch(model, {dict(methods)!r}, ...): a tower -> method mapping carries each tower's options "
+            "({'vision': ('fna', {'s': 32})}); towers= and options beside it are not taken"
+        )
+    if not methods:
+        raise OptionError("patch(model, {}): the tower -> method mapping is empty; give e.g. {'vision': 'fna'}")
+    plan = []
+    for tower, spec in methods.items():
+        name, opts = (spec, {}) if isinstance(spec, str) else tuple(spec) if isinstance(spec, (tuple, list)) else (None, None)
+        if not isinstance(name, str) or not isinstance(opts, Mapping):
+            raise OptionError(f"patch(model, {{{tower!r}: {spec!r}}}): give a method name or (name, options dict) per tower")
+        get_method(name)  # an unknown name is refused before anything is patched
+        plan.append((tower, name, dict(opts)))
+    done: list[str] = []
+    try:
+        for tower, name, opts in plan:
+            patch(model, name, towers=tower, **opts)
+            done.append(tower)
+    except Exception:
+        if done:
+            unpatch(model, towers=done)
+        raise
     return model
 
 
 def model_geometry(model: torch.nn.Module, *, towers: Any = None) -> ModelGeometry:
     """The geometry of the attention a patch routes: layers, heads, KV heads, head size (what a saved config records).
 
-    Of ``model``'s own patch when it is patched (its routed towers; ``towers`` is not used then), else of the
+    Of ``model``'s own patch when it is patched (its routed towers; ``towers`` is not used then; a model patched
+    per tower with several patches: of ``towers``, which must be given), else of the
     towers ``patch(model, ..., towers=towers)`` would route, read by the model's adapter from the model
     itself: nothing is patched, the model is left as it is.
 
@@ -228,78 +218,132 @@ def model_geometry(model: torch.nn.Module, *, towers: Any = None) -> ModelGeomet
         UnsupportedModelError: no adapter handles this model class, or its adapter refuses the model (as
             :func:`patch` would, e.g. an open_clip image tower that is not a ViT).
         OptionError: ``towers`` names no tower of this model.
+        PatchStateError: ``towers`` not given for a model patched per tower with several patches.
     """
-    handle = handle_on(model)
-    if handle is not None:
+    hs = handles_on(model)
+    if len(hs) == 1 or (hs and towers is None):
+        handle = handle_on(model)  # several patches and no towers: refused, naming them
         return handle.adapter.geometry(handle.model, handle.towers, handle.kind)
     adapter, kind = find_adapter(model)
-    kinds = _tower_kinds(adapter, model, kind)
-    chosen = _choose_towers(model, adapter, kinds, towers)
-    kind = _routed_kind(kinds, chosen)
+    kinds = tower_kinds(adapter, model, kind)
+    chosen = choose_towers(model, adapter, kinds, towers)
+    kind = routed_kind(kinds, chosen)
     # the adapter's refusals of the model, as patch(model, "dense") gives them; the handle is never installed
     adapter.check(PatchHandle(model, get_method("dense"), {}, adapter, kind, towers=chosen, tower_kinds=kinds))
     return adapter.geometry(model, chosen, kind)
 
 
-def unpatch(model: torch.nn.Module) -> torch.nn.Module:
+def unpatch(model: torch.nn.Module, *, towers: Any = None) -> torch.nn.Module:
     """Undo :func:`patch`: the model computes exactly what it computed before (bit for bit).
 
+    Args:
+        towers: ``None`` (every patch of the model), or the towers whose patches to undo (a name or a sequence); the
+            other towers stay patched.
+
     Raises:
-        PatchStateError: ``model`` is not patched.
+        PatchStateError: ``model`` is not patched, or a named tower is not patched.
+        OptionError: a named tower shares its patch with a tower not named (they were patched in one call: undo them
+            together).
     """
-    handle = handle_on(model)
-    if handle is None:
+    hs = handles_on(model)
+    if not hs:
         raise PatchStateError(f"{type(model).__name__} is not patched; nothing to unpatch")
-    handle.remove()
-    object.__delattr__(model, HANDLE_ATTR)
+    if towers is None:
+        chosen = hs
+    else:
+        names = [towers] if isinstance(towers, str) else list(towers)
+        routed = {t: h for h in hs for t in h.towers}
+        missing = [t for t in names if t not in routed]
+        if missing:
+            raise PatchStateError(
+                f"{type(model).__name__}: tower {missing[0]!r} is not patched; patched towers: {', '.join(map(repr, routed))}"
+            )
+        chosen = [h for h in hs if any(t in names for t in h.towers)]
+        for h in chosen:
+            left = [t for t in h.towers if t not in names]
+            if left:
+                raise OptionError(
+                    f"{type(model).__name__}: towers {h.towers!r} were patched together with {h.method.name!r}; unpatch "
+                    f"them together (towers={h.towers!r}), not without {', '.join(map(repr, left))}"
+                )
+    group = getattr(model, GROUP_ATTR)
+    for h in reversed(chosen):
+        h.remove()
+        group.discard(h)
+    if not group.handles:
+        object.__delattr__(model, GROUP_ATTR)
     return model
 
 
 @contextlib.contextmanager
-def patched(model: torch.nn.Module, method: str = "anchor_attention", *, towers: Any = None, **options: Any) -> Iterator[torch.nn.Module]:
-    """Context-manager form of :func:`patch` (same arguments, ``towers`` included): patched inside
-    the ``with`` block, restored on exit (also on error).
+def patched(model: torch.nn.Module, method: Any = "anchor_attention", *, towers: Any = None, **options: Any) -> Iterator[torch.nn.Module]:
+    """Context-manager form of :func:`patch` (same arguments, ``towers`` and a tower -> method mapping included):
+    patched inside the ``with`` block; on exit (also on error) the towers it patched are restored, and a patch
+    made before it on other towers stays.
 
     Raises:
         The errors of :func:`patch`.
     """
+    before = {id(h) for h in handles_on(model)}
     patch(model, method, towers=towers, **options)
+    mine = [t for h in handles_on(model) if id(h) not in before for t in h.towers]
     try:
         yield model
     finally:
-        if is_patched(model):  # the block may have unpatched it already; do not mask its own error
-            unpatch(model)
+        # the block may have unpatched them already; do not mask its own error
+        left = [t for t in mine if handle_on(model, t) is not None]
+        if left:
+            unpatch(model, towers=left)
 
 
 def is_patched(model: torch.nn.Module) -> bool:
-    """Whether ``model`` is currently patched."""
-    return handle_on(model) is not None
+    """Whether ``model`` is currently patched (any tower)."""
+    return bool(handles_on(model))
 
 
-def handle_of(model: torch.nn.Module) -> PatchHandle:
-    """The :class:`PatchHandle` of a patched model.
+def handle_of(model: torch.nn.Module, tower: str | None = None) -> PatchHandle:
+    """The :class:`PatchHandle` of a patched model (``tower``: the one routing that tower).
 
     Raises:
-        PatchStateError: ``model`` is not patched.
+        PatchStateError: ``model`` is not patched (or ``tower`` is not), or it is patched per tower with several
+            patches and ``tower`` is not given.
     """
-    handle = handle_on(model)
+    handle = handle_on(model, tower)
     if handle is None:
-        raise PatchStateError(f"{type(model).__name__} is not patched")
+        raise PatchStateError(f"{type(model).__name__} is not patched" + (f" on its {tower!r} tower" if tower else ""))
     return handle
 
 
 def patch_info(model: torch.nn.Module) -> dict[str, Any] | None:
-    """``{"method", "options", "kind", "layers", "towers"}`` of a patched model, or ``None`` if not patched."""
-    handle = handle_on(model)
-    if handle is None:
+    """What a patched model runs, or ``None`` if it is not patched.
+
+    Returns:
+        ``{"method", "options", "kind", "layers", "towers", "per_tower"}``: ``towers`` every routed tower (model
+        order), ``layers`` the attention modules routed, and ``per_tower`` ``{tower: {"method", "options", "kind"}}``.
+        With one patch (one method, on one tower or several), ``method`` / ``options`` / ``kind`` are that patch's,
+        as they always were.  With several patches (one method per tower), ``method`` and ``options`` are ``None``
+        (read ``per_tower``), ``kind`` joins the towers' kinds with ``+`` in model order, and ``layers`` counts every
+        patch's modules.
+    """
+    hs = handles_on(model)
+    if not hs:
         return None
-    return {
-        "method": handle.method.name,
-        "options": dict(handle.options),
-        "kind": handle.kind,
-        "layers": handle.adapter.layer_count(handle),
-        "towers": list(handle.towers),
-    }
+    per = {t: {"method": h.method.name, "options": dict(h.options), "kind": h.tower_kinds.get(t, h.kind)}
+           for h in hs for t in h.towers}
+    if len(hs) == 1:
+        (h,) = hs
+        return {"method": h.method.name, "options": dict(h.options), "kind": h.kind, "layers": h.adapter.layer_count(h),
+                "towers": list(h.towers), "per_tower": per}
+    return {"method": None, "options": None, "kind": "+".join(dict.fromkeys(v["kind"] for v in per.values())),
+            "layers": sum(h.adapter.layer_count(h) for h in hs), "towers": list(per), "per_tower": per}
+
+
+def _merging(model: torch.nn.Module) -> PatchHandle:
+    """The patch whose tokens a merge changes: the model's one patch, or among several the one with a block hook."""
+    hs = handles_on(model)
+    if not hs:
+        raise PatchStateError(f"{type(model).__name__} is not patched")
+    return next((h for h in hs if h.method.block_hook is not None), hs[0])
 
 
 def token_sizes(model: torch.nn.Module) -> torch.Tensor | None:
@@ -315,7 +359,7 @@ def token_sizes(model: torch.nn.Module) -> torch.Tensor | None:
     Raises:
         PatchStateError: ``model`` is not patched.
     """
-    return handle_of(model).last_token_sizes
+    return _merging(model).last_token_sizes
 
 
 def token_source(model: torch.nn.Module) -> torch.Tensor | None:
@@ -331,7 +375,7 @@ def token_source(model: torch.nn.Module) -> torch.Tensor | None:
     Raises:
         PatchStateError: ``model`` is not patched.
     """
-    return handle_of(model).last_token_source
+    return _merging(model).last_token_source
 
 
 @contextlib.contextmanager
@@ -357,19 +401,20 @@ def record_stats(
 
     Yields:
         A recorder whose ``forwards`` list gets, per top-level forward call (prefill and each
-        decoding step of ``generate``), a dict ``{layer_index: LayerRecord}`` (and, with
+        decoding step of ``generate``), a dict ``{layer_index: LayerRecord}`` (a model patched per tower: every
+        patch's layers, indexed across the patched towers in model order) (and, with
         ``capture``, ``outputs`` a dict ``{layer_index: tensor}`` per call).
 
     Raises:
         PatchStateError: ``model`` is not patched.
     """
-    handle = handle_of(model)
+    group = _group_of(model)
     rec = Recorder(recall=recall, teacher_forced=teacher_forced, capture=capture, probe=probe)
-    handle.recorders.append(rec)
+    group.recorders.append(rec)
     try:
         yield rec
     finally:
-        handle.recorders.remove(rec)
+        group.recorders.remove(rec)
 
 
 @contextlib.contextmanager
@@ -387,10 +432,17 @@ def time_attention(model: torch.nn.Module) -> Iterator[Recorder]:
     Raises:
         PatchStateError: ``model`` is not patched.
     """
-    handle = handle_of(model)
+    group = _group_of(model)
     rec = Recorder(recall=False, stats=False, timing=True)
-    handle.recorders.append(rec)
+    group.recorders.append(rec)
     try:
         yield rec
     finally:
-        handle.recorders.remove(rec)
+        group.recorders.remove(rec)
+
+
+def _group_of(model: torch.nn.Module) -> PatchGroup:
+    group = getattr(model, GROUP_ATTR, None)
+    if group is None:
+        raise PatchStateError(f"{type(model).__name__} is not patched")
+    return group

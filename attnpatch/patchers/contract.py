@@ -33,6 +33,10 @@ MODEL_FEATURES: dict[str, str] = {
     "attention_sinks": "learned attention-sink logits (an extra softmax column per head)",
     "logit_bias": "an additive bias on the attention logits (relative position bias)",
     "value_head_dim": "a value head size different from the query/key head size",
+    "packed_sequences": (
+        "several images packed into one sequence, the attention called once per image in each layer (a varlen tower "
+        "with cu_seqlens, such as Qwen2-VL's)"
+    ),
 }
 
 #: Model (tower) kinds the adapters report, in words.

@@ -18,10 +18,10 @@ from typing import Any, Callable
 
 import torch
 
-from ..errors import AttnpatchError, InferenceOnlyError, OptionError, UnsupportedModelError
+from ..errors import AttnpatchError, InferenceOnlyError, OptionError, PatchStateError, UnsupportedModelError
 from ..timing import sync
 from .contract import Method
-from .state import ForwardState, LayerContext, LayerRecord
+from .state import GROUP_ATTR, ForwardState, LayerContext, LayerRecord
 
 __all__ = [
     "PatchHandle",
@@ -33,12 +33,10 @@ __all__ = [
     "set_layer_inputs",
     "count_pairs",
     "check_call",
-    "HANDLE_ATTR",
     "handle_on",
+    "handles_on",
 ]
 
-#: The attribute of a patched model that holds its :class:`PatchHandle` (set by :func:`attnpatch.patch`).
-HANDLE_ATTR = "_attnpatch_handle"
 
 
 @dataclass
@@ -88,13 +86,12 @@ class PatchHandle:
         self.towers = tuple(towers)  # the towers the patch routes (see patch(towers=...))
         self.tower_kinds = dict(tower_kinds or {})  # every tower of the model -> its kind
         self.state: ForwardState | None = None
-        self.recorders: list[Recorder] = []
-        self._hooks: list[Any] = []
+        self.group: Any = None  # the model's PatchGroup, once installed
+        self.layer_offset = 0  # layers of the patches on earlier towers (record keys across towers)
         self._undo: Any = None
         self._repr_modules: list[torch.nn.Module] = []
         self.num_layers = 0  # set by the adapter
         self.prefix_tokens = 0  # set by the adapter (CLS + registers for ViTs)
-        self._depth = 0
         self._said: set[str] = set()
         self.last_token_sizes: torch.Tensor | None = None  # [B, N'] of the last forward, for methods that merge tokens
         self.last_token_source: torch.Tensor | None = None  # [B, N0] of the last forward: the output token of each input token
@@ -113,65 +110,29 @@ class PatchHandle:
         changed = ", ".join(f"{k}={v!r}" for k, v in self.options.items() if defaults.get(k) != v)
         return f"attnpatch={self.method.name}({changed})"
 
-    # forward hooks: one ForwardState per top-level call (nested roots share it)
-    def _pre(self, module, args, kwargs):
-        self._depth += 1
-        if self._depth > 1:
-            return None
-        rs = self.recorders
-        probes = [r.probe for r in rs if r.probe is not None]
-        self.state = ForwardState(
-            record=any(r.stats for r in rs),
-            timing=any(r.timing for r in rs),
-            recall=any(r.recall for r in rs),
-            teacher_forced=any(r.teacher_forced for r in rs),
-            capture=any(r.capture for r in rs),
-            probe=probes[-1] if probes else None,
-        )
-        return None
-
-    def _post(self, module, args, kwargs, output):
-        self._depth = max(0, self._depth - 1)
-        if self._depth > 0:
-            return None
-        state, self.state = self.state, None
-        if state is not None:
-            self.last_token_sizes = state.token_sizes
-            self.last_token_source = state.token_source
-            for r in self.recorders:
-                if r.stats and state.record:
-                    r.forwards.append(state.layers)
-                if r.capture:
-                    r.outputs.append(state.outputs)
-                if r.timing:
-                    r.attention_seconds.append(state.attention_seconds)
-        return None
+    @property
+    def recorders(self) -> list[Recorder]:
+        """The active recorders of the model's :class:`~attnpatch.patchers.state.PatchGroup` (none before it joins one)."""
+        return self.group.recorders if self.group is not None else []
 
     def install(self) -> None:
-        """Apply the adapter and the per-forward hooks; routed modules and the model show the patch in ``repr``."""
+        """Apply the adapter; routed modules show the patch in ``repr`` (the per-forward hooks and the model's own
+        ``repr`` line belong to the model's :class:`~attnpatch.patchers.state.PatchGroup`)."""
         self._undo = self.adapter.apply(self)
         text = self.describe()
-        for m in [self.model] + [m for m in self.model.modules() if m.__dict__.get("_attnpatch") is self]:
+        for m in [m for m in self.model.modules() if m.__dict__.get("_attnpatch") is self and m is not self.model]:
             if "extra_repr" not in m.__dict__:
                 layer = m.__dict__.get("_attnpatch_layer")
                 m.extra_repr = _PatchRepr(m, text if layer is None else f"{text}, layer={layer}")
                 self._repr_modules.append(m)
-        for root in self.adapter.roots(self):
-            # prepended: the state exists before the adapters' own input hooks on the same module run
-            self._hooks.append(root.register_forward_pre_hook(self._pre, with_kwargs=True, prepend=True))
-            self._hooks.append(root.register_forward_hook(self._post, with_kwargs=True, always_call=True))
 
     def remove(self) -> None:
-        """Remove the hooks and let the adapter restore the model."""
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()
+        """Let the adapter restore the model (the group drops the patch's hooks)."""
         for m in self._repr_modules:
             m.__dict__.pop("extra_repr", None)
         self._repr_modules.clear()
         self.adapter.restore(self, self._undo)
         self.state = None
-        self._depth = 0
 
 
 class _PatchRepr:
@@ -261,7 +222,8 @@ def run_layer(
         dropout: the attention dropout probability of this call (non-zero only in training mode).
         decline: a reason to run ``exact()`` for this call without asking the method (the adapter
             found something the method cannot represent, e.g. an attention mask that is not causal
-            + padding); recorded as the layer's mode ``"dense:<reason>"``.
+            + padding); recorded as the layer's mode ``"dense:<reason>"``.  A call whose ``key_valid`` hides keys
+            runs exact as ``"dense:padding"`` (said once) for a method without ``key_padding``.
         own_forward: the adapter runs the attention module's own forward (projections included) for a call the
             method hands back (``None``) or that is declined, because ``exact()`` followed by the adapter's output
             projection is not that forward bit for bit (``torch.nn.MultiheadAttention`` runs a fused kernel in
@@ -291,6 +253,13 @@ def run_layer(
     )
     if state is not None and state.probe is not None:
         state.probe(ctx, q, k, v)
+    if decline is None and not handle.method.key_padding and key_valid is not None and not bool(key_valid.all()):
+        decline = "padding"  # exact there, never the method on keys it would not hide
+        handle.say(
+            f"{type(handle.model).__name__}: an attention mask hides some keys in layer {layer} (padding: padded images "
+            f"or patches, such as Idefics3's patch-attention mask); method {handle.method.name!r} does not implement key "
+            "padding, so such calls run the model's own attention (recorded as mode 'dense:padding')"
+        )
     timing = state is not None and state.timing
     if timing:
         sync(q.device)
@@ -400,6 +369,27 @@ def input_hook(handle: "PatchHandle", which: str, names: tuple[str, ...], batch_
     return hook
 
 
-def handle_on(model: torch.nn.Module) -> "PatchHandle | None":
-    """The :class:`PatchHandle` of a patched ``model`` (its :data:`HANDLE_ATTR`), or ``None`` when it is not patched."""
-    return getattr(model, HANDLE_ATTR, None)
+def handles_on(model: torch.nn.Module) -> "list[PatchHandle]":
+    """The patches of ``model`` (one per ``patch()`` call, each on its own towers), in the model order of their towers;
+    ``[]`` when it is not patched."""
+    group = getattr(model, GROUP_ATTR, None)
+    return list(group.handles) if group is not None else []
+
+
+def handle_on(model: torch.nn.Module, tower: str | None = None) -> "PatchHandle | None":
+    """The :class:`PatchHandle` that routes ``tower`` of ``model`` (``None``: the model's one patch), or ``None``
+    when that is not patched.
+
+    Raises:
+        PatchStateError: ``tower`` is ``None`` and the model is patched per tower with several patches.
+    """
+    hs = handles_on(model)
+    if tower is not None:
+        return next((h for h in hs if tower in h.towers), None)
+    if len(hs) > 1:
+        raise PatchStateError(
+            f"{type(model).__name__} is patched per tower ("
+            + "; ".join(f"{', '.join(map(repr, h.towers))}: {h.method.name!r}" for h in hs)
+            + "); name the tower (tower=...)"
+        )
+    return hs[0] if hs else None

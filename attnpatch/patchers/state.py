@@ -1,4 +1,5 @@
-"""Per-forward state and per-layer records shared by the patch, the adapters and the methods."""
+"""Per-forward state and per-layer records shared by the patch, the adapters and the methods, and the group of a
+model's patches (:class:`PatchGroup`, one patch per set of towers) that makes that state at every top-level call."""
 
 from __future__ import annotations
 
@@ -8,7 +9,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["LayerRecord", "ForwardState", "LayerContext"]
+__all__ = ["LayerRecord", "ForwardState", "LayerContext", "PatchGroup", "GROUP_ATTR"]
+
+#: The attribute of a patched model that holds its :class:`PatchGroup` (set by :func:`attnpatch.patch`).
+GROUP_ATTR = "_attnpatch_patches"
 
 
 @dataclass
@@ -16,7 +20,8 @@ class LayerRecord:
     """What one patched attention layer did in one forward call.
 
     Attributes:
-        layer: layer index.
+        layer: layer index (tower-local to its patch; in a recorder of a model patched per tower, the index across
+            the patched towers in model order, as the recorder's keys).
         mode: ``"sparse"``, or why it ran dense: ``"dense:decode"`` (one query),
             ``"dense:short"`` (prompt shorter than ``min_len``), ``"dense:theta=inf"`` (every key kept), ``"dense:layer"`` (in
             ``dense_layers``), ``"dense"`` (the dense method).
@@ -135,3 +140,130 @@ class LayerContext:
                 return
             said.add(message)
         warnings.warn(f"attnpatch: {message}", UserWarning, stacklevel=4)
+
+
+class PatchGroup:
+    """The patches of one model (one :class:`~attnpatch.patchers.runtime.PatchHandle` per ``patch()`` call, each on
+    its own towers) and the per-forward hooks they share.
+
+    At every top-level forward call (through any routed root: the model, a tower called alone, a block stack) each
+    patch gets a fresh :class:`ForwardState` of its own (so one tower's method state never reaches another's), and the
+    recorders get *one* entry per call: the layers of every patch, keyed by the index across the patched towers in
+    model order (a patch's layers are offset by the layers of the patches on earlier towers), with attention times
+    summed.  With one patch, the keys are the patch's own layer indices, as they always were.
+
+    Attributes:
+        model: the patched model.
+        handles: the patches, in the model order of their first tower.
+        recorders: the active :func:`~attnpatch.record_stats` / :func:`~attnpatch.time_attention` recorders.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.handles: list[Any] = []
+        self.recorders: list[Any] = []
+        self._hooks: list[Any] = []
+        self._depth = 0
+        self._repr = False
+
+    def add(self, handle: Any, tower_order: list[str]) -> None:
+        """Add an installed patch; ``tower_order``: every tower of the model, in model order."""
+        handle.group = self
+        self.handles.append(handle)
+        self.handles.sort(key=lambda h: min((tower_order.index(t) for t in h.towers if t in tower_order), default=0))
+        self._rehook()
+
+    def discard(self, handle: Any) -> None:
+        """Drop a patch its adapter has restored."""
+        self.handles.remove(handle)
+        handle.group = None
+        self._rehook()
+
+    def _rehook(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        offset = 0
+        for h in self.handles:
+            h.layer_offset = offset
+            offset += h.num_layers
+        if self._repr:
+            self.model.__dict__.pop("extra_repr", None)
+            self._repr = False
+        if not self.handles:
+            return
+        if "extra_repr" not in self.model.__dict__:
+            one = len(self.handles) == 1
+            line = "; ".join(h.describe() + ("" if one else f" [{', '.join(h.towers)}]") for h in self.handles)
+            self.model.extra_repr = _ModelRepr(self.model, line)
+            self._repr = True
+        roots: list[torch.nn.Module] = []
+        for h in self.handles:
+            roots += [r for r in h.adapter.roots(h) if all(r is not o for o in roots)]
+        for root in roots:
+            # prepended: the state exists before the adapters' own input hooks on the same module run
+            self._hooks.append(root.register_forward_pre_hook(self._pre, with_kwargs=True, prepend=True))
+            self._hooks.append(root.register_forward_hook(self._post, with_kwargs=True, always_call=True))
+
+    def _pre(self, module, args, kwargs):
+        self._depth += 1
+        if self._depth > 1:
+            return None
+        rs = self.recorders
+        probes = [r.probe for r in rs if r.probe is not None]
+        flags = dict(record=any(r.stats for r in rs), timing=any(r.timing for r in rs), recall=any(r.recall for r in rs),
+                     teacher_forced=any(r.teacher_forced for r in rs), capture=any(r.capture for r in rs),
+                     probe=probes[-1] if probes else None)
+        for h in self.handles:
+            h.state = ForwardState(**flags)
+        return None
+
+    def _post(self, module, args, kwargs, output):
+        self._depth = max(0, self._depth - 1)
+        if self._depth > 0:
+            return None
+        layers: dict[int, LayerRecord] = {}
+        outputs: dict[int, torch.Tensor] = {}
+        seconds, any_state = 0.0, False
+        for h in self.handles:
+            state, h.state = h.state, None
+            if state is None:
+                continue
+            any_state = True
+            h.last_token_sizes = state.token_sizes
+            h.last_token_source = state.token_source
+            off = getattr(h, "layer_offset", 0)
+            for k, rec in state.layers.items():
+                if off:
+                    rec.layer = off + k
+                layers[off + k] = rec
+            outputs.update({off + k: o for k, o in state.outputs.items()})
+            seconds += state.attention_seconds
+        if not any_state:
+            return None
+        for r in self.recorders:
+            if r.stats:
+                r.forwards.append(layers)
+            if r.capture:
+                r.outputs.append(outputs)
+            if r.timing:
+                r.attention_seconds.append(seconds)
+        return None
+
+    def reset(self) -> None:
+        """Forget a forward left half way (every patch's state)."""
+        self._depth = 0
+        for h in self.handles:
+            h.state = None
+
+
+class _ModelRepr:
+    """The patched model's ``extra_repr``: its class's own text, then its patches (picklable, unlike a closure)."""
+
+    def __init__(self, module: torch.nn.Module, line: str):
+        self.module = module
+        self.line = line
+
+    def __call__(self) -> str:
+        own = type(self.module).extra_repr(self.module)
+        return ", ".join(x for x in (own, self.line) if x)

@@ -5,6 +5,6 @@ one run: token agreement with dense, the first position where they diverge, the 
 as dense does, time to first token (the prefill) and decode tokens per second.  Entry point: :func:`run_generate`.
 """
 
-from .runner import GenerationInput, agreement, run_generate, text_inputs
+from .runner import GenerationInput, agreement, image_inputs, load_images, run_generate, text_inputs
 
-__all__ = ["run_generate", "agreement", "GenerationInput", "text_inputs"]
+__all__ = ["run_generate", "agreement", "GenerationInput", "text_inputs", "image_inputs", "load_images"]

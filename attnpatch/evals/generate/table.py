@@ -19,6 +19,18 @@ GENERATE_COLUMNS = [
 ]
 
 
+def _setting(run: dict[str, Any]) -> str:
+    """``method (options)``; a per-tower setting ``vision=fna (s=32) + text=anchor_attention``."""
+    def one(name: str, given: dict[str, Any]) -> str:
+        opts = ", ".join(f"{k}={v}" for k, v in given.items())
+        return name + (f" ({opts})" if opts else "")
+
+    per = run.get("per_tower")
+    if per:
+        return " + ".join(f"{t}={one(m, run['shown_options'].get(t, {}))}" for t, m in per.items())
+    return one(run["method"], run["shown_options"])
+
+
 def generate_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
     """Dense's row, then one per setting (options as given; ``-`` where a prompt never diverged)."""
     d = result["dense"]
@@ -26,8 +38,7 @@ def generate_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
              "ttft_s_median": d["ttft_s_median"], "ttft_speedup": 1.0,
              "decode_tokens_per_s_median": _tps(d["decode_tokens_per_s_median"]), "modes": "-"}]
     for r in result["runs"]:
-        opts = ", ".join(f"{k}={v}" for k, v in r["shown_options"].items())
-        rows.append({"setting": r["method"] + (f" ({opts})" if opts else ""), "token_agreement": r["token_agreement"],
+        rows.append({"setting": _setting(r), "token_agreement": r["token_agreement"],
                      "exact_match": r["exact_match"],
                      "first_divergence": ", ".join("-" if x is None else str(x) for x in r["first_divergence"]),
                      "ttft_s_median": r["ttft_s_median"], "ttft_speedup": r["ttft_speedup"],

@@ -99,6 +99,7 @@ NYSTROMFORMER = register_method(
         causal_calls=False,
         noncausal_calls=True,
         key_padding=False,
+        supports=frozenset({"packed_sequences"}),  # stateless per call: each packed image is a call of its own
         token_roles=frozenset({"prefix"}),
         exact_limit_decl=ExactLimit(_every_token, at_least=("s",), text="s >= N"),
         knob=Knob("s, 1 to N landmarks (log scale)", _knob, tokens="s"),

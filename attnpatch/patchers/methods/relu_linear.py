@@ -113,7 +113,7 @@ RELU_LINEAR = register_method(
         causal_calls=False,
         noncausal_calls=True,
         key_padding=False,
-        supports=frozenset({"value_head_dim"}),
+        supports=frozenset({"value_head_dim", "packed_sequences"}),  # stateless per call
         token_roles=frozenset({"prefix"}),
         exact_limit_decl=ExactLimit(_every_key_local, at_least=("local_window",), text="local_window >= N"),
         knob=Knob("local_window, 0 to N tokens", _knob),

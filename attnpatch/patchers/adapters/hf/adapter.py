@@ -18,10 +18,8 @@ from ...runtime import PatchHandle, input_hook
 from .attention import ATTN_NAME, forget_eager_config, register_attention, remember_eager_config
 from .blocks import HF_TOKEN_READOUT_MODELS, hf_block_forwards
 from .images import hf_image_pipeline, image_processor_config, interpolate_kwargs, pooled, vision_patch_tokens
-from .modules import (
-    attention_modules, block_of, prefix_tokens, routed_in, routed_modules, stack_of, sub_config_key, tower_kind, towers_of,
-    check_dispatch, vision_config,
-)
+from .modules import (attention_modules, block_of, check_dispatch, packs_sequences, prefix_tokens, routed_in, routed_modules,
+                      stack_of, sub_config_key, tower_kind, towers_of, vision_config)
 
 __all__ = ["HFAdapter"]
 
@@ -115,7 +113,8 @@ class HFAdapter:
         attention modules use, each with where it was found: sliding windows (a module's
         ``sliding_window``, or ``config.sliding_window`` where the model applies it to every layer,
         as Mistral and Phi-3 do, unless ``use_sliding_window`` is false), layer types other than
-        full attention (``config.layer_types``), and logit soft-capping (``attn_logit_softcapping``)."""
+        full attention (``config.layer_types``), logit soft-capping (``attn_logit_softcapping``), packed sequences
+        (:func:`~.modules.packs_sequences`)."""
         found: dict[str, list[str]] = {}
         for name, m in routed_modules(handle):
             cfg = getattr(m, "config", None) or handle.model.config
@@ -145,6 +144,8 @@ class HFAdapter:
             )
             if v_dim is not None and qk_dim and v_dim != qk_dim:
                 found.setdefault("value_head_dim", []).append(f"{name} (value head size {v_dim}, query/key head size {qk_dim})")
+            if packs_sequences(m):
+                found.setdefault("packed_sequences", []).append(f"{name} ({type(m).__name__} takes cu_seqlens)")
         return {f: (v[0] if len(v) == 1 else f"{v[0]} and {len(v) - 1} more layers") for f, v in found.items()}
 
     @staticmethod
@@ -294,7 +295,6 @@ class HFAdapter:
         for _, m in mods:
             for attr in ("_attnpatch", "_attnpatch_layer", "_attnpatch_original", "_attnpatch_eager_mask"):
                 m.__dict__.pop(attr, None)
-
 
     # ------------------------------------------------------------------ what the evals ask
 

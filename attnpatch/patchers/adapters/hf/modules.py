@@ -21,7 +21,7 @@ from ...runtime import PatchHandle
 
 __all__ = [
     "attention_modules", "undispatched_attention", "check_dispatch", "towers_of", "tower_kind", "routed_in", "routed_modules", "sub_config_key", "stack_of", "block_of",
-    "prefix_tokens", "vision_config",
+    "prefix_tokens", "vision_config", "packs_sequences",
 ]
 
 _DISPATCH_CLASSES: dict[type, bool] = {}
@@ -183,3 +183,14 @@ def vision_config(model: torch.nn.Module) -> Any:
     """The config of the model's vision tower: ``model.config.vision_config`` of a dual encoder, else ``model.config``."""
     cfg = getattr(model, "config", None)
     return getattr(cfg, "vision_config", None) or cfg
+
+
+def packs_sequences(module: torch.nn.Module) -> bool:
+    """Whether an attention module takes packed sequences (its forward has a ``cu_seqlens`` parameter: Qwen2-VL's
+    vision attention, which calls the attention function once per packed image outside flash attention)."""
+    import inspect
+
+    try:
+        return "cu_seqlens" in inspect.signature(type(module).forward).parameters
+    except (TypeError, ValueError):  # pragma: no cover - a builtin forward
+        return False
