@@ -138,7 +138,7 @@ def test_eval_generate_cli_refuses_a_bad_tower_setting_before_loading(tmp_path, 
     from attnpatch.cli import main
 
     for bad, words in [("eyes=fna", "'eyes' is not a tower; a VLM's towers are vision, text"),
-                       ("vision=anchor_attention", "method 'anchor_attention' does not fit a vision model"),
+                       ("vision=anchor_attention", "--method vision=anchor_attention: method 'anchor_attention' does not fit the vision tower"),
                        ("vision=fna+vision=nystromformer", "the vision tower is given twice")]:
         rc = main(["eval", "generate", "--model", str(tmp_path / "none"), "--images", str(tmp_path), "--method", bad])
         assert rc != 0 and words in capsys.readouterr().err, bad

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 import torch
@@ -241,3 +243,38 @@ def test_a_module_computing_attention_itself_is_refused_naming_its_class():
     model, _ = _llama_with(_own_sdpa_forward)
     with pytest.raises(UnsupportedModelError, match=r"CustomAttention .* does not call transformers' attention dispatch"):
         patch(model, "anchor_attention")
+
+
+def test_bad_tower_arguments_get_one_line_each():
+    model = tiny_vlm("llava")
+    for bad, words in [({"vision": ("fna",)}, "give each tower a method name or a (name, options dict) pair"),
+                       ({"audio": "fna"}, "'audio' is not a tower of LlavaForConditionalGeneration; its towers: 'vision', 'text'"),
+                       ([("vision", "fna")], "give a method name")]:
+        with pytest.raises(OptionError, match=re.escape(words)):
+            patch(model, bad)
+    assert _no_patch_left(model)
+    patch(model, "fna", towers="vision")
+    with pytest.raises(OptionError, match=r"unpatch\(towers=3\): give a tower name or a non-empty sequence"):
+        unpatch(model, towers=3)
+    with pytest.raises(OptionError, match=r"unpatch\(towers=\(\)\)"):
+        unpatch(model, towers=())
+    with pytest.raises(PatchStateError, match="tower 'audio' is not a tower of this model"):
+        unpatch(model, towers="audio")
+    unpatch(model, towers="all")
+    assert _no_patch_left(model)
+
+
+def test_a_packed_layer_records_every_image_of_the_forward():
+    model = tiny_vlm("qwen2_vl")
+    two = {"pixel_values": torch.randn(16 + 32, 3 * 2 * 8 * 8, generator=torch.Generator().manual_seed(1)),
+           "image_grid_thw": torch.tensor([[1, 4, 4], [1, 8, 4]])}
+    with patched(model, "nystromformer", towers="vision", s=2), record_stats(model, capture=True) as rec, torch.no_grad():
+        model.model.get_image_features(**two)
+    first = rec.forwards[0][0]
+    assert first.queries == 16 + 32 and first.causal_pairs.tolist() == [[16 * 16 + 32 * 32] * 2]  # per head
+    assert rec.outputs[0][0].shape[2] == 48  # both images' tokens
+
+
+def test_the_packed_sequences_refusal_names_the_methods_that_run():
+    with pytest.raises(UnsupportedModelError, match=r"methods that implement it: .*nystromformer"):
+        patch(tiny_vlm("qwen2_vl"), "fna", towers="vision")

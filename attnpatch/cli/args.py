@@ -95,7 +95,10 @@ def tower_settings(specs: Sequence[str], common: Sequence[str]) -> list[tuple[An
                 if tower in per:
                     raise AttnpatchError(f"--method {spec}: the {tower} tower is given twice")
                 m, o = method_spec(rest, [])
-                check_fits(m, VLM_TOWERS[tower])
+                if not get_method(m).fits(VLM_TOWERS[tower]):
+                    raise AttnpatchError(f"--method {spec}: method {m!r} does not fit the {tower} tower (a "
+                                         f"{VLM_TOWERS[tower].replace('_', ' ')} tower; {m!r} fits: "
+                                         f"{', '.join(sorted(get_method(m).model_kinds))})")
                 validate_options(get_method(m), o)
                 per[tower] = (m, o)
             setting: tuple[Any, dict[str, Any]] = ({t: per[t] for t in VLM_TOWERS if t in per}, {})

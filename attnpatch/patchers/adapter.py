@@ -26,7 +26,7 @@ if TYPE_CHECKING:  # annotations only: no import at run time
     from .contract import ModelGeometry
     from .runtime import PatchHandle
 
-__all__ = ["Adapter", "PreprocessConfig", "KIND_NOTE", "tower_kinds", "routed_kind", "choose_towers"]
+__all__ = ["Adapter", "PreprocessConfig", "KIND_NOTE", "tower_kinds", "routed_kind", "choose_towers", "tower_methods"]
 
 
 @dataclass(frozen=True)
@@ -203,3 +203,32 @@ def choose_towers(model: torch.nn.Module, adapter: "Adapter", kinds: dict[str, s
     if bad:
         raise OptionError(f"towers={towers!r}: {', '.join(map(repr, bad))} is not a tower of this model; {where}")
     return tuple(t for t in kinds if t in names)  # model order, no duplicates
+
+
+def tower_methods(model: torch.nn.Module, kinds: dict[str, str], methods: Any) -> list[tuple[str, str, dict[str, Any]]]:
+    """``[(tower, method, options)]`` of a ``patch(model, {tower: method or (method, options)})`` mapping, checked
+    against the model's towers ``kinds`` and the registry before anything is patched.
+
+    Raises:
+        OptionError: a key that is not a tower of the model, a value that is not a name or a ``(name, options)`` pair.
+        UnknownMethodError: an unknown method name.
+    """
+    from collections.abc import Mapping
+
+    from .registry import get_method
+
+    plan = []
+    for tower, spec in methods.items():
+        if not isinstance(tower, str) or tower not in kinds:
+            raise OptionError(f"patch(model, {{{tower!r}: ...}}): {tower!r} is not a tower of {type(model).__name__}; its towers: "
+                              f"{', '.join(map(repr, kinds))}")
+        if isinstance(spec, str):
+            name, opts = spec, {}
+        elif isinstance(spec, (tuple, list)) and len(spec) == 2 and isinstance(spec[0], str) and isinstance(spec[1], Mapping):
+            name, opts = spec
+        else:
+            raise OptionError(f"patch(model, {{{tower!r}: {spec!r}}}): give each tower a method name or a (name, options "
+                              "dict) pair, e.g. {'vision': ('fna', {'s': 32})}")
+        get_method(name)  # an unknown name is refused before anything is patched
+        plan.append((tower, name, dict(opts)))
+    return plan

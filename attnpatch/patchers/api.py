@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from ..errors import OptionError, PatchStateError, UnsupportedModelError
-from .adapter import KIND_NOTE, Adapter, choose_towers, routed_kind, tower_kinds
+from .adapter import KIND_NOTE, Adapter, choose_towers, routed_kind, tower_kinds, tower_methods
 from .adapters import detect, supported_text
 from .config_file import check_config_geometry
 from .contract import MODEL_FEATURES, Method, ModelGeometry
@@ -73,11 +73,13 @@ def _check_features(model: torch.nn.Module, method: Method, adapter: Adapter, ha
     lacking = method.lacks(adapter.features(handle))
     if lacking:
         what = "; ".join(f"{MODEL_FEATURES.get(f, f)}: {d}" for f, d in lacking.items())
-        supported = ", ".join(MODEL_FEATURES[f] for f in sorted(method.supports)) or "none of the checked model features"
+        from .registry import METHODS
+
+        able = [n for n, x in METHODS.items() if not x.exact and x.fits(handle.kind.split("+")[0]) and not x.lacks(lacking)]
+        instead = f"methods that implement it: {', '.join(able)}, or 'dense'" if able else "use method 'dense'"
         raise UnsupportedModelError(
             f"{type(model).__name__} uses {what}. Method {method.name!r} does not implement this, so its output would "
-            f"differ from the model's (it supports: {supported}); use method 'dense' (the model's own attention), "
-            "or a model without it"
+            f"differ from the model's; {instead} (the model's own attention)"
         )
 
 
@@ -118,6 +120,9 @@ def patch(model: torch.nn.Module, method: Any = "anchor_attention", *, towers: A
     """
     if isinstance(method, Mapping):
         return _patch_towers(model, method, towers, options)
+    if not isinstance(method, str):
+        raise OptionError(f"method={method!r}: give a method name (attnpatch methods lists them) or a tower -> method "
+                          "mapping such as {'vision': 'fna', 'text': 'anchor_attention'}")
     m = get_method(method)
     full, saved = resolve_options(m, options)  # a config file is read here, once
     adapter, kind = find_adapter(model)
@@ -178,22 +183,13 @@ def patch(model: torch.nn.Module, method: Any = "anchor_attention", *, towers: A
     return model
 
 
-def _patch_towers(model: torch.nn.Module, methods: Mapping, towers: Any, options: dict[str, Any]) -> torch.nn.Module:
+def _patch_towers(model: torch.nn.Module, methods: Any, towers: Any, options: dict[str, Any]) -> torch.nn.Module:
     """``patch(model, {tower: method or (method, options)})``: each tower its method, all or none."""
-    if towers is not None or options:
-        raise OptionError(
-            f"patch(model, {dict(methods)!r}, ...): a tower -> method mapping carries each tower's options "
-            "({'vision': ('fna', {'s': 32})}); towers= and options beside it are not taken"
-        )
-    if not methods:
-        raise OptionError("patch(model, {}): the tower -> method mapping is empty; give e.g. {'vision': 'fna'}")
-    plan = []
-    for tower, spec in methods.items():
-        name, opts = (spec, {}) if isinstance(spec, str) else tuple(spec) if isinstance(spec, (tuple, list)) else (None, None)
-        if not isinstance(name, str) or not isinstance(opts, Mapping):
-            raise OptionError(f"patch(model, {{{tower!r}: {spec!r}}}): give a method name or (name, options dict) per tower")
-        get_method(name)  # an unknown name is refused before anything is patched
-        plan.append((tower, name, dict(opts)))
+    if towers is not None or options or not methods:
+        raise OptionError(f"patch(model, {methods!r}, ...): a non-empty tower -> method mapping carries each tower's "
+                          "options ({'vision': ('fna', {'s': 32})}); towers= and options beside it are not taken")
+    adapter, kind = find_adapter(model)
+    plan = tower_methods(model, tower_kinds(adapter, model, kind), methods)
     done: list[str] = []
     try:
         for tower, name, opts in plan:
@@ -237,12 +233,12 @@ def unpatch(model: torch.nn.Module, *, towers: Any = None) -> torch.nn.Module:
     """Undo :func:`patch`: the model computes exactly what it computed before (bit for bit).
 
     Args:
-        towers: ``None`` (every patch of the model), or the towers whose patches to undo (a name or a sequence); the
-            other towers stay patched.
+        towers: ``None`` or ``"all"`` (every patch of the model), or the towers whose patches to undo (a name or a
+            sequence); the other towers stay patched.  Towers patched in one call (``towers="all"``) are undone together.
 
     Raises:
-        PatchStateError: ``model`` is not patched, or a named tower is not patched.
-        OptionError: a named tower shares its patch with a tower not named (they were patched in one call: undo them
+        PatchStateError: ``model`` is not patched, or a named tower is not patched (or not a tower of the model).
+        OptionError: ``towers`` is not a name or a non-empty sequence of names; a named tower shares its patch with a tower not named (they were patched in one call: undo them
             together).
     """
     hs = handles_on(model)
@@ -251,13 +247,19 @@ def unpatch(model: torch.nn.Module, *, towers: Any = None) -> torch.nn.Module:
     if towers is None:
         chosen = hs
     else:
-        names = [towers] if isinstance(towers, str) else list(towers)
         routed = {t: h for h in hs for t in h.towers}
-        missing = [t for t in names if t not in routed]
-        if missing:
-            raise PatchStateError(
-                f"{type(model).__name__}: tower {missing[0]!r} is not patched; patched towers: {', '.join(map(repr, routed))}"
-            )
+        every = dict(hs[0].tower_kinds) or routed
+        where = f"patched towers: {', '.join(map(repr, routed))} (towers=None or 'all': every one)"
+        if isinstance(towers, str):
+            names = list(routed) if towers == "all" else [towers]
+        elif isinstance(towers, (list, tuple, set, frozenset)) and all(isinstance(t, str) for t in towers) and towers:
+            names = list(towers)
+        else:
+            raise OptionError(f"unpatch(towers={towers!r}): give a tower name or a non-empty sequence of names; {where}")
+        for t in names:
+            if t not in routed:
+                what = "is not patched" if t in every else f"is not a tower of this model (its towers: {', '.join(map(repr, every))})"
+                raise PatchStateError(f"{type(model).__name__}: tower {t!r} {what}; {where}")
         chosen = [h for h in hs if any(t in names for t in h.towers)]
         for h in chosen:
             left = [t for t in h.towers if t not in names]

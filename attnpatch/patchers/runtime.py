@@ -256,9 +256,9 @@ def run_layer(
     if decline is None and not handle.method.key_padding and key_valid is not None and not bool(key_valid.all()):
         decline = "padding"  # exact there, never the method on keys it would not hide
         handle.say(
-            f"{type(handle.model).__name__}: an attention mask hides some keys in layer {layer} (padding: padded images "
-            f"or patches, such as Idefics3's patch-attention mask); method {handle.method.name!r} does not implement key "
-            "padding, so such calls run the model's own attention (recorded as mode 'dense:padding')"
+            f"{type(handle.model).__name__}: an attention mask hides some keys (padded images or patches, e.g. a "
+            f"patch-attention mask); method {handle.method.name!r} does not implement key padding, so such calls run the "
+            "model's own attention (recorded as mode 'dense:padding')"
         )
     timing = state is not None and state.timing
     if timing:
@@ -289,10 +289,24 @@ def run_layer(
             b, h, lq, _ = q.shape
             rec.causal_pairs = count_pairs(key_valid, q_offset, lq, k.shape[2], b, h, causal)
             rec.kept_pairs = rec.causal_pairs.clone() if rec.kept_pairs is None else rec.kept_pairs
-        state.layers[layer] = rec
+        state.layers[layer] = _merged(state.layers.get(layer), rec)
     if state is not None and state.capture:
-        state.outputs[layer] = out.detach()
+        prev = state.outputs.get(layer)
+        # a layer called again in one forward (packed sequences: one call per image) keeps every call's tokens
+        state.outputs[layer] = out.detach() if prev is None or prev.shape[:2] != out.shape[:2] else torch.cat([prev, out.detach()], 2)
     return out
+
+
+def _merged(prev: LayerRecord | None, rec: LayerRecord) -> LayerRecord:
+    """One record per layer and forward: a layer called again in the same forward (a packed tower, one call per image)
+    adds its tokens and pairs to the first call's record; the other fields are the last call's."""
+    if prev is None or prev.causal_pairs is None or rec.causal_pairs is None or prev.causal_pairs.shape != rec.causal_pairs.shape:
+        return rec
+    rec.queries += prev.queries
+    rec.keys += prev.keys
+    rec.causal_pairs = rec.causal_pairs + prev.causal_pairs
+    rec.kept_pairs = rec.kept_pairs + prev.kept_pairs
+    return rec
 
 
 def needs_attention_tensors(handle: "PatchHandle") -> bool:
