@@ -67,6 +67,14 @@ def main(argv=None) -> int:
 
     name, res_px = PARTS[args.part]
     seg = args.part.startswith("seg")
+    OUT.mkdir(parents=True, exist_ok=True)
+    out = OUT / f"{args.part}.json"
+
+    def save() -> None:  # after every method: a stopped run keeps the methods it finished
+        out.write_text(json.dumps({"part": args.part, "data": name, "resolution": res_px, "target": args.target,
+                                   "argv": sys.argv[1:], "machine": machine_info(), "rows": rows, "runs": runs,
+                                   "wall_s": time.perf_counter() - t_all}, indent=1, default=str))
+
     model, processor = load_vision_model("dinov2-small")
     rows, runs = [], {}
     t_all = time.perf_counter()
@@ -87,6 +95,7 @@ def main(argv=None) -> int:
                                    progress=log_stderr)
             runs[m] = r
             rows.append(_row(m, r, time.perf_counter() - t0, True))
+            save()
     else:
         from attnpatch.evals.vision.images import load_image_set
         from attnpatch.evals.vision.preprocess import make_preprocess
@@ -103,15 +112,14 @@ def main(argv=None) -> int:
                                    max_candidates=args.max_candidates, progress=log_stderr)
             runs[m] = r
             rows.append(_row(m, r, time.perf_counter() - t0, False))
+            save()
+            print(rows[-1], flush=True)
     columns = [Column(k, k) for k in rows[0]]
     table = rows_to_markdown(rows, columns)
     print(table)
-    OUT.mkdir(parents=True, exist_ok=True)
-    out = OUT / f"{args.part}.json"
-    out.write_text(json.dumps({"part": args.part, "data": name, "resolution": res_px, "target": args.target,
-                               "argv": sys.argv[1:], "machine": machine_info(), "rows": rows, "runs": runs,
-                               "wall_s": time.perf_counter() - t_all}, indent=1, default=str))
-    print(f"wrote {out}")
+    save()
+    out.with_suffix(".md").write_text(table + "\n")
+    print(f"wrote {out} and {out.with_suffix('.md')}")
     return 0
 
 
