@@ -23,6 +23,8 @@ def test_families_apply_the_knob_from_each_start_layer():
     fna = families_of("fna", layers=12, tokens=1025)
     mid = fna[2].options(0.5)
     assert mid["s"] == (0,) * 6 + (32,) * 6 and mid["sample_layer"] == 6 and mid["min_tokens"] == 0
+    # from layer 0 samples at layer 0, not at FNA's default sample_layer (6): the family would equal "from layer 6"
+    assert fna[0].options(0.5)["sample_layer"] == 0 and fna[0].shown(0.5)["sample_layer"] == 0
     comp = families_of("tome+fna", layers=4, tokens=1025, given={"s": 64})
     assert comp[1].shown(0.5) == {"s": 64, "min_tokens": 0, "r": (0, 64, 64, 64)}
     assert {"tome", "fna", "tome+fna"} <= set(searchable_methods()) and "anchorformer" not in searchable_methods()

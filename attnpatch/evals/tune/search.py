@@ -56,13 +56,13 @@ def _from_layer(method: str, knob_opts: dict[str, Any], start: int, layers: int)
     """``knob_opts`` with each per-layer option (kind ``int_schedule``) zero before ``start``."""
     meth = get_method(method)
     out = dict(knob_opts)
+    if "sample_layer" in meth.options and "s" in knob_opts:
+        out["sample_layer"] = max(0, start)  # FNA samples its landmarks on the first approximated layer (0 included)
     if start <= 0:
         return out
     for k, v in knob_opts.items():
         if meth.options[k].kind == "int_schedule":
             out[k] = (0,) * start + (int(v),) * (layers - start)
-    if "sample_layer" in meth.options and "s" in knob_opts:
-        out["sample_layer"] = start  # FNA samples its landmarks on the first approximated layer
     return out
 
 
