@@ -172,17 +172,10 @@ def load_causal_lm(name_or_path: str | os.PathLike, dtype=None, device="cpu", lo
 
     log(f"loading {source} ({dtype}, {f'device_map={device_map}' if device_map is not None else device}) ...")
     t0 = time.perf_counter()
-    what = "tokenizer"
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(folder, **kwargs)
-        what = "model"
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kwargs, **_dispatch(device_map, max_memory))
-    except Exception as err:  # noqa: BLE001 - transformers raises OSError, ValueError, SafetensorError ...
-        if source.startswith("hub id") and isinstance(err, OSError):
-            raise _hub_error(name, err) from err
-        if not local:
-            raise
-        raise ModelFileError(f"{folder.resolve()}: could not load the {what} ({type(err).__name__}: {first_line(err)})") from err
+    tokenizer, model = _from_pretrained(name, folder, source, "causal_lm", [
+        ("tokenizer", lambda: AutoTokenizer.from_pretrained(folder, **kwargs)),
+        ("model", lambda: AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kwargs, **_dispatch(device_map, max_memory))),
+    ])
     _check_lm_tokenizer(tokenizer, folder.resolve() if local else name)
     model = (model if device_map is not None else model.to(device)).eval()
     log(f"loaded {type(model).__name__} in {time.perf_counter() - t0:.2f} s")
@@ -211,26 +204,34 @@ def load_vlm(name_or_path: str | os.PathLike, dtype=None, device="cpu", log: Log
 
     dtype = torch.float32 if dtype is None else dtype
     name, folder, source, kwargs = _resolve(name_or_path, "vlm", log)
-    local = isinstance(folder, Path)
     log(f"loading {source} ({dtype}, {device}) ...")
     t0 = time.perf_counter()
-    what = "processor"
-    try:
-        processor = AutoProcessor.from_pretrained(folder, **kwargs)
-        what = "model"
-        model = AutoModelForImageTextToText.from_pretrained(folder, dtype=dtype, **kwargs)
-    except Exception as err:  # noqa: BLE001 - transformers raises OSError, ValueError, SafetensorError ...
-        if source.startswith("hub id") and isinstance(err, OSError):
-            raise _hub_error(name, err, "vlm") from err
-        if not local:
-            raise
-        raise ModelFileError(f"{folder.resolve()}: could not load the {what} ({type(err).__name__}: {first_line(err)})") from err
+    processor, model = _from_pretrained(name, folder, source, "vlm", [
+        ("processor", lambda: AutoProcessor.from_pretrained(folder, **kwargs)),
+        ("model", lambda: AutoModelForImageTextToText.from_pretrained(folder, dtype=dtype, **kwargs)),
+    ])
     if not hasattr(processor, "image_processor") or not hasattr(processor, "tokenizer"):
         raise ModelFileError(f"{folder}: its processor ({type(processor).__name__}) has no image processor and tokenizer; "
                              "save the VLM's processor next to it (processor.save_pretrained(folder))")
     model = model.to(device).eval()
     log(f"loaded {type(model).__name__} in {time.perf_counter() - t0:.2f} s")
     return model, processor
+
+
+def _from_pretrained(name: str, folder, source: str, kind: str, steps) -> list:
+    """Run each ``(what, load)`` of ``steps`` in order: a hub failure becomes :func:`_hub_error`, a local folder's one
+    line :class:`ModelFileError` naming the folder and what failed to load."""
+    out = []
+    for what, load in steps:
+        try:
+            out.append(load())
+        except Exception as err:  # noqa: BLE001 - transformers raises OSError, ValueError, SafetensorError ...
+            if source.startswith("hub id") and isinstance(err, OSError):
+                raise _hub_error(name, err, kind) from err
+            if not isinstance(folder, Path):
+                raise
+            raise ModelFileError(f"{folder.resolve()}: could not load the {what} ({type(err).__name__}: {first_line(err)})") from err
+    return out
 
 
 def _dispatch(device_map, max_memory) -> dict:

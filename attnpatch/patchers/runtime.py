@@ -21,7 +21,7 @@ import torch
 from ..errors import AttnpatchError, InferenceOnlyError, OptionError, PatchStateError, UnsupportedModelError
 from ..timing import sync
 from .contract import Method
-from .state import GROUP_ATTR, ForwardState, LayerContext, LayerRecord
+from .state import GROUP_ATTR, ForwardState, LayerContext, LayerRecord, PatchRepr
 
 __all__ = [
     "PatchHandle",
@@ -123,7 +123,7 @@ class PatchHandle:
         for m in [m for m in self.model.modules() if m.__dict__.get("_attnpatch") is self and m is not self.model]:
             if "extra_repr" not in m.__dict__:
                 layer = m.__dict__.get("_attnpatch_layer")
-                m.extra_repr = _PatchRepr(m, text if layer is None else f"{text}, layer={layer}")
+                m.extra_repr = PatchRepr(m, text if layer is None else f"{text}, layer={layer}")
                 self._repr_modules.append(m)
 
     def remove(self) -> None:
@@ -133,18 +133,6 @@ class PatchHandle:
         self._repr_modules.clear()
         self.adapter.restore(self, self._undo)
         self.state = None
-
-
-class _PatchRepr:
-    """A patched module's ``extra_repr``: its class's own text, then the patch (picklable, unlike a closure)."""
-
-    def __init__(self, module: torch.nn.Module, line: str):
-        self.module = module
-        self.line = line
-
-    def __call__(self) -> str:
-        own = type(self.module).extra_repr(self.module)
-        return ", ".join(x for x in (own, self.line) if x)
 
 
 def count_pairs(key_valid: torch.Tensor | None, q_offset: int, lq: int, lk: int, b: int, h: int, causal: bool) -> torch.Tensor:

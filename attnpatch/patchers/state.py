@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["LayerRecord", "ForwardState", "LayerContext", "PatchGroup", "GROUP_ATTR"]
+__all__ = ["LayerRecord", "ForwardState", "LayerContext", "PatchGroup", "PatchRepr", "GROUP_ATTR"]
 
 #: The attribute of a patched model that holds its :class:`PatchGroup` (set by :func:`attnpatch.patch`).
 GROUP_ATTR = "_attnpatch_patches"
@@ -195,7 +195,7 @@ class PatchGroup:
         if "extra_repr" not in self.model.__dict__:
             one = len(self.handles) == 1
             line = "; ".join(h.describe() + ("" if one else f" [{', '.join(h.towers)}]") for h in self.handles)
-            self.model.extra_repr = _ModelRepr(self.model, line)
+            self.model.extra_repr = PatchRepr(self.model, line)
             self._repr = True
         roots: list[torch.nn.Module] = []
         for h in self.handles:
@@ -257,8 +257,9 @@ class PatchGroup:
             h.state = None
 
 
-class _ModelRepr:
-    """The patched model's ``extra_repr``: its class's own text, then its patches (picklable, unlike a closure)."""
+class PatchRepr:
+    """A patched module's (or model's) ``extra_repr``: its class's own text, then the patch line (picklable, unlike a
+    closure)."""
 
     def __init__(self, module: torch.nn.Module, line: str):
         self.module = module
