@@ -250,12 +250,6 @@ class PatchGroup:
                 r.attention_seconds.append(seconds)
         return None
 
-    def reset(self) -> None:
-        """Forget a forward left half way (every patch's state)."""
-        self._depth = 0
-        for h in self.handles:
-            h.state = None
-
 
 class PatchRepr:
     """A patched module's (or model's) ``extra_repr``: its class's own text, then the patch line (picklable, unlike a
