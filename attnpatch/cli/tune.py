@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import AttnpatchError
-from .args import OneSetting, check_fits, fraction, nonnegative_int, parse_options, positive_int
+from .args import OneSetting, check_fits, fraction, nonnegative_int, parse_options, positive_float, positive_int
 from .output import check_outputs, progress_line, slug
 from .ruler import NIAH_TASKS, causal_prompts, read_prompt_files
 
@@ -274,7 +274,7 @@ def _cmd_tune_agreement(args, kind: str, method: str) -> int:
         result = tune_ruler_agreement(model, tok, method, target=target, given=given, tasks=NIAH_TASKS, length=args.length,
                                       calibration=n_cal, held_out=2 if args.holdout is None else args.holdout,
                                       max_candidates=args.max_candidates, repeats=max(args.repeats, 3),
-                                      progress=progress_line)
+                                      max_minutes=args.max_minutes, progress=progress_line)
         source = (f"{n_cal} NIAH sample(s) per task at {args.length} tokens (seeds 1000+); held-out: "
                   f"{result['held_out'] // len(NIAH_TASKS)} per task (seeds 0+)")
     elif key == "seg-agreement":
@@ -299,7 +299,8 @@ def _cmd_tune_agreement(args, kind: str, method: str) -> int:
         resolution = fit_resolution(args.resolution or 448, adapter.patch_size(model), what="--resolution")
         result = tune_seg_agreement(model, data, square_preprocess(pc.mean, pc.std, resolution), method, target=target,
                                     given=given, calibration=n_cal, split_seed=args.split_seed, batch_size=args.batch_size,
-                                    max_candidates=args.max_candidates, repeats=max(args.repeats, 3), progress=progress_line)
+                                    max_candidates=args.max_candidates, repeats=max(args.repeats, 3),
+                                    max_minutes=args.max_minutes, progress=progress_line)
         source = (f"{n_cal} of the {n_val} val images of {data.name} (seeded split, seed {args.split_seed}; the linear "
                   f"read-out fitted once on its {len(data.train)} train images, unpatched); held-out: the other {n_val - n_cal}")
     else:
@@ -315,7 +316,7 @@ def _cmd_tune_agreement(args, kind: str, method: str) -> int:
         cal, hold = images.subset(order[:n_cal]), images.subset(order[n_cal:])
         result = tune_knn_agreement(model, cal, hold, preprocess, method, target=target, given=given,
                                     batch_size=args.batch_size, max_candidates=args.max_candidates,
-                                    repeats=max(args.repeats, 3), progress=progress_line)
+                                    repeats=max(args.repeats, 3), max_minutes=args.max_minutes, progress=progress_line)
         source = f"{n_cal} of {len(images)} images of {images.name} (seeded split, seed {args.split_seed}); held-out: the other {len(hold)}"
     chosen = result["chosen"]
     meth = get_method(method)
@@ -335,6 +336,8 @@ def _cmd_tune_agreement(args, kind: str, method: str) -> int:
     if wins:
         md += "\n\n" + _print_rows(wins, "each family's cheapest setting that meets the target, timed beside dense")
     line = agreement_line(result, key)
+    if result.get("stopped"):
+        line = f"search rounds stopped {result['stopped']} (--max-minutes); each family kept its best so far\n" + line
     print(line)
     print(f"wrote {out}  (use: -o config={out})")
     print(f"wrote {report}")
@@ -410,6 +413,9 @@ def add_parser(sub) -> None:
                    help="with --target: an option every candidate keeps (e.g. -o s=64 for tome+fna)")
     p.add_argument("--max-candidates", type=positive_int, default=24,
                    help="with --target: settings measured for agreement at most (default: %(default)s)")
+    p.add_argument("--max-minutes", type=positive_float, default=45,
+                   help="with --target: no search round starts that would end past this many minutes (default: "
+                   "%(default)s; the winners' timing and the held-out check follow)")
     p.add_argument("--split-seed", type=nonnegative_int, default=0, help="with --target: seed of the calibration / held-out split")
     p.add_argument("--threads", type=positive_int, help="torch CPU threads")
     p.set_defaults(func=_run)

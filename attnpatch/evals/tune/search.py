@@ -12,14 +12,18 @@ and time picks the family:
    is at most ``families x rounds`` (``max_candidates``).  This choice depends on predictions only, not on time.
 2. Each family's winner is timed beside the unpatched model in pairs (:func:`~attnpatch.timing.interleaved_speedup`:
    the median of ``repeats`` pair ratios and their middle half, and the ratio of the best times), and the fastest by
-   best times is chosen (:func:`choose`); the exact model (1.00x) is chosen when no winner is faster.  A winner whose speed-up range overlaps the fastest's is not told apart from
-   it by this machine: among those, the one with the highest agreement is chosen.  The knob of every family is the
-   same on a busy machine; the family chosen is not yet (docs/cli.md, ``tune --target``).
+   best times is chosen (:func:`choose`); the exact model (1.00x) is chosen when no winner is faster.  A winner whose
+   speed-up range overlaps the fastest's is not told apart from it by this machine: among those, the one with the
+   fewest FLOPs per forward (:func:`forward_flops`, a count no other job changes) is chosen.  The knob of every
+   family is the same on a busy machine, and the family is chosen on timings only where they are clear
+   (docs/cli.md, ``tune --target``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+import time
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +32,7 @@ from ...patchers.api import patched
 from ...patchers.registry import get_method, validate_options
 from ...timing import interleaved_speedup, quietly
 
-__all__ = ["Family", "families_of", "check_given", "search_agreement", "choose", "searchable_methods", "DEFAULT_DEPTHS", "TARGETS",
+__all__ = ["Family", "families_of", "check_given", "search_agreement", "choose", "forward_flops", "searchable_methods", "DEFAULT_DEPTHS", "TARGETS",
            "parse_target", "agreement_tables", "agreement_line", "short_setting"]
 
 #: Start layers of the families, as fractions of the depth: the knob on every layer, from a quarter, from half.
@@ -152,6 +156,7 @@ def search_agreement(
     families: Sequence[Family],
     max_candidates: int = 24,
     repeats: int = 5,
+    max_minutes: float | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """The fastest setting of ``method`` whose agreement on the calibration split meets ``target``.
@@ -167,20 +172,26 @@ def search_agreement(
         max_candidates: settings measured for agreement at most (the bisection rounds are
             ``max_candidates // len(families)``, at least 1).
         repeats: timed pairs (dense beside the setting) per family winner.
+        max_minutes: wall-clock bound of the bisection rounds: no round starts that would end past it (a round is
+            expected to last as long as the rounds so far on average); each family keeps its best so far.  The timing
+            of the winners follows (``repeats`` pairs each).  ``None``: no bound.
         progress: one line per round and per timing.
 
     Returns:
         ``{"target", "rounds", "measured": [{"family", "start", "t", "options" (full), "shown" (what the family
         sets), "agreement", "meets"}], "winners": [{... as measured, "speedup", "spread"}],
-        "chosen": a winner, or ``{"exact": True, "speedup": 1.0, "agreement": 1.0}`` when none is faster}``.
+        "chosen": a winner, or ``{"exact": True, "speedup": 1.0, "agreement": 1.0}`` when none is faster,
+        "stopped": ``None``, or why the rounds stopped before ``rounds`` (``max_minutes``)}``.
 
     Raises:
-        OptionError: a target outside ``[0, 1]``, ``max_candidates < 1`` or no families.
+        OptionError: a target outside ``[0, 1]``, ``max_candidates < 1``, no families or ``max_minutes <= 0``.
     """
     if not 0.0 <= float(target) <= 1.0:
         raise OptionError(f"target={target!r}: an agreement in [0, 1]")
     if max_candidates < 1 or not families:
         raise OptionError(f"max_candidates={max_candidates}, {len(families)} families: need at least one of each")
+    if max_minutes is not None and not max_minutes > 0:
+        raise OptionError(f"max_minutes={max_minutes!r}: a positive number of minutes")
     say = progress or (lambda s: None)
     rounds = max(1, max_candidates // len(families))
     lo = [0.0] * len(families)
@@ -188,7 +199,14 @@ def search_agreement(
     best: list[dict[str, Any] | None] = [None] * len(families)
     cache: dict[tuple, float] = {}
     measured: list[dict[str, Any]] = []
+    t0, stopped = time.perf_counter(), None
     for rnd in range(rounds):
+        used = time.perf_counter() - t0
+        if max_minutes is not None and rnd and used * (rnd + 1) / rnd > 60 * max_minutes:
+            stopped = (f"after round {rnd} of {rounds}: {used / 60:.1f} min used, a round takes about "
+                       f"{used / rnd / 60:.1f} min, the bound is {max_minutes:g} min")
+            say(f"rounds stopped {stopped}")
+            break
         todo: list[tuple[int, float, dict[str, Any]]] = []
         for i, fam in enumerate(families):
             t = (lo[i] + hi[i]) / 2
@@ -216,14 +234,20 @@ def search_agreement(
         say(f"round {rnd + 1}/{rounds}: " + "; ".join(
             f"{families[i].name}: {short_setting(shown[i])} agreement {cache[_key(o)]:.4f}" for i, _, o in todo))
     winners = []
+    dense_flops = forward_flops(forward)
     for w in best:
         if w is None:
             continue
         timing = quietly(lambda: interleaved_speedup(forward, lambda: patched(model, method, **w["options"]), repeats=repeats))
-        w = {**w, "speedup": timing["speedup"], "spread": timing["spread"], "best": timing["best"]}
-        say(f"{w['family']}: {short_setting(w['shown'])} {w['speedup']:.2f}x [{w['spread'][0]:.2f}-{w['spread'][1]:.2f}]")
+        with patched(model, method, **w["options"]):
+            flops = quietly(lambda: forward_flops(forward))
+        w = {**w, "speedup": timing["speedup"], "spread": timing["spread"], "best": timing["best"], "flops": flops,
+             "flop_ratio": dense_flops / flops if flops and dense_flops else None}
+        fl = f", dense / setting FLOPs {w['flop_ratio']:.2f}" if w["flop_ratio"] else ""
+        say(f"{w['family']}: {short_setting(w['shown'])} {w['speedup']:.2f}x [{w['spread'][0]:.2f}-{w['spread'][1]:.2f}]{fl}")
         winners.append(w)
-    return {"target": target, "rounds": rounds, "measured": measured, "winners": winners, "chosen": choose(winners)}
+    return {"target": target, "rounds": rounds, "measured": measured, "winners": winners, "chosen": choose(winners),
+            "stopped": stopped}
 
 
 def choose(winners: list[dict[str, Any]]) -> dict[str, Any]:
@@ -231,16 +255,36 @@ def choose(winners: list[dict[str, Any]]) -> dict[str, Any]:
 
     Faster is judged on the best times (the fastest dense call over the fastest patched call, ``"best"``): another
     job on the machine slows some calls, rarely the fastest, so this ratio moves least under load (the median of the
-    pairs and its middle half are reported).  A winner is faster than the exact model when its best ratio exceeds 1;
-    among the winners whose speed-up range overlaps the fastest's (the machine does not tell them apart), the one
-    with the highest agreement is chosen."""
+    pairs and its middle half are reported).  A winner is faster than the exact model when its best ratio exceeds 1.
+    Among the winners whose speed-up range overlaps the fastest's, the machine does not tell them apart; of those the
+    one with the fewest FLOPs per forward (``"flops"``, counted by :class:`torch.utils.flop_counter.FlopCounterMode`,
+    which no other job changes) is chosen, then the highest agreement.  So a busy machine, whose ranges widen, falls
+    back on a count an idle run also sees rather than on its noisy times."""
     exact = {"exact": True, "speedup": 1.0, "spread": [1.0, 1.0], "best": 1.0, "agreement": 1.0}
     fast = [w for w in winners if w.get("best", w["speedup"]) > 1.0]
     if not fast:
         return exact
     top = max(fast, key=lambda w: w.get("best", w["speedup"]))
     tied = [w for w in fast if w["spread"][1] >= top["spread"][0]]
-    return max(tied, key=lambda w: (w["agreement"], w.get("best", w["speedup"])))
+    return min(tied, key=lambda w: (w.get("flops") or float("inf"), -w["agreement"], -w.get("best", w["speedup"])))
+
+
+def forward_flops(forward: Callable[[], Any]) -> int | None:
+    """FLOPs of one ``forward()`` (no gradients), as :class:`torch.utils.flop_counter.FlopCounterMode` counts them: the
+    matrix products and PyTorch's fused attention; element-wise work, sorting, gathers and the work of the project's
+    compiled kernels (C++, Triton) are not counted.  ``None``
+    (with a warning) where the counter cannot run the forward (e.g. a compiled kernel it cannot trace)."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    try:
+        with torch.no_grad(), FlopCounterMode(display=False) as counter:
+            forward()
+    except Exception as e:  # noqa: BLE001 - the count only breaks ties; the search goes on without it
+        warnings.warn(f"FLOPs not counted ({type(e).__name__}: {e}); winners the timings do not tell apart go by "
+                      "agreement", stacklevel=2)
+        return None
+    return int(counter.get_total_flops())
 
 
 def short_setting(opts: dict[str, Any]) -> str:
@@ -280,6 +324,7 @@ def agreement_tables(result: dict[str, Any]) -> tuple[list[dict[str, Any]], list
              "meets": "yes" if r["meets"] else "no"} for r in result["measured"]]
     wins = [{"family": w["family"], "setting": short_setting(w["shown"]), "agreement": f"{w['agreement']:.4f}",
              "speed-up [middle half]": f"{w['speedup']:.2f}x [{w['spread'][0]:.2f}-{w['spread'][1]:.2f}]",
+             "dense / setting FLOPs": f"{w['flop_ratio']:.2f}" if w.get("flop_ratio") else "-",
              "chosen": "<-" if w is result["chosen"] else ""} for w in result["winners"]]
     return rows, wins
 

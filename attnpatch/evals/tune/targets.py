@@ -53,7 +53,7 @@ def knn_agreement(model, images, preprocess, *, batch_size: int = 8, knn_k: int 
 def tune_knn_agreement(model, calibration, held_out, preprocess, method: str, *, target: float = 0.99,
                        given: dict[str, Any] | None = None, batch_size: int = 8, knn_k: int = 20,
                        max_candidates: int = 24, repeats: int = 5, depths: Sequence[float] = DEFAULT_DEPTHS,
-                       progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+                       max_minutes: float | None = None, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """:func:`search_agreement` on k-NN top-1 agreement with dense over the ``calibration`` images, then the chosen
     setting measured on the disjoint ``held_out`` images (its agreement and speed-up there).
 
@@ -62,7 +62,8 @@ def tune_knn_agreement(model, calibration, held_out, preprocess, method: str, *,
         preprocess: list of PIL images -> ``[B, 3, R, R]`` at the resolution tuned for.
         method: a method of :func:`searchable_methods`; given: options every candidate keeps (e.g. ``s`` of ``tome+fna``).
         target: k-NN top-1 agreement with dense to reach on the calibration split, in ``[0, 1]``.
-        batch_size, knn_k: as ``attnpatch eval knn``; max_candidates, repeats, depths: the search's bounds.
+        batch_size, knn_k: as ``attnpatch eval knn``; max_candidates, repeats, depths, max_minutes: the search's bounds
+            (:func:`search_agreement`).
 
     Returns:
         :func:`search_agreement`'s result with ``"method"``, ``"tokens"``, ``"calibration"`` and ``"held_out"`` (image
@@ -80,7 +81,7 @@ def tune_knn_agreement(model, calibration, held_out, preprocess, method: str, *,
     fams = families_of(method, model_geometry(model).num_layers, tokens, given, depths)
     res = search_agreement(model, method, knn_agreement(model, calibration, preprocess, batch_size=batch_size, knn_k=knn_k),
                            lambda: encode(model, x), target=target, families=fams, max_candidates=max_candidates,
-                           repeats=repeats, progress=progress)
+                           repeats=repeats, max_minutes=max_minutes, progress=progress)
     chosen = res["chosen"]
     held = None
     if not chosen.get("exact"):
@@ -112,8 +113,8 @@ def seg_agreement(model, data, preprocess, fitted, *, readout: str = "linear", b
 def tune_seg_agreement(model, data, preprocess, method: str, *, target: float = 0.99, given: dict[str, Any] | None = None,
                        calibration: int | None = None, split_seed: int = 0, batch_size: int = 8,
                        max_patches: int = 100_000, probe_steps: int = 2000, max_candidates: int = 24, repeats: int = 5,
-                       depths: Sequence[float] = DEFAULT_DEPTHS, progress: Callable[[str], None] | None = None,
-                       fitted=None) -> dict[str, Any]:
+                       depths: Sequence[float] = DEFAULT_DEPTHS, max_minutes: float | None = None,
+                       progress: Callable[[str], None] | None = None, fitted=None) -> dict[str, Any]:
     """:func:`search_agreement` on segmentation prediction agreement (linear read-out, fitted once on the unpatched
     model's train features) over a seeded calibration share of ``data``'s val split; the chosen setting then measured
     on the rest of val (agreement, mIoU and its difference from dense, speed-up).
@@ -157,7 +158,7 @@ def tune_seg_agreement(model, data, preprocess, method: str, *, target: float = 
     fams = families_of(method, model_geometry(model).num_layers, tokens, given, depths)
     res = search_agreement(model, method, seg_agreement(model, cal, preprocess, fitted, batch_size=batch_size),
                            lambda: adapter.patch_tokens(model, x), target=target, families=fams,
-                           max_candidates=max_candidates, repeats=repeats, progress=progress)
+                           max_candidates=max_candidates, repeats=repeats, max_minutes=max_minutes, progress=progress)
     chosen = res["chosen"]
     held = None
     if not chosen.get("exact"):
@@ -200,7 +201,7 @@ def zeroshot_agreement(bundle, images, classnames, templates, *, batch_size: int
 def tune_zeroshot_agreement(bundle, calibration, held_out, classnames, templates, method: str, *, target: float = 0.99,
                             given: dict[str, Any] | None = None, batch_size: int = 32, max_candidates: int = 24,
                             repeats: int = 5, depths: Sequence[float] = DEFAULT_DEPTHS,
-                            progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+                            max_minutes: float | None = None, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """:func:`search_agreement` on a CLIP image tower's zero-shot top-1 agreement with dense over the ``calibration``
     images, the chosen setting then measured on ``held_out`` (``"held_out_result"``: ``{"agreement", "top1",
     "dense_top1", "speedup", "speedup_spread"}``; ``None`` when the exact model was chosen).  Otherwise as
@@ -215,7 +216,7 @@ def tune_zeroshot_agreement(bundle, calibration, held_out, classnames, templates
     res = search_agreement(model, method, zeroshot_agreement(bundle, calibration, classnames, templates,
                                                              batch_size=batch_size),
                            lambda: bundle.encode_image(x), target=target, families=fams, max_candidates=max_candidates,
-                           repeats=repeats, progress=progress)
+                           repeats=repeats, max_minutes=max_minutes, progress=progress)
     chosen = res["chosen"]
     held = None
     if not chosen.get("exact"):
@@ -250,7 +251,7 @@ def ruler_agreement(model, tok, *, tasks: Sequence[str], length: int, samples: i
 def tune_ruler_agreement(model, tok, method: str, *, target: float = 1.0, given: dict[str, Any] | None = None,
                          tasks: Sequence[str] = ("niah_single", "niah_multikey"), length: int = 4096,
                          calibration: int = 2, held_out: int = 2, calibration_seed: int = 1000,
-                         max_candidates: int = 12, repeats: int = 5,
+                         max_candidates: int = 12, repeats: int = 5, max_minutes: float | None = None,
                          progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """:func:`search_agreement` for a causal LM's prefill method on RULER: the share of calibration samples
     (``calibration`` per task, seeds ``calibration_seed`` on) whose score equals the unpatched model's must reach
@@ -271,7 +272,7 @@ def tune_ruler_agreement(model, tok, method: str, *, target: float = 1.0, given:
     res = search_agreement(model, method, ruler_agreement(model, tok, tasks=tasks, length=length, samples=calibration,
                                                           seed=calibration_seed),
                            lambda: model(input_ids=ids, use_cache=False), target=target, families=fams,
-                           max_candidates=max_candidates, repeats=repeats, progress=progress)
+                           max_candidates=max_candidates, repeats=repeats, max_minutes=max_minutes, progress=progress)
     chosen = res["chosen"]
     held = None
     if not chosen.get("exact") and held_out:
