@@ -107,28 +107,33 @@ def test_the_choice_among_winners():
 
 
 def test_forward_flops_counts_the_patched_forward():
+    """ToMe's fewer tokens and FNA's landmarks both count fewer FLOPs than dense, whose attention runs in PyTorch's
+    fused CPU kernel (counted as its two products: FlopCounterMode alone counts it as 0 on a CPU)."""
     from attnpatch.evals.tune.search import forward_flops
     from tiny_models import tiny_dinov2
 
-    model = tiny_dinov2(image_size=56)
-    x = torch.randn(1, 3, 56, 56)
+    q = torch.randn(2, 3, 100, 16)
+    assert forward_flops(lambda: torch.nn.functional.scaled_dot_product_attention(q, q, q)) == 2 * (2 * 2 * 3 * 100 * 100 * 16)
+    model = tiny_dinov2(image_size=224)
+    x = torch.randn(1, 3, 224, 224)
     dense = forward_flops(lambda: model(pixel_values=x))
-    with patched(model, "tome", r=4):
-        merged = forward_flops(lambda: model(pixel_values=x))
     with patched(model, "dense"):
         assert forward_flops(lambda: model(pixel_values=x)) == dense
-    assert 0 < merged < dense
+    with patched(model, "tome", r=16):
+        assert 0 < forward_flops(lambda: model(pixel_values=x)) < dense
+    with patched(model, "fna", s=16, min_tokens=0, sample_layer=0):
+        assert 0 < forward_flops(lambda: model(pixel_values=x)) < dense
 
     def broken():
         raise RuntimeError("cannot trace")
 
-    with pytest.warns(UserWarning, match="FLOPs not counted .RuntimeError: cannot trace"):
-        assert forward_flops(broken) is None
+    assert forward_flops(broken) is None
     a = {"name": "a", "speedup": 1.5, "spread": [1.4, 1.6], "best": 1.5, "agreement": 0.99, "flops": None}
     b = dict(a, name="b", agreement=0.995)
     assert choose([a, b])["name"] == "b"  # no counts: the higher agreement
-    assert choose([a, dict(b, flops=10)])["name"] == "b"  # a count beats none
+    assert choose([dict(a, agreement=1.0), dict(b, flops=10)])["name"] == "a"  # one uncounted: agreement, not the count
     assert choose([dict(a, flops=5), dict(b, flops=10)])["name"] == "a"
+    assert choose([dict(a, flops=0), dict(b, flops=10)])["name"] == "a"
 
 
 def test_targets_are_parsed_with_one_line_errors():

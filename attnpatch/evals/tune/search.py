@@ -23,7 +23,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 import time
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -142,6 +141,10 @@ def searchable_methods() -> list[str]:
     return sorted(out)
 
 
+def _took(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
+
+
 def _key(opts: dict[str, Any]) -> tuple:
     return tuple(sorted((k, v) for k, v in opts.items()))
 
@@ -172,14 +175,17 @@ def search_agreement(
         max_candidates: settings measured for agreement at most (the bisection rounds are
             ``max_candidates // len(families)``, at least 1).
         repeats: timed pairs (dense beside the setting) per family winner.
-        max_minutes: wall-clock bound of the bisection rounds: no round starts that would end past it (a round is
-            expected to last as long as the rounds so far on average); each family keeps its best so far.  The timing
-            of the winners follows (``repeats`` pairs each).  ``None``: no bound.
+        max_minutes: wall-clock bound of the bisection rounds: the first round always runs, and no later round
+            starts that would end past it (a round is expected to last as long as the rounds so far on average, the
+            first one's dense pass included); each family keeps its best so far.  The timing of the winners follows
+            (``repeats`` pairs each).  ``None``: no bound.
         progress: one line per round and per timing.
 
     Returns:
         ``{"target", "rounds", "measured": [{"family", "start", "t", "options" (full), "shown" (what the family
-        sets), "agreement", "meets"}], "winners": [{... as measured, "speedup", "spread"}],
+        sets), "agreement", "meets"}], "winners": [{... as measured, "speedup", "spread", "best" (the best-time
+        ratio), "flops" (:func:`forward_flops` on the timed batch, ``None`` uncounted), "flop_ratio" (dense's over the
+        setting's)}],
         "chosen": a winner, or ``{"exact": True, "speedup": 1.0, "agreement": 1.0}`` when none is faster,
         "stopped": ``None``, or why the rounds stopped before ``rounds`` (``max_minutes``)}``.
 
@@ -203,8 +209,8 @@ def search_agreement(
     for rnd in range(rounds):
         used = time.perf_counter() - t0
         if max_minutes is not None and rnd and used * (rnd + 1) / rnd > 60 * max_minutes:
-            stopped = (f"after round {rnd} of {rounds}: {used / 60:.1f} min used, a round takes about "
-                       f"{used / rnd / 60:.1f} min, the bound is {max_minutes:g} min")
+            stopped = (f"after round {rnd} of {rounds}: {_took(used)} used, a round takes about {_took(used / rnd)}, the "
+                       f"bound is {_took(60 * max_minutes)}")
             say(f"rounds stopped {stopped}")
             break
         todo: list[tuple[int, float, dict[str, Any]]] = []
@@ -235,6 +241,7 @@ def search_agreement(
             f"{families[i].name}: {short_setting(shown[i])} agreement {cache[_key(o)]:.4f}" for i, _, o in todo))
     winners = []
     dense_flops = forward_flops(forward)
+    uncounted = []
     for w in best:
         if w is None:
             continue
@@ -243,9 +250,14 @@ def search_agreement(
             flops = quietly(lambda: forward_flops(forward))
         w = {**w, "speedup": timing["speedup"], "spread": timing["spread"], "best": timing["best"], "flops": flops,
              "flop_ratio": dense_flops / flops if flops and dense_flops else None}
+        if flops is None:
+            uncounted.append(w["family"])
         fl = f", dense / setting FLOPs {w['flop_ratio']:.2f}" if w["flop_ratio"] else ""
         say(f"{w['family']}: {short_setting(w['shown'])} {w['speedup']:.2f}x [{w['spread'][0]:.2f}-{w['spread'][1]:.2f}]{fl}")
         winners.append(w)
+    if winners and (uncounted or dense_flops is None):
+        say(f"FLOPs not counted for {', '.join(uncounted) or 'the unpatched model'} (FlopCounterMode could not run the "
+            "forward): winners the timings do not tell apart go by agreement")
     return {"target": target, "rounds": rounds, "measured": measured, "winners": winners, "chosen": choose(winners),
             "stopped": stopped}
 
@@ -257,8 +269,8 @@ def choose(winners: list[dict[str, Any]]) -> dict[str, Any]:
     job on the machine slows some calls, rarely the fastest, so this ratio moves least under load (the median of the
     pairs and its middle half are reported).  A winner is faster than the exact model when its best ratio exceeds 1.
     Among the winners whose speed-up range overlaps the fastest's, the machine does not tell them apart; of those the
-    one with the fewest FLOPs per forward (``"flops"``, counted by :class:`torch.utils.flop_counter.FlopCounterMode`,
-    which no other job changes) is chosen, then the highest agreement.  So a busy machine, whose ranges widen, falls
+    one with the fewest FLOPs per forward (``"flops"``, :func:`forward_flops`, a count no other job changes) is chosen,
+    then the highest agreement; where a tied winner has no count, the highest agreement.  So a busy machine, whose ranges widen, falls
     back on a count an idle run also sees rather than on its noisy times."""
     exact = {"exact": True, "speedup": 1.0, "spread": [1.0, 1.0], "best": 1.0, "agreement": 1.0}
     fast = [w for w in winners if w.get("best", w["speedup"]) > 1.0]
@@ -266,23 +278,34 @@ def choose(winners: list[dict[str, Any]]) -> dict[str, Any]:
         return exact
     top = max(fast, key=lambda w: w.get("best", w["speedup"]))
     tied = [w for w in fast if w["spread"][1] >= top["spread"][0]]
-    return min(tied, key=lambda w: (w.get("flops") or float("inf"), -w["agreement"], -w.get("best", w["speedup"])))
+    if all(w.get("flops") is not None for w in tied):
+        return min(tied, key=lambda w: (w["flops"], -w["agreement"], -w.get("best", w["speedup"])))
+    return max(tied, key=lambda w: (w["agreement"], w.get("best", w["speedup"])))
+
+
+def _cpu_sdpa_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+    from torch.utils.flop_counter import sdpa_flop_count
+
+    return sdpa_flop_count(query_shape, key_shape, value_shape)
 
 
 def forward_flops(forward: Callable[[], Any]) -> int | None:
-    """FLOPs of one ``forward()`` (no gradients), as :class:`torch.utils.flop_counter.FlopCounterMode` counts them: the
-    matrix products and PyTorch's fused attention; element-wise work, sorting, gathers and the work of the project's
-    compiled kernels (C++, Triton) are not counted.  ``None``
-    (with a warning) where the counter cannot run the forward (e.g. a compiled kernel it cannot trace)."""
+    """FLOPs of one ``forward()`` (no gradients), as :class:`torch.utils.flop_counter.FlopCounterMode` counts them:
+    matrix products and convolutions, and PyTorch's fused attention (its CPU kernel counted here as its CUDA ones
+    are: two products of the query, key and value shapes).  Element-wise work, softmax, sorting, gathers and the
+    work of the project's compiled kernels (C++, Triton) are not counted.  ``None`` where the counter cannot run the
+    forward (e.g. a compiled kernel it cannot trace)."""
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
+    extra = {}
+    cpu_sdpa = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    if cpu_sdpa is not None:
+        extra[cpu_sdpa] = _cpu_sdpa_flops
     try:
-        with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        with torch.no_grad(), FlopCounterMode(display=False, custom_mapping=extra) as counter:
             forward()
-    except Exception as e:  # noqa: BLE001 - the count only breaks ties; the search goes on without it
-        warnings.warn(f"FLOPs not counted ({type(e).__name__}: {e}); winners the timings do not tell apart go by "
-                      "agreement", stacklevel=2)
+    except Exception:  # noqa: BLE001 - the count only breaks ties; the search says it went without it
         return None
     return int(counter.get_total_flops())
 
