@@ -4,7 +4,7 @@ Runs :func:`attnpatch.evals.tune.targets.tune_knn_agreement` on dinov2-small at 
 the competing PyTorch process that ``attnpatch bench ... --background-load`` starts, ``--tries`` times each, and prints
 each run's family winners (their speed-up ranges and FLOP ratios) and the chosen setting.  The settings compare on
 the family knob's steps (the start layer: from layer 0, a quarter, half the depth).  Writes
-``benchmarks/results/frontier/busy<resolution>.json`` after every run (a stopped run keeps what finished).
+``benchmarks/results/frontier/busy<resolution>.json`` (or ``<--name>.json``) after every run (a stopped run keeps what finished).
 
     python benchmarks/tune_busy.py [--method tome] [--calibration 32] [--tries 2]
 """
@@ -30,6 +30,7 @@ def main(argv=None) -> int:
     p.add_argument("--calibration", type=int, default=32)
     p.add_argument("--max-candidates", type=int, default=9)
     p.add_argument("--tries", type=int, default=2)
+    p.add_argument("--name", default=None, help="results file stem (default: busy<resolution>)")
     args = p.parse_args(argv)
 
     import torch
@@ -50,7 +51,7 @@ def main(argv=None) -> int:
     cal = images.subset(order[:args.calibration])
     hold = images.subset(order[args.calibration:args.calibration + 2])  # the held-out check is not what is compared
     OUT.mkdir(parents=True, exist_ok=True)
-    out = OUT / f"busy{args.resolution}.json"
+    out = OUT / f"{args.name or f'busy{args.resolution}'}.json"
     runs = []
     for i in range(args.tries):
         for load_s in (None, 1800):

@@ -362,7 +362,7 @@ def test_an_exact_row_names_no_landmarks_and_stays_off_the_front(vit):
     dense, exact, approx = res["rows"]
     assert exact["exact"] is True and exact["knob_tokens"] is None and exact["note"].startswith("exact attention")
     assert approx["exact"] is False and approx["knob_tokens"] == "s=8"
-    assert 1 not in res["pareto_front"] and 0 in res["pareto_front"]
+    assert 1 not in res["pareto_front"]  # dense (0) may leave the front: the s=8 row can tie its k-NN and time faster
     # options given as strings come back typed
     assert exact["given_options"] == {"s": 8, "min_tokens": 2048} and exact["shown_options"] == {"s": 8, "min_tokens": 2048}
     # three batches: each row has the middle half of its per-batch speed-ups

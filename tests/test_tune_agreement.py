@@ -232,10 +232,11 @@ def test_tune_cli_max_minutes_must_be_positive(vit, capsys):
 
 
 @pytest.mark.slow
-def test_a_busy_machine_picks_the_idle_setting_or_one_step_from_it(tmp_path):
+def test_a_busy_machine_keeps_every_knob_and_chooses_within_a_step_or_the_unpatched_model(tmp_path):
     """The agreement search beside a competing PyTorch process (as ``bench --background-load`` starts) finds the
     knob an idle run finds in every family (the knob comes from predictions, not from time), and chooses the idle
-    run's setting or the next family's: winners the busy machine does not tell apart go by their FLOP count."""
+    run's setting or the next family's (winners the busy machine does not tell apart go by their FLOP count), or
+    the unpatched model where that machine timed no winner faster than it."""
     from attnpatch.evals.bench import background_load
     from attnpatch.evals.vision.images import load_image_set
     from attnpatch.evals.vision.preprocess import make_preprocess
@@ -257,7 +258,11 @@ def test_a_busy_machine_picks_the_idle_setting_or_one_step_from_it(tmp_path):
     assert [w["shown"] for w in busy["winners"]] == [w["shown"] for w in idle["winners"]]
     assert [m["agreement"] for m in busy["measured"]] == [m["agreement"] for m in idle["measured"]]
     assert [w["flops"] for w in busy["winners"]] == [w["flops"] for w in idle["winners"]]
-    assert abs(_step(busy) - _step(idle)) <= 1, (idle["winners"], busy["winners"])
+    if busy["chosen"].get("exact") and not idle["chosen"].get("exact"):
+        # the one way a busy run leaves the idle choice by more than a step: that machine timed no winner faster
+        assert all(w["best"] <= 1.0 for w in busy["winners"]), busy["winners"]
+    else:
+        assert abs(_step(busy) - _step(idle)) <= 1, (idle["winners"], busy["winners"])
 
 
 def test_tune_cli_segmentation_target(vit, tmp_path, capsys):

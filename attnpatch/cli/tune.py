@@ -414,8 +414,8 @@ def add_parser(sub) -> None:
     p.add_argument("--max-candidates", type=positive_int, default=24,
                    help="with --target: settings measured for agreement at most (default: %(default)s)")
     p.add_argument("--max-minutes", type=positive_float, default=45,
-                   help="with --target: no search round starts that would end past this many minutes (default: "
-                   "%(default)s; the winners' timing and the held-out check follow)")
+                   help="with --target: no search round after the first starts that would end past this many minutes "
+                   "(default: %(default)s; the winners' timing and the held-out check follow)")
     p.add_argument("--split-seed", type=nonnegative_int, default=0, help="with --target: seed of the calibration / held-out split")
     p.add_argument("--threads", type=positive_int, help="torch CPU threads")
     p.set_defaults(func=_run)
