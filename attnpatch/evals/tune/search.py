@@ -21,8 +21,8 @@ and time picks the family:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -255,9 +255,9 @@ def search_agreement(
         fl = f", dense / setting FLOPs {w['flop_ratio']:.2f}" if w["flop_ratio"] else ""
         say(f"{w['family']}: {short_setting(w['shown'])} {w['speedup']:.2f}x [{w['spread'][0]:.2f}-{w['spread'][1]:.2f}]{fl}")
         winners.append(w)
-    if winners and (uncounted or dense_flops is None):
-        say(f"FLOPs not counted for {', '.join(uncounted) or 'the unpatched model'} (FlopCounterMode could not run the "
-            "forward): winners the timings do not tell apart go by agreement")
+    if uncounted:
+        say(f"FLOPs not counted for {', '.join(uncounted)} (FlopCounterMode could not run the forward): winners the "
+            "timings do not tell apart go by agreement")
     return {"target": target, "rounds": rounds, "measured": measured, "winners": winners, "chosen": choose(winners),
             "stopped": stopped}
 
@@ -270,8 +270,8 @@ def choose(winners: list[dict[str, Any]]) -> dict[str, Any]:
     pairs and its middle half are reported).  A winner is faster than the exact model when its best ratio exceeds 1.
     Among the winners whose speed-up range overlaps the fastest's, the machine does not tell them apart; of those the
     one with the fewest FLOPs per forward (``"flops"``, :func:`forward_flops`, a count no other job changes) is chosen,
-    then the highest agreement; where a tied winner has no count, the highest agreement.  So a busy machine, whose ranges widen, falls
-    back on a count an idle run also sees rather than on its noisy times."""
+    then the highest agreement; where a tied winner has no count, the highest agreement.  So a busy machine, whose
+    ranges widen, falls back on a count an idle run also sees rather than on its noisy times."""
     exact = {"exact": True, "speedup": 1.0, "spread": [1.0, 1.0], "best": 1.0, "agreement": 1.0}
     fast = [w for w in winners if w.get("best", w["speedup"]) > 1.0]
     if not fast:
