@@ -2,7 +2,8 @@
 agreement target (``attnpatch tune --target``'s search, :mod:`attnpatch.evals.tune.targets`), side by side, on the
 same seeded calibration / held-out split, and what each tuned setting gives on the held-out split.
 
-Parts (one per run; each writes ``benchmarks/results/frontier/<part>.json`` and prints a Markdown table):
+Parts (one per run; each writes ``benchmarks/results/frontier/<part>.json``, or ``<--name>.json``, and prints a Markdown
+table):
 
 * ``knn448``: k-NN top-1 agreement >= ``--target`` (default 0.99) on tuxpaint-captions by category, 448 px;
 * ``knn896``: the same at 896 px (the images are upsampled: their long side is at most 448 px);
@@ -15,7 +16,7 @@ those of ``eval knn`` / ``eval segmentation`` (every batch, dense and the settin
 rows compare at the same target.
 
     python benchmarks/frontier.py --part knn448 [--calibration N] [--held-out N] [--max-candidates M]
-        [--given tome+fna:s=256] [--train N --val N (seg)]
+        [--given tome+fna:s=256] [--train N --val N (seg)] [--name STEM]
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ def main(argv=None) -> int:
                    help="seg: val images used (a seeded subset; default: all); --calibration of them searched on")
     p.add_argument("--given", action="append", default=[], metavar="METHOD:NAME=VALUE,...",
                    help="options every candidate of METHOD keeps (e.g. tome+fna:s=256)")
+    p.add_argument("--name", default=None, help="file stem of the results (default: the part)")
     args = p.parse_args(argv)
     from attnpatch.cli.args import parse_options
 
@@ -84,7 +86,7 @@ def main(argv=None) -> int:
     name, res_px = PARTS[args.part]
     seg = args.part.startswith("seg")
     OUT.mkdir(parents=True, exist_ok=True)
-    out = OUT / f"{args.part}.json"
+    out = OUT / f"{args.name or args.part}.json"
 
     def save() -> None:  # after every method: a stopped run keeps the methods it finished
         out.write_text(json.dumps({"part": args.part, "data": name, "resolution": res_px, "target": args.target,

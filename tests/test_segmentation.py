@@ -588,10 +588,24 @@ def test_tune_on_segmentation_agreement_searches_a_val_share_and_reports_the_res
         assert w["agreement"] >= 0.8
     if not res["chosen"].get("exact"):
         assert 0 <= res["held_out_result"]["agreement"] <= 1
-    # the measure is the eval's agreement
+    # the measure is the eval's agreement, approximations included; dense's maps are computed once and kept
     fitted = fit_readouts(model, voc, pre, readouts=["linear"], max_patches=300, probe_steps=50, batch_size=2)
-    got = seg_agreement(model, voc, pre, fitted, batch_size=2)([("fna", {"s": 17, "min_tokens": 0})])
-    assert got == [1.0]  # FNA's exact limit agrees on every pixel
+    measure = seg_agreement(model, voc, pre, fitted, batch_size=2)
+    calls = []
+    hook = model.register_forward_hook(lambda *a: calls.append(1))
+    try:
+        assert measure([("fna", {"s": 17, "min_tokens": 0})]) == [1.0]  # FNA's exact limit agrees on every pixel
+        batches = -(-len(voc.val) // 2)
+        assert len(calls) == 2 * batches  # dense, then the setting
+        settings = [("tome", {"r": 6}), ("fna", {"s": 6, "min_tokens": 0, "sample_layer": 0})]
+        got = measure(settings)
+        assert len(calls) == 4 * batches  # the settings alone
+    finally:
+        hook.remove()
+    ev = run_segmentation(model, voc, pre, settings=settings, readouts=["linear"], fitted=fitted, batch_size=2,
+                          resamples=0, examples=0)
+    assert got == [r["linear"]["agreement"] for r in ev["runs"]]
+    assert got[0] < 1.0 or got[1] < 1.0  # the approximations ran
 
 
 def test_tome_fna_reads_out_one_feature_per_patch_and_is_dense_at_its_exact_limits(voc):

@@ -37,7 +37,7 @@ def _fake(agree_at):
     """Families over a fake knob ``v = round(10 * (1 - t))`` (10 cheapest, 0 exact); agreement ``agree_at(v)``."""
     seen = []
 
-    def measure(settings):
+    def measure(settings, deadline=None):
         seen.append(len(settings))
         return [agree_at(o["v"]) for _, o in settings]
 
@@ -64,26 +64,43 @@ def test_bisection_finds_the_cheapest_knob_that_meets_the_target_within_the_boun
     assert res["winners"] == [] and res["chosen"]["exact"] is True
 
 
-def test_max_minutes_stops_the_rounds_before_one_would_end_past_it(monkeypatch):
-    """Each pass over the calibration split takes 10 (fake) minutes: with a 25-minute bound, the third round would end
-    at 30 minutes, so two run; each family keeps the best it found, and the result says why it stopped."""
+def test_max_minutes_bounds_the_search_setting_by_setting(monkeypatch):
+    """The dense pass and each setting take 5 (fake) minutes in ten batches: with a 25-minute bound the dense pass,
+    round 1 and round 2 (two families each) end at 25 minutes, and round 3's first setting is not started.  A setting
+    longer than any before that runs past the bound is dropped at its next batch.  Each family keeps its best so far,
+    and the result says where the search stopped and why."""
     from attnpatch.evals.tune import search
 
     clock = [0.0]
-    fams, measure, seen = _fake(lambda v: 1.0 - 0.025 * v)
-
-    def slow_measure(settings):
-        clock[0] += 600.0
-        return measure(settings)
-
     monkeypatch.setattr(search.time, "perf_counter", lambda: clock[0])
     monkeypatch.setattr(search, "interleaved_speedup",
                         lambda fn, cand, repeats: {"speedup": 1.5, "spread": [1.4, 1.6], "best": 1.5})
     monkeypatch.setattr(search, "patched", lambda *a, **k: contextlib.nullcontext())
-    res = search_agreement(None, "x", slow_measure, lambda: None, target=0.9, families=fams, max_candidates=12,
-                           max_minutes=25)
-    assert res["rounds"] == 6 and len(seen) == 2 and len(res["measured"]) == 4
-    assert res["stopped"].startswith("after round 2 of 6: 20.0 min used") and len(res["winners"]) == 2
+
+    def timed(measure, minutes):
+        def run(settings, deadline=None):
+            for _, o in settings or [(None, None)]:  # the dense pass: one pass of 5 minutes
+                for _ in range(10):
+                    search.check_deadline(deadline)
+                    clock[0] += 6.0 * (5 if o is None else minutes(o["v"]))
+            return measure(settings, deadline)
+        return run
+
+    fams, measure, seen = _fake(lambda v: 1.0 - 0.025 * v)
+    res = search_agreement(None, "x", timed(measure, lambda v: 5), lambda: None, target=0.9, families=fams,
+                           max_candidates=12, max_minutes=25)
+    assert res["rounds"] == 6 and seen == [0, 1, 1, 1, 1] and len(res["measured"]) == 4 and clock[0] == 1500.0
+    assert res["stopped"] == ("in round 3 of 6, f0 v=4 not started: 25.0 min used, a setting takes up to 5.0 min, the "
+                              "bound is 25.0 min")
+    assert [w["shown"]["v"] for w in res["winners"]] == [2, 2]  # round 2's, which met the target (0.95)
+    # v = 2 takes 30 minutes: started at 15 minutes, it is past the bound before its fifth batch and is dropped
+    clock[0] = 0.0
+    fams, measure, seen = _fake(lambda v: 1.0 - 0.025 * v)
+    res = search_agreement(None, "x", timed(measure, lambda v: 30 if v <= 2 else 5), lambda: None, target=0.9,
+                           families=fams, max_candidates=12, max_minutes=25)
+    assert seen == [0, 1, 1] and len(res["measured"]) == 2 and clock[0] == 1620.0
+    assert res["stopped"] == "in round 2 of 6, f0 v=2 dropped: the bound of 25.0 min passed while it was measured"
+    assert res["winners"] == [] and res["chosen"]["exact"] is True  # round 1's v = 5 (0.875) missed the target
     unbounded = search_agreement(None, "x", measure, lambda: None, target=0.9, families=fams, max_candidates=12)
     assert unbounded["stopped"] is None and len(unbounded["measured"]) == 12
     with pytest.raises(OptionError, match="max_minutes=0"):
@@ -296,10 +313,24 @@ def test_tune_on_zeroshot_agreement_of_a_random_clip(tmp_path):
     cal, hold = images.subset(range(0, 12, 2)), images.subset(range(1, 12, 2))
     res = tune_zeroshot_agreement(bundle, cal, hold, NAMES[:6], TEMPLATES, "tome", target=0.5, batch_size=6,
                                   max_candidates=3, repeats=3)
-    assert res["tokens"] == 17 and res["calibration"] == 6  # 128 px at patch 32: 16 patches + CLS and len(res["measured"]) <= 3
+    assert res["tokens"] == 17 and res["calibration"] == 6 and len(res["measured"]) <= 3  # 128 px at patch 32: 16 + CLS
     measure = zeroshot_agreement(bundle, cal, NAMES[:6], TEMPLATES, batch_size=6)
     for w in res["winners"]:
         assert measure([("tome", w["options"])]) == [pytest.approx(w["agreement"])] and w["agreement"] >= 0.5
+    # the measure is the eval's agreement, the text tower encoded once
+    from attnpatch.evals.clip import run_zeroshot_eval
+
+    settings = [("tome", {"r": 4}), ("tome", {"r": 8})]
+    texts = []
+    encode_text = bundle.encode_text
+    bundle.encode_text = lambda *a, **k: texts.append(1) or encode_text(*a, **k)
+    try:
+        got = measure(settings)
+    finally:
+        bundle.encode_text = encode_text
+    assert texts == []  # kept from the first call
+    ev = run_zeroshot_eval(bundle, cal, NAMES[:6], TEMPLATES, settings=settings, batch_size=6, ks=(1,), log=lambda m: None)
+    assert got == [r["agreement"] for r in ev["runs"]]
 
 
 def test_tune_cli_ruler_agreement_on_a_causal_lm(tmp_path, capsys):
@@ -325,6 +356,35 @@ def test_tune_cli_ruler_agreement_on_a_causal_lm(tmp_path, capsys):
     assert "chosen:" in capsys.readouterr().out
     rc = main(["tune", "--model", str(d), "--kind", "causal_lm", "--target", "knn-agreement=0.9"])
     assert rc != 0 and "fits a ViT; this model is a causal lm" in capsys.readouterr().err
+
+
+def test_ruler_agreement_is_what_eval_ruler_scores_and_generates_dense_once(monkeypatch):
+    """The RULER target's measure: the share of samples whose score under a setting equals dense's, as
+    ``run_ruler_settings`` scores the same prompts; dense generates at the first call only."""
+    import attnpatch.evals.ruler.runner as runner
+    from attnpatch.evals.ruler import run_ruler_settings
+    from attnpatch.evals.tune.targets import ruler_agreement
+    from test_tune import SMALL, _make_tokenizer, tiny_causal_lm
+
+    tok = _make_tokenizer(chat=True)
+    model = tiny_causal_lm("llama", vocab=len(tok), layers=2).eval()
+    calls = []
+    real = runner.generate_greedy
+    monkeypatch.setattr(runner, "generate_greedy", lambda *a, **k: calls.append(1) or real(*a, **k))
+    tasks = ("niah_single", "niah_multikey")
+    settings = [("anchor_attention", dict(SMALL, theta=2.0)), ("anchor_attention", dict(SMALL, theta=8.0))]
+    measure = ruler_agreement(model, tok, tasks=tasks, length=400, samples=2, seed=1000)
+    got = measure(settings)
+    assert len(calls) == 4 * 3  # 4 samples: dense, then each setting
+    assert measure(settings[:1]) == got[:1] and len(calls) == 4 * 4  # the setting alone
+    ev = run_ruler_settings(model, tok, settings=settings, tasks=list(tasks), lengths=[400], num_samples=2, seed=1000,
+                            recall=False)
+    want = []
+    for run in ev["runs"]:
+        rows = [r for c in run["cells"] for r in c["samples"]]
+        assert len(rows) == 4
+        want.append(sum(r["patched_score"] == r["dense_score"] for r in rows) / 4)
+    assert got == want
 
 
 @pytest.mark.parametrize("argv, words", [

@@ -337,7 +337,7 @@ def _cmd_tune_agreement(args, kind: str, method: str) -> int:
         md += "\n\n" + _print_rows(wins, "each family's cheapest setting that meets the target, timed beside dense")
     line = agreement_line(result, key)
     if result.get("stopped"):
-        line = f"search rounds stopped {result['stopped']} (--max-minutes); each family kept its best so far\n" + line
+        line = f"search stopped {result['stopped']} (--max-minutes); each family kept its best so far\n" + line
     print(line)
     print(f"wrote {out}  (use: -o config={out})")
     print(f"wrote {report}")
@@ -414,8 +414,9 @@ def add_parser(sub) -> None:
     p.add_argument("--max-candidates", type=positive_int, default=24,
                    help="with --target: settings measured for agreement at most (default: %(default)s)")
     p.add_argument("--max-minutes", type=positive_float, default=45,
-                   help="with --target: no search round after the first starts that would end past this many minutes "
-                   "(default: %(default)s; the winners' timing and the held-out check follow)")
+                   help="with --target: after the dense pass and the first round, no setting starts whose measurement "
+                   "would end past this many minutes, and one running then is dropped (default: %(default)s; the "
+                   "winners' timing and the held-out check follow)")
     p.add_argument("--split-seed", type=nonnegative_int, default=0, help="with --target: seed of the calibration / held-out split")
     p.add_argument("--threads", type=positive_int, help="torch CPU threads")
     p.set_defaults(func=_run)

@@ -7,9 +7,10 @@ exact (a per-layer schedule, ``"0*d/v*(L-d)"``; FNA also samples its landmarks a
 and time picks the family:
 
 1. Within each family, agreement falls as the knob gets cheaper, so a bisection on the knob position finds the
-   cheapest value that meets the target.  All families are measured together, one pass over the calibration split
-   per bisection round (``measure(settings)`` returns each setting's agreement), so the number of measured settings
-   is at most ``families x rounds`` (``max_candidates``).  This choice depends on predictions only, not on time.
+   cheapest value that meets the target.  Each round measures every family's next setting (``measure(settings)``
+   returns each setting's agreement; dense's predictions are made once, by ``measure([])``), so the number of
+   measured settings is at most ``families x rounds`` (``max_candidates``).  This choice depends on predictions only,
+   not on time.
 2. Each family's winner is timed beside the unpatched model in pairs (:func:`~attnpatch.timing.interleaved_speedup`:
    the median of ``repeats`` pair ratios and their middle half, and the ratio of the best times), and the fastest by
    best times is chosen (:func:`choose`); the exact model (1.00x) is chosen when no winner is faster.  A winner whose
@@ -31,7 +32,8 @@ from ...patchers.api import patched
 from ...patchers.registry import get_method, validate_options
 from ...timing import interleaved_speedup, quietly
 
-__all__ = ["Family", "families_of", "check_given", "search_agreement", "choose", "forward_flops", "searchable_methods", "DEFAULT_DEPTHS", "TARGETS",
+__all__ = ["Family", "families_of", "check_given", "search_agreement", "choose", "forward_flops", "searchable_methods",
+           "PastDeadline", "check_deadline", "DEFAULT_DEPTHS", "TARGETS",
            "parse_target", "agreement_tables", "agreement_line", "short_setting"]
 
 #: Start layers of the families, as fractions of the depth: the knob on every layer, from a quarter, from half.
@@ -145,6 +147,17 @@ def _took(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
 
 
+class PastDeadline(Exception):
+    """Raised by a search's ``measure`` when the search's time bound passed while it ran (:func:`check_deadline`)."""
+
+
+def check_deadline(deadline: float | None) -> None:
+    """For a ``measure`` between its batches: raise :class:`PastDeadline` once ``time.perf_counter()`` is past
+    ``deadline`` (``None``: no bound)."""
+    if deadline is not None and time.perf_counter() > deadline:
+        raise PastDeadline
+
+
 def _key(opts: dict[str, Any]) -> tuple:
     return tuple(sorted((k, v) for k, v in opts.items()))
 
@@ -152,7 +165,7 @@ def _key(opts: dict[str, Any]) -> tuple:
 def search_agreement(
     model,
     method: str,
-    measure: Callable[[list[tuple[str, dict[str, Any]]]], list[float]],
+    measure: Callable[..., list[float]],
     forward: Callable[[], Any],
     *,
     target: float,
@@ -167,17 +180,20 @@ def search_agreement(
     Args:
         model: the unpatched model (left unpatched).
         method: the method searched.
-        measure: ``measure([(method, options), ...]) -> [agreement, ...]`` on the calibration split, one pass for all
-            (e.g. k-NN top-1 agreement with dense over the split's images), each a fraction in ``[0, 1]``.
+        measure: ``measure([(method, options), ...], deadline=None) -> [agreement, ...]`` on the calibration split
+            (e.g. k-NN top-1 agreement with dense over the split's images), each a fraction in ``[0, 1]``; dense's
+            predictions made at the first call (``measure([])``, timed apart) and kept; between its batches it calls
+            :func:`check_deadline` with ``deadline`` (a ``time.perf_counter()`` value, or ``None``).
         forward: one forward on a fixed calibration batch, for the paired timing.
         target: required agreement, in ``[0, 1]``.
         families: :func:`families_of`.
         max_candidates: settings measured for agreement at most (the bisection rounds are
             ``max_candidates // len(families)``, at least 1).
         repeats: timed pairs (dense beside the setting) per family winner.
-        max_minutes: wall-clock bound of the bisection rounds: the first round always runs, and no later round
-            starts that would end past it (a round is expected to last as long as the rounds so far on average, the
-            first one's dense pass included); each family keeps its best so far.  The timing of the winners follows
+        max_minutes: wall-clock bound of the bisection rounds, from the start of the search: the dense pass and the
+            first round always run; after them no setting starts whose measurement would end past the bound (judged
+            by the longest measurement so far), and one still running when the bound passes is dropped (``measure``
+            stops at its next batch).  Each family keeps its best so far.  The timing of the winners follows
             (``repeats`` pairs each).  ``None``: no bound.
         progress: one line per round and per timing.
 
@@ -187,7 +203,7 @@ def search_agreement(
         ratio), "flops" (:func:`forward_flops` on the timed batch, ``None`` uncounted), "flop_ratio" (dense's over the
         setting's)}],
         "chosen": a winner, or ``{"exact": True, "speedup": 1.0, "agreement": 1.0}`` when none is faster,
-        "stopped": ``None``, or why the rounds stopped before ``rounds`` (``max_minutes``)}``.
+        "stopped": ``None``, or where and why the rounds stopped before ``rounds`` (``max_minutes``)}``.
 
     Raises:
         OptionError: a target outside ``[0, 1]``, ``max_candidates < 1``, no families or ``max_minutes <= 0``.
@@ -206,13 +222,11 @@ def search_agreement(
     cache: dict[tuple, float] = {}
     measured: list[dict[str, Any]] = []
     t0, stopped = time.perf_counter(), None
+    deadline = None if max_minutes is None else t0 + 60 * max_minutes
+    measure([])  # dense's predictions, kept by the measure
+    say(f"dense pass over the calibration split: {_took(time.perf_counter() - t0)}")
+    longest = 0.0  # the longest measurement of one setting so far
     for rnd in range(rounds):
-        used = time.perf_counter() - t0
-        if max_minutes is not None and rnd and used * (rnd + 1) / rnd > 60 * max_minutes:
-            stopped = (f"after round {rnd} of {rounds}: {_took(used)} used, a round takes about {_took(used / rnd)}, the "
-                       f"bound is {_took(60 * max_minutes)}")
-            say(f"rounds stopped {stopped}")
-            break
         todo: list[tuple[int, float, dict[str, Any]]] = []
         for i, fam in enumerate(families):
             t = (lo[i] + hi[i]) / 2
@@ -220,25 +234,40 @@ def search_agreement(
                 todo.append((i, t, fam.options(t)))
             except OptionError:  # the knob's cheap end refused on this model: move up
                 lo[i] = t
-        shown = {i: families[i].shown(t) for i, t, _ in todo}
-        new = {(_key(o)): o for _, _, o in todo if _key(o) not in cache}
-        if new:
-            got = measure([(method, o) for o in new.values()])
-            cache.update(zip(new, got))
+        done = []
         for i, t, o in todo:
+            shown = families[i].shown(t)
+            if _key(o) not in cache:
+                now = time.perf_counter()
+                where = f"in round {rnd + 1} of {rounds}, {families[i].name} {short_setting(shown)}"
+                if rnd and deadline is not None and now + longest > deadline:
+                    stopped = (f"{where} not started: {_took(now - t0)} used, a setting takes up to {_took(longest)}, "
+                               f"the bound is {_took(60 * max_minutes)}")
+                    break
+                try:
+                    cache[_key(o)] = measure([(method, o)], deadline=deadline if rnd else None)[0]
+                except PastDeadline:
+                    stopped = f"{where} dropped: the bound of {_took(60 * max_minutes)} passed while it was measured"
+                    break
+                longest = max(longest, time.perf_counter() - now)
             agree = cache[_key(o)]
             meets = agree >= target
-            row = {"family": families[i].name, "start": families[i].start, "t": t, "options": o, "shown": shown[i],
+            row = {"family": families[i].name, "start": families[i].start, "t": t, "options": o, "shown": shown,
                    "agreement": agree, "meets": meets}
             measured.append(row)
+            done.append(row)
             if meets:
                 hi[i] = t
                 if best[i] is None or t <= best[i]["t"]:
                     best[i] = {k: v for k, v in row.items() if k != "meets"}
             else:
                 lo[i] = t
-        say(f"round {rnd + 1}/{rounds}: " + "; ".join(
-            f"{families[i].name}: {short_setting(shown[i])} agreement {cache[_key(o)]:.4f}" for i, _, o in todo))
+        if done:
+            say(f"round {rnd + 1}/{rounds}: " + "; ".join(
+                f"{r['family']}: {short_setting(r['shown'])} agreement {r['agreement']:.4f}" for r in done))
+        if stopped:
+            say(f"search stopped {stopped}")
+            break
     winners = []
     dense_flops = forward_flops(forward)
     uncounted = []

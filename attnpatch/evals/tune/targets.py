@@ -11,17 +11,23 @@ from typing import Any
 from ...errors import OptionError
 from ...patchers.api import patched
 from ...timing import quietly
-from .search import DEFAULT_DEPTHS, families_of, search_agreement
+from .search import DEFAULT_DEPTHS, check_deadline, families_of, search_agreement
 
 __all__ = ["knn_agreement", "tune_knn_agreement", "seg_agreement", "tune_seg_agreement", "zeroshot_agreement",
            "tune_zeroshot_agreement", "ruler_agreement", "tune_ruler_agreement"]
 
 
+def _batches(n: int, size: int) -> list[list[int]]:
+    """Indices ``0 .. n-1`` in consecutive batches of ``size`` (the last one shorter), as the evals batch them."""
+    return [list(range(i, min(n, i + size))) for i in range(0, n, size)]
+
+
 def knn_agreement(model, images, preprocess, *, batch_size: int = 8, knn_k: int = 20) -> Callable:
-    """``measure(settings) -> [k-NN top-1 agreement with dense, ...]`` over the labelled image set ``images``: each
-    image's k-NN prediction among the others (``knn_k`` neighbours, :func:`attnpatch.evals.vision.metrics.knn_classify`
-    on the final CLS, as ``eval knn``) compared with dense's.  Dense's features are computed once, at the first call;
-    each call encodes the images under each setting (no timing: the search times its winners apart)."""
+    """``measure(settings, deadline=None) -> [k-NN top-1 agreement with dense, ...]`` over the labelled image set
+    ``images``: each image's k-NN prediction among the others (``knn_k`` neighbours,
+    :func:`attnpatch.evals.vision.metrics.knn_classify` on the final CLS, as ``eval knn``) compared with dense's.
+    Dense's features are computed once, at the first call; each call encodes the images under each setting (no timing:
+    the search times its winners apart), checking ``deadline`` (:func:`~.search.check_deadline`) before each batch."""
     import numpy as np
     import torch
 
@@ -29,20 +35,24 @@ def knn_agreement(model, images, preprocess, *, batch_size: int = 8, knn_k: int 
     from ..vision.runner import encode
 
     labels = np.asarray(images.labels)
-    batches = [list(range(i, min(len(images), i + batch_size))) for i in range(0, len(images), batch_size)]
+    batches = _batches(len(images), batch_size)
     dense_pred: list = []
 
-    def features() -> np.ndarray:
+    def features(deadline: float | None = None) -> np.ndarray:
+        out = []
         with torch.no_grad():
-            return torch.cat([encode(model, preprocess([images[i][0] for i in b]))[0] for b in batches]).numpy()
+            for b in batches:
+                check_deadline(deadline)
+                out.append(encode(model, preprocess([images[i][0] for i in b]))[0])
+        return torch.cat(out).numpy()
 
-    def measure(settings: list[tuple[str, dict[str, Any]]]) -> list[float]:
+    def measure(settings: list[tuple[str, dict[str, Any]]], deadline: float | None = None) -> list[float]:
         if not dense_pred:
             dense_pred.append(np.asarray(knn_classify(features(), labels, k=knn_k)["predictions"]))
         out = []
         for m, o in settings:
             with patched(model, m, **o):
-                feats = quietly(features)
+                feats = quietly(lambda: features(deadline))
             pred = np.asarray(knn_classify(feats, labels, k=knn_k)["predictions"])
             out.append(float(np.mean(pred == dense_pred[0])))
         return out
@@ -97,15 +107,54 @@ def tune_knn_agreement(model, calibration, held_out, preprocess, method: str, *,
 
 
 def seg_agreement(model, data, preprocess, fitted, *, readout: str = "linear", batch_size: int = 8) -> Callable:
-    """``measure(settings) -> [segmentation prediction agreement with dense, ...]`` over ``data``'s val split: one
-    interleaved pass (:func:`attnpatch.evals.segmentation.run_segmentation` with the read-outs ``fitted`` once on the
-    unpatched model's train features), the share of non-void pixels where a setting predicts what dense predicts."""
-    from ..segmentation import run_segmentation
+    """``measure(settings, deadline=None) -> [segmentation prediction agreement with dense, ...]`` over ``data``'s val
+    split: the share of non-void pixels where a setting's class map equals dense's, as ``eval segmentation`` reports it (the
+    read-out ``fitted`` once on the unpatched model's train features, :func:`attnpatch.evals.segmentation.fit_readouts`;
+    the patch tokens of the last block, class maps upsampled to each label map's size).  Dense's maps are computed
+    once, at the first call, and kept (one byte per non-void pixel with fewer than 256 classes); each call encodes
+    the val images under each setting only (no timing: the search times its winners apart), checking ``deadline``
+    (:func:`~.search.check_deadline`) before each batch.
 
-    def measure(settings: list[tuple[str, dict[str, Any]]]) -> list[float]:
-        res = quietly(lambda: run_segmentation(model, data, preprocess, settings=settings, readouts=(readout,),
-                                               fitted=fitted, batch_size=batch_size, resamples=0, examples=0))
-        return [float(r[readout]["agreement"]) for r in res["runs"]]
+    Raises:
+        UnsupportedModelError: a setting's method without per-patch output (at the call).
+    """
+    import numpy as np
+    import torch
+
+    from ...patchers.adapters import adapter_for
+    from ..segmentation.data import VOID
+    from ..segmentation.heads import predict
+    from ..segmentation.runner import check_dense_methods
+
+    adapter = adapter_for(model)
+    head = fitted.heads[None][readout]
+    val = data.val
+    small = np.uint8 if len(data.classes) < 256 else np.int16
+    batches = _batches(len(val), batch_size)
+    kept: list[tuple[np.ndarray, np.ndarray]] = []  # per val image: its non-void mask and dense's classes there
+
+    def maps(deadline: float | None = None):
+        for b in batches:
+            check_deadline(deadline)
+            with torch.no_grad():
+                feats = adapter.patch_tokens(model, preprocess([val.image(i) for i in b]))
+                for j, i in enumerate(b):
+                    yield i, predict(head(feats[j:j + 1])[0], val.labels(i).shape)
+
+    def measure(settings: list[tuple[str, dict[str, Any]]], deadline: float | None = None) -> list[float]:
+        check_dense_methods([m for m, _ in settings])
+        if not kept:
+            for i, pred in maps():
+                ok = val.labels(i) != VOID
+                kept.append((ok, pred[ok].astype(small)))
+        valid = sum(int(ok.sum()) for ok, _ in kept)
+        out = []
+        for m, o in settings:
+            with patched(model, m, **o):
+                agree = quietly(lambda: sum(int((pred[kept[i][0]].astype(small) == kept[i][1]).sum())
+                                            for i, pred in maps(deadline)))
+            out.append(agree / valid if valid else float("nan"))
+        return out
 
     return measure
 
@@ -186,14 +235,50 @@ def _routed_tokens(model, forward: Callable[[], Any]) -> int:
 
 
 def zeroshot_agreement(bundle, images, classnames, templates, *, batch_size: int = 32) -> Callable:
-    """``measure(settings) -> [zero-shot top-1 agreement with dense, ...]`` of a CLIP image tower over ``images``
-    (:func:`attnpatch.evals.clip.run_zeroshot_eval`: the share of images whose predicted class equals dense's)."""
-    from ..clip.runner import run_zeroshot_eval
+    """``measure(settings, deadline=None) -> [zero-shot top-1 agreement with dense, ...]`` of a CLIP image tower over
+    ``images``: the share of images whose predicted class equals dense's, as :func:`attnpatch.evals.clip.run_zeroshot_eval` reports it
+    (``templates`` x ``classnames`` prompts through the unpatched text tower, averaged per class).  The classifier and
+    dense's predictions are made once, at the first call, and kept; each call encodes the images under each setting
+    only, checking ``deadline`` (:func:`~.search.check_deadline`) before each batch.
 
-    def measure(settings: list[tuple[str, dict[str, Any]]]) -> list[float]:
-        res = quietly(lambda: run_zeroshot_eval(bundle, images, classnames, templates, settings=settings,
-                                                batch_size=batch_size, ks=(1,), log=lambda *a, **k: None))
-        return [float(r["agreement"]) for r in res["runs"]]
+    Raises:
+        DataError: fewer class names than labels (at the first call).
+    """
+    import numpy as np
+    import torch
+
+    from ...errors import DataError
+    from ..clip.metrics import zeroshot_accuracy, zeroshot_classifier
+    from ..clip.prompts import resolve_templates
+
+    labels = np.asarray(images.labels)
+    names = list(classnames)
+    batches = _batches(len(images), batch_size)
+    kept: dict[str, Any] = {}
+
+    def predictions(deadline: float | None = None) -> np.ndarray:
+        emb = []
+        with torch.no_grad():
+            for b in batches:
+                check_deadline(deadline)
+                emb.append(bundle.encode_image(bundle.preprocess([images[i][0] for i in b])))
+        emb = torch.cat(emb)
+        return np.asarray(zeroshot_accuracy(emb, kept["classifier"], labels, (1,))["predictions"])
+
+    def measure(settings: list[tuple[str, dict[str, Any]]], deadline: float | None = None) -> list[float]:
+        if not kept:
+            if len(names) < int(labels.max()) + 1:
+                raise DataError(f"{len(names)} class names, but the set has labels up to {int(labels.max())}")
+            prompts = [t.replace("{}", c) for c in names for t in resolve_templates(list(templates))]
+            with torch.no_grad():
+                kept["classifier"] = zeroshot_classifier(bundle.encode_text(prompts, batch_size=256), len(names))
+            kept["dense"] = predictions()
+        out = []
+        for m, o in settings:
+            with patched(bundle.model, m, **o):
+                pred = quietly(lambda: predictions(deadline))
+            out.append(float(np.mean(pred == kept["dense"])))
+        return out
 
     return measure
 
@@ -231,18 +316,37 @@ def tune_zeroshot_agreement(bundle, calibration, held_out, classnames, templates
 
 
 def ruler_agreement(model, tok, *, tasks: Sequence[str], length: int, samples: int, seed: int) -> Callable:
-    """``measure(settings) -> [share of RULER samples whose score equals dense's, ...]``: one run of
-    :func:`attnpatch.evals.ruler.run_ruler_settings` over ``tasks`` at ``length`` tokens, ``samples`` each from
-    ``seed`` on (greedy generations, dense and every setting on the same prompts)."""
-    from ..ruler.runner import run_ruler_settings
+    """``measure(settings, deadline=None) -> [share of RULER samples whose score equals dense's, ...]`` over
+    ``tasks`` at ``length`` tokens, ``samples`` each from ``seed`` on: ``eval ruler``'s prompts, greedy generations and
+    scores (:func:`attnpatch.evals.ruler.run_ruler_settings`).  The prompts and dense's scores are made once, at the
+    first call, and kept; each call generates under each setting only, checking ``deadline``
+    (:func:`~.search.check_deadline`) before each sample.
 
-    def measure(settings: list[tuple[str, dict[str, Any]]]) -> list[float]:
-        res = quietly(lambda: run_ruler_settings(model, tok, settings=settings, tasks=list(tasks), lengths=[length],
-                                                 num_samples=samples, seed=seed, recall=False))
+    Raises:
+        DataError: a length too short for a task (at the first call, before any generation).
+    """
+    from ..ruler import tasks as ruler_tasks
+    from ..ruler.runner import generate_greedy
+    from ..ruler.text import build_input_ids
+
+    kept: list[tuple[str, Any, list[int], float]] = []  # per sample: task, sample, prompt ids, dense's score
+
+    def score(task: str, s, ids: list[int], deadline: float | None = None) -> float:
+        check_deadline(deadline)
+        text, _ = generate_greedy(model, tok, ids, s.max_new_tokens)
+        return ruler_tasks.score(task, text, s.answers)
+
+    def measure(settings: list[tuple[str, dict[str, Any]]], deadline: float | None = None) -> list[float]:
+        if not kept:
+            plan = [(t, s) for t in tasks for s in ruler_tasks.make_samples(t, tok, length, samples, seed=seed)]
+            for t, s in plan:
+                ids = build_input_ids(tok, s)
+                kept.append((t, s, ids, score(t, s, ids)))
         out = []
-        for run in res["runs"]:
-            rows = [r for c in run["cells"] for r in c["samples"]]
-            out.append(sum(r["patched_score"] == r["dense_score"] for r in rows) / max(1, len(rows)))
+        for m, o in settings:
+            with patched(model, m, **o):
+                same = quietly(lambda: sum(score(t, s, ids, deadline) == dense for t, s, ids, dense in kept))
+            out.append(same / max(1, len(kept)))
         return out
 
     return measure
