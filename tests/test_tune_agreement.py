@@ -266,7 +266,7 @@ def test_a_busy_machine_keeps_every_knob_and_chooses_within_a_step_or_the_unpatc
     cal, hold = images.subset(range(0, 24, 2)), images.subset(range(1, 24, 2))
 
     def run():
-        return tune_knn_agreement(model, cal, hold, pre, "tome", target=0.9, batch_size=6, knn_k=3, max_candidates=9, repeats=5)
+        return tune_knn_agreement(model, cal, hold, pre, "tome", target=0.9, batch_size=6, knn_k=3, max_candidates=9, repeats=9)
 
     idle = run()
     with background_load(300) as load:

@@ -111,7 +111,7 @@ def seg_agreement(model, data, preprocess, fitted, *, readout: str = "linear", b
     split: the share of non-void pixels where a setting's class map equals dense's, as ``eval segmentation`` reports it (the
     read-out ``fitted`` once on the unpatched model's train features, :func:`attnpatch.evals.segmentation.fit_readouts`;
     the patch tokens of the last block, class maps upsampled to each label map's size).  Dense's maps are computed
-    once, at the first call, and kept (one byte per non-void pixel with fewer than 256 classes); each call encodes
+    once, at the first call, and kept (their non-void pixels, one byte each with fewer than 256 classes); each call encodes
     the val images under each setting only (no timing: the search times its winners apart), checking ``deadline``
     (:func:`~.search.check_deadline`) before each batch.
 
@@ -131,28 +131,27 @@ def seg_agreement(model, data, preprocess, fitted, *, readout: str = "linear", b
     val = data.val
     small = np.uint8 if len(data.classes) < 256 else np.int16
     batches = _batches(len(val), batch_size)
-    kept: list[tuple[np.ndarray, np.ndarray]] = []  # per val image: its non-void mask and dense's classes there
+    kept: list[np.ndarray] = []  # per val image: dense's classes on its non-void pixels
 
     def maps(deadline: float | None = None):
+        """``(index, class map, non-void mask)`` of each val image under the model as it is."""
         for b in batches:
             check_deadline(deadline)
             with torch.no_grad():
                 feats = adapter.patch_tokens(model, preprocess([val.image(i) for i in b]))
                 for j, i in enumerate(b):
-                    yield i, predict(head(feats[j:j + 1])[0], val.labels(i).shape)
+                    labels = val.labels(i)
+                    yield i, predict(head(feats[j:j + 1])[0], labels.shape), labels != VOID
 
     def measure(settings: list[tuple[str, dict[str, Any]]], deadline: float | None = None) -> list[float]:
         check_dense_methods([m for m, _ in settings])
         if not kept:
-            for i, pred in maps():
-                ok = val.labels(i) != VOID
-                kept.append((ok, pred[ok].astype(small)))
-        valid = sum(int(ok.sum()) for ok, _ in kept)
+            kept.extend(pred[ok].astype(small) for _, pred, ok in maps())
+        valid = sum(d.size for d in kept)
         out = []
         for m, o in settings:
             with patched(model, m, **o):
-                agree = quietly(lambda: sum(int((pred[kept[i][0]].astype(small) == kept[i][1]).sum())
-                                            for i, pred in maps(deadline)))
+                agree = quietly(lambda: sum(int((pred[ok].astype(small) == kept[i]).sum()) for i, pred, ok in maps(deadline)))
             out.append(agree / valid if valid else float("nan"))
         return out
 
@@ -269,7 +268,8 @@ def zeroshot_agreement(bundle, images, classnames, templates, *, batch_size: int
         if not kept:
             if len(names) < int(labels.max()) + 1:
                 raise DataError(f"{len(names)} class names, but the set has labels up to {int(labels.max())}")
-            prompts = [t.replace("{}", c) for c in names for t in resolve_templates(list(templates))]
+            temps = resolve_templates(list(templates))
+            prompts = [t.replace("{}", c) for c in names for t in temps]
             with torch.no_grad():
                 kept["classifier"] = zeroshot_classifier(bundle.encode_text(prompts, batch_size=256), len(names))
             kept["dense"] = predictions()
@@ -329,6 +329,7 @@ def ruler_agreement(model, tok, *, tasks: Sequence[str], length: int, samples: i
     from ..ruler.runner import generate_greedy
     from ..ruler.text import build_input_ids
 
+    model.eval()
     kept: list[tuple[str, Any, list[int], float]] = []  # per sample: task, sample, prompt ids, dense's score
 
     def score(task: str, s, ids: list[int], deadline: float | None = None) -> float:
