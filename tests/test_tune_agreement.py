@@ -123,6 +123,16 @@ def test_the_choice_among_winners():
     assert choose(busy)["name"] == "c"
 
 
+def test_the_chosen_line_says_why_the_unpatched_model_was_chosen():
+    from attnpatch.evals.tune.search import agreement_line
+
+    none = {"chosen": {"exact": True}, "held_out_result": None, "winners": []}
+    assert agreement_line(none, "knn-agreement") == "chosen: exact (unpatched): no setting met the target"
+    slow = dict(none, winners=[{"speedup": 0.9, "spread": [0.85, 0.95], "best": 0.9, "agreement": 1.0}])
+    assert agreement_line(slow, "knn-agreement").endswith("no setting met the target faster than the unpatched model "
+                                                          "on this machine")
+
+
 def test_forward_flops_counts_the_patched_forward():
     """ToMe's fewer tokens and FNA's landmarks both count fewer FLOPs than dense, whose attention runs in PyTorch's
     fused CPU kernel (counted as its two products: FlopCounterMode alone counts it as 0 on a CPU)."""

@@ -386,6 +386,8 @@ def agreement_line(result: dict[str, Any], key: str) -> str:
     split measured (``key``: the ``--target`` key, which says what was measured there)."""
     chosen, h = result["chosen"], result["held_out_result"]
     if chosen.get("exact"):
+        if not result["winners"]:
+            return "chosen: exact (unpatched): no setting met the target"
         return "chosen: exact (unpatched): no setting met the target faster than the unpatched model on this machine"
     unit = "samples" if key == "ruler-agreement" else "images"
     line = (f"chosen: {short_setting(chosen['shown'])} ({chosen['speedup']:.2f}x, agreement {chosen['agreement']:.4f} on "
