@@ -16,7 +16,8 @@ import numpy as np
 
 from ...errors import DataError, OptionError
 
-__all__ = ["TEMPLATE_SETS", "CLASSNAME_SETS", "imagenet_classnames", "resolve_templates", "resolve_classnames"]
+__all__ = ["TEMPLATE_SETS", "CLASSNAME_SETS", "imagenet_classnames", "resolve_templates", "resolve_classnames",
+           "zeroshot_prompts"]
 
 CLASSNAME_SETS = ("auto", "imagenet1k", "dataset")
 
@@ -54,6 +55,26 @@ def _read_text(path: Path, what: str) -> str:
         raise OptionError(f"{what}={str(path)!r}: not a UTF-8 text file ({err.reason} at byte {err.start})") from None
     except OSError as err:
         raise OptionError(f"{what}={str(path)!r}: cannot be read ({err.strerror or err})") from None
+
+
+def zeroshot_prompts(classnames: Sequence[str], templates: str | Sequence[str], labels) -> tuple[list[str], list[str]]:
+    """The zero-shot classifier's prompts: every template filled with every class name, class by class.
+
+    Args:
+        classnames: ``classnames[label]``; templates: as :func:`resolve_templates`; labels: the set's ``[N]`` labels.
+
+    Returns:
+        ``(templates, prompts)``: the resolved templates and ``len(classnames) * len(templates)`` prompts, those of
+        class ``c`` at ``c * len(templates) ...``.
+
+    Raises:
+        DataError: fewer class names than labels; OptionError: bad templates (:func:`resolve_templates`).
+    """
+    temps = resolve_templates(templates if isinstance(templates, str) else list(templates))
+    labels = np.asarray(labels)
+    if len(classnames) < int(labels.max()) + 1:
+        raise DataError(f"{len(classnames)} class names, but the set has labels up to {int(labels.max())}")
+    return temps, [t.replace("{}", c) for c in classnames for t in temps]
 
 
 def resolve_templates(spec: str | Sequence[str]) -> list[str]:

@@ -15,7 +15,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from ...errors import DataError
 from ...log import Log, log_stderr
 from ...patchers.api import patch_info, patched
 from ..vision.image_pass import ImagePass, SettingRun, finish, resolve_settings, run_image_pass, run_labels, throughput
@@ -26,7 +25,7 @@ from .metrics import (
     check_ks, classification_metrics, retrieval_chance, retrieval_metrics, retrieval_predictions, retrieval_recall,
     zeroshot_accuracy, zeroshot_classifier,
 )
-from .prompts import resolve_templates
+from .prompts import zeroshot_prompts
 
 __all__ = ["run_zeroshot_eval", "run_retrieval_eval"]
 
@@ -141,13 +140,10 @@ def run_zeroshot_eval(
             ``None`` before the first batch finished.
     """
     settings, given = resolve_settings(settings, bundle.model, towers)
-    templates = resolve_templates(list(templates))
     labels = np.asarray(images.labels)
     names = list(classnames)
-    if len(names) < int(labels.max()) + 1:
-        raise DataError(f"{len(names)} class names, but the set has labels up to {int(labels.max())}")
+    templates, prompts = zeroshot_prompts(names, list(templates), labels)
     ks = check_ks(ks)
-    prompts = [t.replace("{}", c) for c in names for t in templates]
     log(f"zero-shot classifier: {len(names)} classes x {len(templates)} templates = {len(prompts)} prompts ...")
     text, text_s, per_text = _text_or_interrupt(_text_pass, bundle, prompts, settings, towers, text_batch_size)
     clf = zeroshot_classifier(text, len(names))

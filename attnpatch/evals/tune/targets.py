@@ -246,9 +246,8 @@ def zeroshot_agreement(bundle, images, classnames, templates, *, batch_size: int
     import numpy as np
     import torch
 
-    from ...errors import DataError
     from ..clip.metrics import zeroshot_accuracy, zeroshot_classifier
-    from ..clip.prompts import resolve_templates
+    from ..clip.prompts import zeroshot_prompts
 
     labels = np.asarray(images.labels)
     names = list(classnames)
@@ -266,10 +265,7 @@ def zeroshot_agreement(bundle, images, classnames, templates, *, batch_size: int
 
     def measure(settings: list[tuple[str, dict[str, Any]]], deadline: float | None = None) -> list[float]:
         if not kept:
-            if len(names) < int(labels.max()) + 1:
-                raise DataError(f"{len(names)} class names, but the set has labels up to {int(labels.max())}")
-            temps = resolve_templates(list(templates))
-            prompts = [t.replace("{}", c) for c in names for t in temps]
+            _, prompts = zeroshot_prompts(names, templates, labels)
             with torch.no_grad():
                 kept["classifier"] = zeroshot_classifier(bundle.encode_text(prompts, batch_size=256), len(names))
             kept["dense"] = predictions()
